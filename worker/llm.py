@@ -1,0 +1,104 @@
+"""The offline API: `LLM(model=..., **engine_options).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mxserve.worker.config import EngineConfig
+from mxserve.worker.engine import Engine, build_engine
+from mxserve.worker.errors import InvalidRequestError
+from mxserve.worker.request import Request
+from mxserve.worker.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's finished generation."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Runs an engine in this process and generates for batches of prompts."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine: Engine = build_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or a list of token ids); outputs in prompt order.
+
+        A bad prompt or parameter raises InvalidRequestError before anything runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]  # validate all
+        outputs = []
+        for request, prompt in zip(requests, prompts):
+            self.engine.add(request)
+            outputs.append(RequestOutput(request.request_id, prompt if isinstance(prompt, str)
+                                         else None, request.prompt_token_ids))
+        self._run(outputs)
+        return outputs
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                 for c in conversations]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(ids, sampling_params)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise InvalidRequestError("sampling_params", f"got {len(sampling_params)} for {n} prompts")
+        return list(sampling_params)
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "is empty")
+            prompt = self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, list):
+            raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        return self.engine.make_request(prompt, params)
+
+    def _run(self, outputs: list[RequestOutput]) -> None:
+        by_id = {o.request_id: o for o in outputs}
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    out = by_id[delta.request_id]
+                    out.token_ids += delta.new_token_ids
+                    out.text += delta.new_text
+                    if delta.new_logprobs:
+                        out.logprobs = (out.logprobs or []) + delta.new_logprobs
+                    out.finish_reason = delta.finish_reason
+                    out.num_cached_tokens = delta.num_cached_tokens
+        finally:  # e.g. KeyboardInterrupt: leave no request holding blocks
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)

@@ -1,0 +1,72 @@
+"""Normalisation and rotary position embedding shared by the Llama-family models."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mxserve.worker.model.config import RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2]; llama3 scaling stretches the low frequencies.
+
+    Llama 3 keeps wavelengths shorter than original_len / high_freq_factor, divides those longer
+    than original_len / low_freq_factor by `factor`, and blends linearly in between.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    wavelen = 2 * math.pi / inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    blend = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * scaled / scaling.factor + blend * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (Hugging Face's convention) from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: RopeScaling | None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)  # [max_pos, D/2]
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

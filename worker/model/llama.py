@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache, tensor-parallel ready.
+
+The model sees a flat batch of tokens (no padding): input_ids [T] and positions [T] for every new
+token of every scheduled request; attention finds each token's context through the metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxserve.worker.attention import AttentionBackend
+from mxserve.worker.errors import ModelLoadError
+from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding
+from mxserve.worker.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        if cfg.num_key_value_heads % tp.size:
+            raise ModelLoadError(f"{cfg.num_key_value_heads} KV heads can't split over tp {tp.size}")
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.attention_bias, tp,
+            dtype, device)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                meta: object) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+             self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
+                                                 dtype, device)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x, positions, rope, kv_cache, attn, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings -> decoder layers -> final norm; `compute_logits` applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        tp = tp or TPGroup()
+        self.config = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(
+            self.embed_tokens if cfg.tie_word_embeddings else None, cfg.vocab_size,
+            cfg.hidden_size, tp, dtype, device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
+                meta: object) -> torch.Tensor:
+        # input_ids, positions [T] -> hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv_cache, attn, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [R, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up and slicing for this rank."""
+        expected = set(self._expected_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            self._load_one(name, tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _expected_names(self) -> list[str]:
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            if cfg.attention_bias:
+                names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        return names
+
+    def _load_one(self, name: str, t: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.load(t)
+        if name == "lm_head.weight":
+            return self.lm_head.load(t)
+        if name == "model.norm.weight":
+            return self.norm.weight.data.copy_(t)
+        # model.layers.{i}.{input_layernorm|post_attention_layernorm}.weight
+        # model.layers.{i}.{self_attn|mlp}.{q|k|v|o|gate|up|down}_proj.{weight|bias}
+        parts = name.split(".")
+        layer = self.layers[int(parts[2])]
+        if len(parts) == 5:
+            return getattr(layer, parts[3]).weight.data.copy_(t)
+        proj, kind = parts[4], parts[5]
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            shard = "qkv".index(proj[0])
+            if kind == "bias":
+                return layer.self_attn.qkv_proj.load_bias(shard, t)
+            return layer.self_attn.qkv_proj.load(shard, t)
+        if proj == "o_proj":
+            return layer.self_attn.o_proj.load(t)
+        if proj in ("gate_proj", "up_proj"):
+            return layer.mlp.gate_up_proj.load(0 if proj == "gate_proj" else 1, t)
+        return layer.mlp.down_proj.load(t)

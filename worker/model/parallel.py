@@ -1,0 +1,148 @@
+"""Tensor-parallel group and the linear layers that shard over it.
+
+World size 1 is the trivial case: every layer holds the whole weight and no collective runs.
+With size > 1 (torch.distributed already initialised: NCCL on GPU, gloo on CPU), column-parallel
+layers hold a slice of the output features and row-parallel layers a slice of the input features
+followed by an all-reduce, so one attention block or MLP costs one all-reduce (Megatron's split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Which shard this process holds. `group` is a torch.distributed process group (None = world)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside tensor-parallel size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's equal slice of `full` along `dim`."""
+        if full.shape[dim] % self.size:
+            raise ValueError(f"dim {dim} of size {full.shape[dim]} not divisible by tp {self.size}")
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split over ranks; the output stays sharded.
+
+    Several logical projections may be fused (qkv, gate_up): `output_sizes` lists their full sizes
+    and `load(shard_index, w)` places each one's rank slice in its part of the fused weight.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [s // tp.size for s in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def _rows(self, shard_index: int) -> slice:
+        start = sum(self.local_sizes[:shard_index])
+        return slice(start, start + self.local_sizes[shard_index])
+
+    def load(self, shard_index: int, weight: torch.Tensor) -> None:
+        self.weight.data[self._rows(shard_index)].copy_(self.tp.shard(weight, 0))
+
+    def load_bias(self, shard_index: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        self.bias.data[self._rows(shard_index)].copy_(self.tp.shard(bias, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks, then an all-reduce of the partial sums."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // tp.size, dtype=dtype, device=device),
+            requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.tp.shard(weight, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over ranks by vocabulary range; out-of-range ids contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        if vocab_size % tp.size:
+            raise ValueError(f"vocab {vocab_size} not divisible by tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.num_local = vocab_size // tp.size
+        self.start = tp.rank * self.num_local
+        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=dtype,
+                                               device=device), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.tp.shard(weight, 0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the full vocabulary: each rank scores its vocab slice, then an all-gather."""
+
+    def __init__(self, embedding: VocabParallelEmbedding | None, vocab_size: int, hidden_size: int,
+                 tp: TPGroup, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tp = tp
+        self.tied = embedding is not None
+        self.embedding = embedding  # tied: share the embedding's weight, load nothing
+        if embedding is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden_size,
+                                                   dtype=dtype, device=device), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.tp.shard(weight, 0))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embedding.weight if self.tied else self.weight
+        return self.tp.all_gather_last_dim(F.linear(hidden, weight))

@@ -1,0 +1,83 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mxserve.worker.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds KV blocks, gets tokens every step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client, a deadline, or shutdown
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt, output so far, and how much of it has KV in the cache.
+
+    Scheduling is by token counts: `num_computed_tokens` of `all_token_ids` have their KV written;
+    a step computes some of the rest (a prefill chunk, one decode token, or a verify window).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Token ids whose KV is (or will be) in the cache: prompt followed by output.
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Chained hashes of the full blocks of all_token_ids, extended as blocks fill (block_hash.py).
+    block_hashes: list[int] = field(default_factory=list)
+    # Output text so far (filled by the engine's detokenizer when the engine has a tokenizer).
+    output_text: str = ""
+    num_text_sent: int = 0  # characters of output_text already streamed
+    # torch.Generator for a seeded request, created by the sampler on first use.
+    generator: object | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while prompt tokens remain without KV; the step then samples nothing new."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

@@ -1,0 +1,88 @@
+"""Model runner: turns a StepPlan into input tensors, runs the model, returns logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from mxserve.worker.attention import AttentionBatch, get_attention_backend
+from mxserve.worker.config import EngineConfig
+from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.llama import LlamaForCausalLM
+from mxserve.worker.model.parallel import TPGroup
+from mxserve.worker.scheduler import StepPlan
+
+
+@dataclass
+class StepResult:
+    """The runner's answer to a StepPlan."""
+
+    # [num_sampling, vocab] float32: one row per scheduled request with `samples` True, in plan order.
+    logits: torch.Tensor
+    # Final hidden states [num_sampling, hidden] of those rows, for a draft model (None otherwise).
+    hidden_states: torch.Tensor | None = None
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V of every layer for one token, on one tensor-parallel rank."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model weights and the per-layer KV cache tensors of one worker (one TP rank)."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig,
+                 tp: TPGroup | None = None) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.tp = tp or TPGroup()
+        self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device)
+        backend = config.attention_backend
+        self.attn = get_attention_backend("torch" if backend == "auto" else backend)
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_weights(weights)
+
+    def _blocks_for_memory(self) -> int:
+        per_block = kv_bytes_per_token(self.model_config, self.dtype, self.tp.size)
+        per_block *= self.config.block_size
+        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (num_blocks, self.config.block_size, cfg.num_key_value_heads // self.tp.size,
+                 cfg.head_dim)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(cfg.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        input_ids, positions, sample_rows = self._prepare_inputs(plan)
+        meta = self.attn.build_metadata(AttentionBatch(
+            query_lens=[s.num_new_tokens for s in plan.scheduled],
+            start_positions=[s.start_position for s in plan.scheduled],
+            block_tables=[s.block_table for s in plan.scheduled],
+            num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device))
+        hidden = self.model(input_ids, positions, self.kv_caches, self.attn, meta)  # [T, hidden]
+        hidden = hidden[sample_rows]  # only the rows whose logits pick a next token
+        return StepResult(logits=self.model.compute_logits(hidden), hidden_states=hidden)
+
+    def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for s in plan.scheduled:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_position, s.start_position + s.num_new_tokens))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)

@@ -1,0 +1,149 @@
+"""Token-budget scheduler: which requests compute how many tokens this step.
+
+Scheduling is by token counts only. Every request tracks `num_computed_tokens` (tokens whose KV is
+in the cache) against `num_tokens` (prompt + output so far). Each step hands every request some
+tokens to compute under one budget of `max_num_batched_tokens`: 1 for a plain decode, up to the rest
+of the budget for a prompt (chunked prefill, continued over later steps), and a prefix-cache hit
+just starts `num_computed_tokens` further along. A speculative verify will be "compute k + 1".
+
+Order: running requests first (decodes before unfinished prefills), then waiting requests in
+arrival order while the budget, `max_num_seqs` and free KV blocks allow. When a running request
+cannot get a block, the most recently admitted running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed (its cached full blocks will
+usually still be there as prefix hits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mxserve.worker.kv_cache import KVCacheManager
+from mxserve.worker.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    start_position: int  # = request.num_computed_tokens when scheduled
+    token_ids: list[int]  # the tokens to compute: all_token_ids[start : start + num_new_tokens]
+    block_table: list[int]  # the request's blocks, covering start + num_new_tokens tokens
+    # True when this step reaches the last known token, so its logits yield the next token.
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    """What the model runner computes this step; the runner reads nothing else."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
+    num_decodes: int = 0  # scheduled[:num_decodes] compute one token each (attention's decode path)
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        # Decodes first so a long prefill never stalls tokens already streaming.
+        for request in sorted(self.running, key=lambda r: r.is_prefill):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted while making room for another
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, plan):
+                continue
+            plan.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        self._admit_waiting(plan, budget)
+        # Attention treats every single-token query as a decode; they lead the batch.
+        plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        plan.num_decodes = sum(1 for s in plan.scheduled if s.num_new_tokens == 1)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if plan.preempted and request in plan.preempted:
+                break  # don't re-admit in the step that preempted it
+            hits = self._prefix_hits(request)
+            num_computed = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate(request.request_id, num_computed + num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        # At least one token must be computed to produce logits, so a fully cached prompt
+        # reuses all but its last block.
+        usable = (request.num_tokens - 1) // self.kv.block_size
+        return self.kv.lookup_prefix(request.block_hashes[:usable])
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Make room for `num_new` more tokens, preempting later requests; False if `request`
+        itself had to be preempted."""
+        total = request.num_computed_tokens + num_new
+        while not self.kv.allocate(request.request_id, total):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+        plan.scheduled = [s for s in plan.scheduled if s.request is not request]
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request, num_new_tokens=num_new, start_position=start,
+            token_ids=request.all_token_ids[start:start + num_new],
+            block_table=self.kv.get_block_ids(request.request_id),
+            samples=start + num_new == request.num_tokens)

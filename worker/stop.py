@@ -1,0 +1,50 @@
+"""When a request stops: EOS, stop token ids, stop strings, max_tokens, the context length."""
+
+from __future__ import annotations
+
+from mxserve.worker.request import FinishReason, Request
+
+
+def check_stop(request: Request, max_model_len: int, text_start: int) -> None:
+    """Set `finish_reason` (and `stop_reason`) if the token just appended ends the request.
+
+    `text_start` is the length of `output_text` before this token's text was added; stop strings
+    are searched only where they could newly appear. A matched stop string is cut from
+    `output_text` (kept when include_stop_str_in_output). EOS and stop ids count only once
+    `min_tokens` tokens were produced; length limits always count.
+    """
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if token in request.eos_token_ids and not params.ignore_eos:
+            request.finish_reason = FinishReason.STOP
+            return
+        if token in params.stop_token_ids:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, token
+            return
+        if params.stop and _cut_at_stop_string(request, text_start):
+            return
+    at_max = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+    if at_max or request.num_tokens >= max_model_len:
+        request.finish_reason = FinishReason.LENGTH
+
+
+def _cut_at_stop_string(request: Request, text_start: int) -> bool:
+    params = request.sampling_params
+    text = request.output_text
+    search_from = max(0, text_start - max(len(s) for s in params.stop) + 1)
+    found = [(i, s) for s in params.stop if (i := text.find(s, search_from)) != -1]
+    if not found:
+        return False
+    index, stop = min(found)
+    end = index + len(stop) if params.include_stop_str_in_output else index
+    request.output_text = text[:end]
+    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+    return True
+
+
+def stream_holdback(request: Request) -> int:
+    """Characters of output text to withhold while streaming: a stop string may still complete
+    across them, and then they must never have been sent."""
+    stop = request.sampling_params.stop
+    return max(len(s) for s in stop) - 1 if stop and request.finish_reason is None else 0
