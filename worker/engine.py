@@ -8,8 +8,11 @@ background thread for the server.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
+
+import torch
 
 from mxserve.worker.block_hash import extend_block_hashes
 from mxserve.worker.config import EngineConfig
@@ -64,6 +67,8 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
+        # The last few finished requests, for tests and debugging (bounded).
+        self.finished_requests: collections.deque[Request] = collections.deque(maxlen=256)
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -129,7 +134,8 @@ class Engine:
             return []
         result = self.runner.execute(plan)
         sampling = [s.request for s in plan.scheduled if s.samples]
-        sampled = self.sampler(result.logits, sampling)
+        with torch.inference_mode():  # the logits are inference tensors
+            sampled = self.sampler(result.logits, sampling)
         return self._update(plan, sampled.token_ids, sampled.logprobs)
 
     def _update(self, plan: StepPlan, token_ids: list[int],
@@ -172,6 +178,7 @@ class Engine:
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
+        self.finished_requests.append(request)
         self.requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
 
@@ -189,8 +196,6 @@ class Engine:
 
 def build_engine(config: EngineConfig) -> Engine:
     """Open the checkpoint, build the runner, load the weights (with a progress bar)."""
-    import torch
-
     from mxserve.worker.model.loader import open_checkpoint
 
     if config.num_threads:

@@ -1,0 +1,165 @@
+"""Engine behaviour on a tiny random Llama: prefix caching, preemption, aborts, streaming, stops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mxserve import LLM, InvalidRequestError, SamplingParams
+from mxserve.worker.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def _prompts(n: int, lengths=(5, 19, 33, 47, 60), seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (lengths[i % len(lengths)],), generator=gen).tolist()
+            for i in range(n)]
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    kv = llm.engine.kv
+    kv.check_integrity()
+    return kv.num_free_blocks == kv.num_blocks and not llm.engine.requests
+
+
+def test_prefix_cache_hit_gives_same_tokens_as_miss(ckpt):
+    shared = _prompts(1, (64,))[0]
+    prompts = [shared + tail for tail in _prompts(3, (7, 12, 20), seed=5)]
+    cold = LLM(model=ckpt, enable_prefix_caching=False, load_progress=False).generate(prompts, GREEDY)
+    llm = LLM(model=ckpt, load_progress=False)
+    first = llm.generate(prompts[:1], GREEDY)[0]
+    warm = llm.generate(prompts, GREEDY)
+    assert first.num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 64 for o in warm)  # the shared 4 blocks were reused
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    # A fully cached prompt still computes its last block and gives the same answer.
+    again = llm.generate(prompts[:1], GREEDY)[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens == 64
+    assert _all_blocks_free(llm)
+
+
+def test_preemption_under_tiny_pool_finishes_every_request_with_same_tokens(ckpt):
+    prompts = _prompts(8)
+    roomy = LLM(model=ckpt, load_progress=False).generate(prompts, GREEDY)
+    # 12 blocks of 16 tokens cannot hold 8 requests of up to 84 tokens at once.
+    tight = LLM(model=ckpt, num_kv_blocks=12, max_num_batched_tokens=64, load_progress=False)
+    outputs = tight.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
+    assert sum(r.num_preemptions for r in _seen_requests(tight)) > 0
+    assert _all_blocks_free(tight)
+
+
+def _seen_requests(llm: LLM):
+    return llm.engine.finished_requests
+
+
+def test_bad_inputs_raise_named_errors_and_engine_keeps_serving(ckpt):
+    llm = LLM(model=ckpt, max_model_len=128, load_progress=False)
+    bad = [
+        ([], SamplingParams(), "prompt"),
+        ([5] * 128, SamplingParams(), "prompt"),
+        ([5, 999], SamplingParams(), "prompt_token_ids"),
+    ]
+    for prompt, params, field in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate([prompt], params)
+        assert e.value.field == field
+    for kwargs, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+                          (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+                          (dict(stop=7), "stop")]:
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**kwargs)
+        assert e.value.field == field
+    # A batch with one bad prompt is rejected whole, before anything runs.
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5, 6, 7], []], GREEDY)
+    assert _all_blocks_free(llm)
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert len(out.token_ids) == 24
+
+
+def test_length_stop_and_stop_token_ids(ckpt):
+    llm = LLM(model=ckpt, max_model_len=40, load_progress=False)
+    out = llm.generate([_prompts(1, (30,))[0]], SamplingParams(temperature=0, max_tokens=100,
+                                                               ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10  # 30 + 10 = context
+    free_run = llm.generate([[7, 8, 9]], GREEDY)[0].token_ids
+    stop_id = free_run[5]
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free_run[:free_run.index(stop_id) + 1]
+
+
+def test_stop_string_cuts_text(ckpt):
+    llm = LLM(model=ckpt, load_progress=False)
+    full = llm.generate([[7, 8, 9]], GREEDY)[0]
+    words = full.text.split()
+    assert len(words) > 6
+    stop = " ".join(words[3:5])
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+    kept = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                    stop=stop, include_stop_str_in_output=True))[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt):
+    llm = LLM(model=ckpt, load_progress=False)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([[4, 5, 6]], params)[0].token_ids
+    batched = llm.generate([[9, 9, 9, 9], [4, 5, 6], [10, 11]], [GREEDY, params, params])
+    assert batched[1].token_ids == alone
+    other = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    assert llm.generate([[4, 5, 6]], other)[0].token_ids != alone
+
+
+def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
+    llm = LLM(model=ckpt, load_progress=False)
+    prompt = _prompts(1, (40,))[0]
+    expected = llm.generate([prompt], GREEDY)[0]
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+
+    async def stream_all():
+        ids, text = [], ""
+        async for out in engine.generate(prompt, GREEDY):
+            ids += out.new_token_ids
+            text += out.new_text
+        return ids, text
+
+    async def cancel_early():
+        agen = engine.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in agen:
+            if out.num_output_tokens >= 3:
+                break
+        await agen.aclose()
+
+    async def main():
+        results = await asyncio.gather(*(stream_all() for _ in range(4)))
+        await cancel_early()
+        with pytest.raises(InvalidRequestError):
+            async for _ in engine.generate([], GREEDY):
+                pass
+        return results
+
+    try:
+        results = asyncio.run(main())
+        for ids, text in results:
+            assert ids == expected.token_ids and text == expected.text
+        for _ in range(100):  # the abort travels through the command queue
+            if _all_blocks_free(llm):
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert _all_blocks_free(llm)
+    finally:
+        engine.shutdown()

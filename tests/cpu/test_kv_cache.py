@@ -1,0 +1,641 @@
+"""KVCacheManager: unit tests per method, then a random state machine checked against a model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from mxserve.worker.block_hash import block_hashes
+from mxserve.worker.kv_cache import BlockRemoved, BlockStored, KVCacheManager
+
+MODEL = "test-model"
+BS = 4
+
+
+def hashes_of(tokens: list[int], block_size: int = BS) -> list[int]:
+    return block_hashes(tokens, block_size, MODEL)
+
+
+def cached_request(mgr: KVCacheManager, request_id: str, tokens: list[int]) -> list[int]:
+    """Allocate, 'compute' and cache a request's tokens; returns its block table."""
+    assert mgr.allocate(request_id, len(tokens))
+    mgr.cache_blocks(request_id, hashes_of(tokens, mgr.block_size), len(tokens))
+    return mgr.get_block_ids(request_id)
+
+
+# ---- construction and plain allocation ------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0), (-1, 4)])
+def test_rejects_bad_sizes(num_blocks, block_size):
+    with pytest.raises(ValueError):
+        KVCacheManager(num_blocks, block_size)
+
+
+def test_allocate_rounds_up_and_never_shrinks():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    assert mgr.allocate("a", 5)
+    assert len(mgr.get_block_ids("a")) == 2
+    assert mgr.allocate("a", 3)  # asks for less: keeps what it has
+    assert len(mgr.get_block_ids("a")) == 2
+    assert mgr.allocate("a", 9)
+    table = mgr.get_block_ids("a")
+    assert len(table) == 3 and len(set(table)) == 3
+    assert mgr.num_free_blocks == 5
+    assert mgr.usage == pytest.approx(3 / 8)
+    mgr.check_integrity()
+
+
+def test_allocate_zero_tokens_holds_nothing():
+    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    assert mgr.allocate("a", 0)
+    assert mgr.get_block_ids("a") == []
+    mgr.check_integrity()
+
+
+def test_unknown_request_is_empty_and_free_is_noop():
+    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    assert mgr.get_block_ids("nope") == []
+    mgr.free("nope")
+    mgr.trim("nope", 0)
+    assert mgr.num_free_blocks == 2
+    mgr.check_integrity()
+
+
+def test_get_block_ids_returns_a_copy():
+    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    mgr.allocate("a", 4)
+    mgr.get_block_ids("a").append(99)
+    assert len(mgr.get_block_ids("a")) == 1
+
+
+def test_num_blocks_needed():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    assert mgr.num_blocks_needed("a", 9) == 3
+    assert mgr.num_blocks_needed("a", 9, num_prefix_blocks=2) == 1
+    assert mgr.num_blocks_needed("a", 9, num_prefix_blocks=3) == 0
+    mgr.allocate("a", 5)
+    assert mgr.num_blocks_needed("a", 9) == 1
+    assert mgr.num_blocks_needed("a", 2) == 0
+
+
+# ---- prefix cache hits, LRU eviction, atomicity ---------------------------------------------
+
+
+def test_cache_hit_after_free():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(10))  # two full blocks and a partial one
+    table = cached_request(mgr, "a", tokens)
+    mgr.free("a")
+    assert mgr.num_free_blocks == 8 and mgr.usage == 0.0
+    hits = mgr.lookup_prefix(hashes_of(tokens))
+    assert hits == table[:2]
+    assert mgr.num_free_blocks == 8  # lookup changes nothing
+    assert mgr.allocate("b", 12, prefix_block_ids=hits)
+    assert mgr.get_block_ids("b")[:2] == hits
+    assert mgr.num_free_blocks == 5
+    mgr.check_integrity()
+
+
+def test_hit_on_a_block_in_use_shares_it():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    tokens = list(range(8))
+    table = cached_request(mgr, "a", tokens)
+    hits = mgr.lookup_prefix(hashes_of(tokens))
+    assert mgr.allocate("b", 12, prefix_block_ids=hits)
+    assert mgr.get_block_ids("b")[:2] == table
+    assert mgr.num_free_blocks == 1
+    mgr.free("a")
+    assert mgr.num_free_blocks == 1  # b still holds the shared blocks
+    mgr.free("b")
+    assert mgr.num_free_blocks == 4
+    mgr.check_integrity()
+
+
+def test_lookup_stops_at_first_miss():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(12))
+    table = cached_request(mgr, "a", tokens)
+    hashes = hashes_of(tokens)
+    assert mgr.lookup_prefix([hashes[0], 12345, hashes[2]]) == table[:1]
+    assert mgr.lookup_prefix([12345] + hashes) == []
+    assert mgr.lookup_prefix([]) == []
+
+
+def test_lru_evicts_least_recently_freed_and_sequence_tail_first():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    a_tokens, b_tokens = [1] * 8, [2] * 8
+    a, b = cached_request(mgr, "a", a_tokens), cached_request(mgr, "b", b_tokens)
+    ha, hb = hashes_of(a_tokens), hashes_of(b_tokens)
+    mgr.free("a")
+    mgr.free("b")
+    mgr.take_events()
+    popped = []
+    for i in range(4):
+        assert mgr.allocate(f"c{i}", 1)
+        popped += mgr.get_block_ids(f"c{i}")
+    assert popped == [a[1], a[0], b[1], b[0]]
+    assert mgr.take_events() == [BlockRemoved(h) for h in (ha[1], ha[0], hb[1], hb[0])]
+    mgr.check_integrity()
+
+
+def test_hit_refreshes_lru_position():
+    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    a, b = cached_request(mgr, "a", [1] * 4), cached_request(mgr, "b", [2] * 4)
+    mgr.free("a")
+    mgr.free("b")  # LRU: a, b
+    assert mgr.allocate("a2", 4, mgr.lookup_prefix(hashes_of([1] * 4)))
+    mgr.free("a2")  # LRU: b, a
+    assert mgr.allocate("c", 4)
+    assert mgr.get_block_ids("c") == b
+    assert mgr.lookup_prefix(hashes_of([1] * 4)) == a
+
+
+def test_free_pool_is_used_before_evicting():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    tokens = list(range(8))
+    table = cached_request(mgr, "a", tokens)
+    mgr.free("a")
+    mgr.take_events()
+    assert mgr.allocate("b", 8)
+    assert not set(mgr.get_block_ids("b")) & set(table)
+    assert mgr.take_events() == []
+    assert mgr.lookup_prefix(hashes_of(tokens)) == table
+
+
+def test_allocate_failure_changes_nothing():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    tokens = list(range(8))
+    cached_request(mgr, "a", tokens)
+    mgr.free("a")  # 2 evictable blocks
+    assert mgr.allocate("b", 4)  # 1 block in use, 1 in the free pool
+    mgr.take_events()
+    hits = mgr.lookup_prefix(hashes_of(tokens))
+    # 3 blocks look free, but the 2 hits leave only 1 for the 2 new blocks needed.
+    assert mgr.num_free_blocks == 3
+    assert not mgr.allocate("c", 16, prefix_block_ids=hits)
+    assert mgr.get_block_ids("c") == []
+    assert mgr.num_free_blocks == 3
+    assert mgr.take_events() == []
+    assert mgr.lookup_prefix(hashes_of(tokens)) == hits
+    mgr.check_integrity()
+    assert mgr.allocate("c", 12, prefix_block_ids=hits)
+    assert mgr.num_free_blocks == 0
+    mgr.check_integrity()
+
+
+def test_allocate_failure_on_growth_keeps_table():
+    mgr = KVCacheManager(num_blocks=3, block_size=BS)
+    assert mgr.allocate("a", 8)
+    table = mgr.get_block_ids("a")
+    assert not mgr.allocate("a", 16)
+    assert mgr.get_block_ids("a") == table and mgr.num_free_blocks == 1
+
+
+def test_prefix_misuse_raises():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    table = cached_request(mgr, "a", list(range(8)))
+    with pytest.raises(ValueError, match="first allocate"):
+        mgr.allocate("a", 12, prefix_block_ids=table[:1])
+    with pytest.raises(ValueError, match="duplicate"):
+        mgr.allocate("b", 12, prefix_block_ids=[table[0], table[0]])
+    mgr.allocate("c", 4)
+    with pytest.raises(ValueError, match="not in the prefix cache"):
+        mgr.allocate("b", 12, prefix_block_ids=mgr.get_block_ids("c"))
+    mgr.check_integrity()
+
+
+# ---- cache_blocks and events ----------------------------------------------------------------
+
+
+def test_cache_blocks_emits_chained_events_once():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(13))
+    h = hashes_of(tokens)
+    assert mgr.allocate("a", 13)
+    mgr.cache_blocks("a", h, 5)  # only block 0 is full
+    assert mgr.take_events() == [BlockStored(h[0], None)]
+    mgr.cache_blocks("a", h, 13)
+    assert mgr.take_events() == [BlockStored(h[1], h[0]), BlockStored(h[2], h[1])]
+    mgr.cache_blocks("a", h, 13)
+    assert mgr.take_events() == []
+    assert BlockStored(1, None) == BlockStored(1, None)
+    with pytest.raises(AttributeError):
+        BlockStored(1, None).block_hash = 2  # frozen
+
+
+def test_cache_blocks_after_hit_skips_shared_blocks():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(12))
+    h = hashes_of(tokens)
+    cached_request(mgr, "a", tokens[:8])
+    mgr.take_events()
+    assert mgr.allocate("b", 12, mgr.lookup_prefix(h))
+    mgr.cache_blocks("b", h, 12)
+    assert mgr.take_events() == [BlockStored(h[2], h[1])]
+    mgr.check_integrity()
+
+
+def test_cache_blocks_rejects_more_than_held():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr.allocate("a", 4)
+    with pytest.raises(ValueError):
+        mgr.cache_blocks("a", hashes_of(list(range(8))), 8)
+    with pytest.raises(ValueError):
+        mgr.cache_blocks("a", [], 4)
+
+
+def test_duplicate_hash_keeps_first_block():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    tokens = list(range(8))
+    a = cached_request(mgr, "a", tokens)
+    b = cached_request(mgr, "b", tokens)  # computed concurrently, no hit
+    h = hashes_of(tokens)
+    assert mgr.take_events() == [BlockStored(h[0], None), BlockStored(h[1], h[0])]
+    assert mgr.lookup_prefix(hashes_of(tokens)) == a
+    mgr.free("b")
+    mgr.free("a")
+    mgr.check_integrity()
+    # b's unregistered blocks went to the free pool and are used first, without evictions.
+    assert mgr.allocate("c", 8)
+    assert sorted(mgr.get_block_ids("c")) == sorted(b)
+    assert mgr.take_events() == []
+
+
+# ---- trim (speculation rollback) ------------------------------------------------------------
+
+
+def test_trim_releases_tail_blocks():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    assert mgr.allocate("a", 6)
+    assert mgr.allocate("a", 6 + 5)  # speculate 5 slots: 3 blocks
+    table = mgr.get_block_ids("a")
+    mgr.trim("a", 7)  # 1 of 5 accepted
+    assert mgr.get_block_ids("a") == table[:2]
+    assert mgr.num_free_blocks == 6
+    mgr.check_integrity()
+
+
+def test_trim_unregisters_a_partial_cached_block():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    draft = list(range(8))
+    h = hashes_of(draft)
+    table = cached_request(mgr, "a", draft)
+    mgr.take_events()
+    mgr.trim("a", 6)
+    assert mgr.take_events() == [BlockRemoved(h[1])]
+    assert mgr.get_block_ids("a") == table
+    assert mgr.lookup_prefix(h) == table[:1]
+    accepted = draft[:6] + [40, 41]
+    h2 = hashes_of(accepted)
+    mgr.cache_blocks("a", h2, 8)
+    assert mgr.take_events() == [BlockStored(h2[1], h2[0])]
+    assert mgr.lookup_prefix(h2) == table
+    mgr.check_integrity()
+
+
+def test_trim_keeps_released_full_blocks_cached():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(12))
+    table = cached_request(mgr, "a", tokens)
+    mgr.take_events()
+    mgr.trim("a", 8)
+    assert mgr.take_events() == []
+    assert mgr.get_block_ids("a") == table[:2]
+    assert mgr.lookup_prefix(hashes_of(tokens)) == table
+    mgr.check_integrity()
+
+
+def test_trim_of_shared_partial_block_raises_and_changes_nothing():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(8))
+    cached_request(mgr, "a", tokens)
+    assert mgr.allocate("b", 8, mgr.lookup_prefix(hashes_of(tokens)))
+    mgr.take_events()
+    with pytest.raises(ValueError, match="shared"):
+        mgr.trim("b", 6)
+    assert len(mgr.get_block_ids("b")) == 2
+    assert mgr.take_events() == []
+    mgr.check_integrity()
+
+
+def test_trim_beyond_held_raises_and_trim_to_zero_forgets():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    table = cached_request(mgr, "a", list(range(8)))
+    with pytest.raises(ValueError):
+        mgr.trim("a", 9)
+    with pytest.raises(ValueError):
+        mgr.trim("a", -1)
+    mgr.trim("a", 0)
+    assert mgr.get_block_ids("a") == []
+    assert mgr.num_free_blocks == 8
+    assert mgr.allocate("a", 8, prefix_block_ids=table)  # a fresh start may hit again
+    mgr.check_integrity()
+
+
+# ---- prefix caching off, reset --------------------------------------------------------------
+
+
+def test_prefix_caching_off():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    tokens = list(range(8))
+    cached_request(mgr, "a", tokens)
+    assert mgr.lookup_prefix(hashes_of(tokens)) == []
+    assert mgr.take_events() == []
+    mgr.free("a")
+    assert mgr.num_free_blocks == 4
+    mgr.check_integrity()
+
+
+def test_reset_prefix_cache():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    tokens = list(range(8))
+    cached_request(mgr, "a", tokens)
+    mgr.take_events()
+    assert not mgr.reset_prefix_cache()
+    assert mgr.lookup_prefix(hashes_of(tokens)) != []
+    mgr.free("a")
+    assert mgr.reset_prefix_cache()
+    assert mgr.lookup_prefix(hashes_of(tokens)) == []
+    assert sorted(mgr.take_events(), key=str) == sorted(
+        [BlockRemoved(h) for h in hashes_of(tokens)], key=str
+    )
+    assert mgr.num_free_blocks == 4
+    mgr.check_integrity()
+
+
+# ---- check_integrity must catch corruption --------------------------------------------------
+
+
+def _corrupt_ref(m):
+    m._ref_counts[m.get_block_ids("a")[0]] += 1
+
+
+def _corrupt_free_dup(m):
+    m._free.append(m._free[0])
+
+
+def _corrupt_referenced_in_lru(m):
+    m._evictable[m.get_block_ids("a")[0]] = None
+
+
+def _corrupt_hash_map(m):
+    m._hash_to_block[next(iter(m._hash_to_block))] = m._free[0]
+
+
+def _corrupt_lost_block(m):
+    m._free.popleft()
+
+
+def _corrupt_unhashed_evictable(m):
+    m._evictable[m._free.popleft()] = None
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        _corrupt_ref,
+        _corrupt_free_dup,
+        _corrupt_referenced_in_lru,
+        _corrupt_hash_map,
+        _corrupt_lost_block,
+        _corrupt_unhashed_evictable,
+    ],
+)
+def test_check_integrity_catches_corruption(corrupt):
+    mgr = KVCacheManager(num_blocks=6, block_size=BS)
+    cached_request(mgr, "a", list(range(8)))
+    mgr.check_integrity()
+    corrupt(mgr)
+    with pytest.raises(AssertionError):
+        mgr.check_integrity()
+
+
+# ---- random sequences against a model ---------------------------------------------------------
+
+_UNSET = object()  # parent of a block that no request has written since it was handed out
+token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=6)  # tiny vocab: repeated blocks
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Requests arrive (often sharing prefixes), compute, grow, speculate and roll back, finish.
+
+    The model tracks what each block holds: `content[block] = (parent hash, token per slot)`,
+    written only through the block tables the manager hands out. Every hash the manager claims to
+    cache must name a block that really holds that hash's tokens after that parent.
+    """
+
+    @initialize(
+        num_blocks=st.integers(3, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, num_blocks, block_size, caching):
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bs, self.caching = block_size, caching
+        self.tokens: dict[str, list[int]] = {}  # running request -> tokens it holds slots for
+        self.num_computed: dict[str, int] = {}
+        self.prompts: list[list[int]] = []  # earlier prompts, to share prefixes with
+        self.content: dict[int, tuple[object, list[int | None]]] = {}
+        self.hash_info: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hash -> parent, tokens
+        self.cached: set[int] = set()  # hashes cached according to the events
+        self.num_requests = 0
+
+    # -- helpers --
+
+    def hashes(self, tokens: list[int]) -> list[int]:
+        hashes = hashes_of(tokens, self.bs)
+        for i, h in enumerate(hashes):
+            block = tuple(tokens[i * self.bs : (i + 1) * self.bs])
+            self.hash_info[h] = (hashes[i - 1] if i else None, block)
+        return hashes
+
+    def held_by_others(self, request_id: str | None = None) -> set[int]:
+        held = (self.mgr.get_block_ids(r) for r in self.tokens if r != request_id)
+        return {b for table in held for b in table}
+
+    def pick(self, index: int, candidates) -> str:
+        candidates = sorted(candidates)
+        return candidates[index % len(candidates)]
+
+    def assert_holds(self, block_id: int, block_hash: int) -> None:
+        parent, tokens = self.hash_info[block_hash]
+        assert self.content.get(block_id) == (parent, list(tokens)), f"block {block_id} is stale"
+
+    def replay_events(self, events: list | None = None) -> None:
+        """Follow the events as the prefix index would; they must make sense in order."""
+        for event in self.mgr.take_events() if events is None else events:
+            if isinstance(event, BlockStored):
+                assert event.block_hash not in self.cached, "stored twice"
+                assert self.hash_info[event.block_hash][0] == event.parent_hash
+                self.cached.add(event.block_hash)
+            else:
+                assert event.block_hash in self.cached, "removed but never stored"
+                self.cached.remove(event.block_hash)
+
+    def allocate(self, request_id: str, num_tokens: int, hits: list[int] = ()) -> bool:
+        """allocate, checking success against the model and that failure changes nothing."""
+        self.replay_events()
+        old_table = self.mgr.get_block_ids(request_id)
+        num_new = self.mgr.num_blocks_needed(request_id, num_tokens, len(hits))
+        assert num_new == max(0, -(-num_tokens // self.bs) - len(old_table) - len(hits))
+        held = self.held_by_others()
+        num_idle_hits = len(set(hits) - held)  # a hit takes these off the LRU
+        num_evictable = len({self.mgr.lookup_prefix([h])[0] for h in self.cached} - held)
+        before = (self.mgr.num_free_blocks, {r: self.mgr.get_block_ids(r) for r in self.tokens})
+        ok = self.mgr.allocate(request_id, num_tokens, hits)
+        assert ok == (num_new <= before[0] - num_idle_hits)
+        if not ok:
+            after = (self.mgr.num_free_blocks, {r: self.mgr.get_block_ids(r) for r in self.tokens})
+            assert after == before and self.mgr.take_events() == []
+            return False
+        # The free pool is used up before any cached block is evicted.
+        events = self.mgr.take_events()
+        num_free_pool = before[0] - num_evictable
+        assert len(events) == max(0, num_new - num_free_pool)
+        assert all(isinstance(e, BlockRemoved) for e in events)
+        self.replay_events(events)
+        table = self.mgr.get_block_ids(request_id)
+        assert table[: len(old_table) + len(hits)] == old_table + list(hits)
+        for block_id in table[len(old_table) + len(hits) :]:
+            self.content[block_id] = (_UNSET, [None] * self.bs)
+        return True
+
+    def write(self, request_id: str, tokens: list[int], start: int, end: int) -> None:
+        """The model runner writes KV for positions [start, end) through the block table."""
+        table, hashes = self.mgr.get_block_ids(request_id), self.hashes(tokens)
+        others = self.held_by_others(request_id)
+        for pos in range(start, end):
+            i = pos // self.bs
+            assert table[i] not in others, f"{request_id} writes into shared block {table[i]}"
+            parent, slots = self.content[table[i]]
+            expected = hashes[i - 1] if i else None
+            assert parent in (_UNSET, expected), f"block {table[i]} changed context"
+            slots[pos % self.bs] = tokens[pos]
+            self.content[table[i]] = (expected, slots)
+
+    # -- rules --
+
+    @rule(src=st.integers(0, 10**6), cut=st.integers(0, 16), tail=token_lists)
+    def add_request(self, src, cut, tail):
+        base = self.prompts[src % len(self.prompts)] if self.prompts else []
+        tokens = base[:cut] + tail
+        request_id = f"r{self.num_requests}"
+        self.num_requests += 1
+        hashes = self.hashes(tokens)
+        hits = self.mgr.lookup_prefix(hashes)
+        assert len(hits) <= len(hashes) and (self.caching or not hits)
+        for block_id, block_hash in zip(hits, hashes, strict=False):
+            self.assert_holds(block_id, block_hash)
+        if self.allocate(request_id, len(tokens), hits):
+            self.tokens[request_id] = tokens
+            self.num_computed[request_id] = len(hits) * self.bs
+            self.prompts.append(tokens)
+
+    @precondition(lambda self: self.tokens)
+    @rule(index=st.integers(0, 10**6), chunk=st.integers(1, 12))
+    def compute(self, index, chunk):
+        """A prefill chunk (or the decode of appended tokens)."""
+        self.run_model(self.pick(index, self.tokens), chunk)
+
+    def run_model(self, request_id: str, max_tokens: int) -> None:
+        tokens, start = self.tokens[request_id], self.num_computed[request_id]
+        end = min(len(tokens), start + max_tokens)
+        self.write(request_id, tokens, start, end)
+        self.num_computed[request_id] = end
+        self.cache(request_id, tokens, start, end)
+
+    def cache(self, request_id: str, tokens: list[int], start: int, end: int) -> None:
+        """cache_blocks after computing [start, end): the blocks filled now become cached."""
+        hashes = self.hashes(tokens)
+        self.mgr.cache_blocks(request_id, hashes, end)
+        for i in range(start // self.bs, end // self.bs):
+            # Cached as this request's block, or as a twin someone computed at the same time.
+            assert len(self.mgr.lookup_prefix([hashes[i]])) == int(self.caching)
+
+    @precondition(lambda self: self.tokens)
+    @rule(index=st.integers(0, 10**6), new_tokens=token_lists)
+    def append(self, index, new_tokens):
+        request_id = self.pick(index, self.tokens)
+        tokens = self.tokens[request_id] + new_tokens
+        if self.allocate(request_id, len(tokens)):
+            self.tokens[request_id] = tokens
+
+    @precondition(lambda self: self.tokens)
+    @rule(
+        index=st.integers(0, 10**6),
+        draft=token_lists,
+        num_accepted=st.integers(0, 6),
+        cache_draft=st.booleans(),
+    )
+    def speculate(self, index, draft, num_accepted, cache_draft):
+        request_id = self.pick(index, self.tokens)
+        self.run_model(request_id, len(self.tokens[request_id]))  # finish the prefill first
+        tokens = self.tokens[request_id]
+        if not self.allocate(request_id, len(tokens) + len(draft)):
+            return
+        self.write(request_id, tokens + draft, len(tokens), len(tokens) + len(draft))
+        if cache_draft:  # a scheduler that caches before verifying: trim must unregister
+            self.cache(request_id, tokens + draft, len(tokens), len(tokens) + len(draft))
+        num_tokens = len(tokens)
+        tokens = tokens + draft[: min(num_accepted, len(draft))]
+        self.mgr.trim(request_id, len(tokens))
+        table = self.mgr.get_block_ids(request_id)
+        for pos in range(len(tokens), len(table) * self.bs):  # rejected drafts: garbage now
+            self.content[table[-1]][1][pos % self.bs] = None
+        self.tokens[request_id], self.num_computed[request_id] = tokens, len(tokens)
+        self.cache(request_id, tokens, num_tokens, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(index=st.integers(0, 10**6))
+    def free(self, index):
+        request_id = self.pick(index, self.tokens)
+        self.mgr.free(request_id)
+        del self.tokens[request_id], self.num_computed[request_id]
+        assert self.mgr.get_block_ids(request_id) == []
+
+    @rule()
+    def reset_prefix_cache(self):
+        idle = not self.held_by_others()
+        assert self.mgr.reset_prefix_cache() == idle
+        if idle:
+            assert self.mgr.num_free_blocks == self.mgr.num_blocks
+
+    # -- checks after every step --
+
+    @invariant()
+    def integrity_and_model(self):
+        self.mgr.check_integrity()
+        self.replay_events()
+        for request_id, tokens in self.tokens.items():
+            assert len(self.mgr.get_block_ids(request_id)) == -(-len(tokens) // self.bs)
+        held = self.held_by_others()
+        assert self.mgr.num_free_blocks == self.mgr.num_blocks - len(held)
+        assert self.mgr.usage == pytest.approx(len(held) / self.mgr.num_blocks)
+        for block_hash in self.hash_info:
+            hits = self.mgr.lookup_prefix([block_hash])
+            assert bool(hits) == (block_hash in self.cached), "events disagree with the cache"
+            if hits:
+                self.assert_holds(hits[0], block_hash)
+
+    def teardown(self):
+        for request_id in list(self.tokens):
+            self.mgr.free(request_id)
+        self.mgr.check_integrity()
+        assert self.mgr.num_free_blocks == self.mgr.num_blocks and self.mgr.usage == 0.0
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_kv_cache_state_machine = KVCacheMachine.TestCase
