@@ -153,6 +153,8 @@ class Engine:
             request.append_output(token, lp)
             self._detokenize(request, token)
             check_stop(request, self.max_model_len, num_text)
+            if request.finish_reason is not None and not isinstance(request.stop_reason, str):
+                self._flush_text(request)
             self._cache_blocks(request)
             outputs.append(self._output(request, [token], self._text_delta(request),
                                         1 if lp is not None else 0))
@@ -164,6 +166,12 @@ class Engine:
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
             request.output_text += detok.step([token])
+
+    def _flush_text(self, request: Request) -> None:
+        """A finished request's detokenizer may hold an incomplete character back: emit it."""
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            request.output_text += detok.flush()
 
     def _text_delta(self, request: Request) -> str:
         end = max(request.num_text_sent, len(request.output_text) - stream_holdback(request))

