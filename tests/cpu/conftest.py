@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run in the interpreter on CPU; it must be chosen before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

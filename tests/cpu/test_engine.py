@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -156,10 +157,18 @@ def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
         results = asyncio.run(main())
         for ids, text in results:
             assert ids == expected.token_ids and text == expected.text
-        for _ in range(100):  # the abort travels through the command queue
-            if _all_blocks_free(llm):
+        for _ in range(200):  # the abort travels through the command queue
+            if not llm.engine.requests:
                 break
-            asyncio.run(asyncio.sleep(0.05))
-        assert _all_blocks_free(llm)
+            time.sleep(0.05)
     finally:
         engine.shutdown()
+    assert _all_blocks_free(llm)  # checked once the loop thread has stopped
+
+
+def test_smollm2_knows_the_capital_of_france():
+    llm = LLM(load_progress=False)  # the real model, default dtype
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"

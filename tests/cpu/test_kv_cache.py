@@ -12,6 +12,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from mxserve.worker.block_hash import block_hashes
 from mxserve.worker.kv_cache import BlockRemoved, BlockStored, KVCacheManager
 

@@ -10,14 +10,15 @@ import time
 import numpy as np
 import pytest
 import torch
-from mxserve.worker.errors import ModelLoadError
-from mxserve.worker.model import loader
-from mxserve.worker.model.config import RopeScaling
-from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from mxserve.worker.errors import ModelLoadError
+from mxserve.worker.model import loader
+from mxserve.worker.model.config import RopeScaling
+from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -11,6 +11,9 @@ import random
 
 import gguf
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from mxserve.worker.errors import InvalidRequestError
 from mxserve.worker.model.loader import _smollm2_path
 from mxserve.worker.model.tokenizer import (
@@ -18,8 +21,6 @@ from mxserve.worker.model.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
 )
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,154 @@
+"""mx_linear (kernels/mx_linear.py): both Triton paths, under the Triton interpreter, against the
+reference mx_linear_torch (exact dequantize, fp32 matmul), and that reference against an
+independent one built from dequantize_mx (itself checked bit-exact in test_mx_formats.py).
+
+Tolerance (the documented contract): |y - ref| <= RTOL[dtype] * (|x| @ |w|.T + |bias|), i.e. fp32
+summation-order error for fp32 outputs and one rounding of the output for 16-bit ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import math  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
+from mxserve.kernels.mx_linear import (  # noqa: E402
+    MXLinearWeight,
+    mx_linear,
+    mx_linear_torch,
+    prepare_mx_weight,
+)
+
+FMTS = ["e2m1", "e2m3", "e3m2", "e4m3"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_case(fmt, dtype, m, n, k, with_bias, gen, lead=()):
+    w = quantize_mx(torch.randn(n, k, generator=gen) * 0.05, fmt)
+    x = torch.randn(*lead, m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    return x, w, bias
+
+
+def assert_close_to_ref(y, x, w, bias):
+    ref = mx_linear_torch(x, w, bias)
+    assert y.shape == ref.shape and y.dtype == x.dtype and not y.isnan().any()
+    wf = dequantize_mx(w).double()
+    mag = x.double().abs() @ wf.abs().T + (0 if bias is None else bias.double().abs())
+    err = (y.double() - ref.double()).abs()
+    assert (err <= RTOL[x.dtype] * mag + 1e-30).all(), f"max err {err.max().item():.3g}"
+
+
+def run(x, w, bias, **kwargs):
+    out = torch.full((*x.shape[:-1], w.shape[0]), math.nan, dtype=x.dtype)  # poison
+    y = mx_linear(x, prepare_mx_weight(w), bias, backend="triton", out=out, **kwargs)
+    assert y.data_ptr() == out.data_ptr()
+    return y
+
+
+# ---------------------------------------------------------------- the reference itself
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_is_dequantize_then_matmul(fmt):
+    x, w, bias = make_case(fmt, torch.float32, 3, 24, 64, True, seeded(fmt))
+    want = x.double() @ dequantize_mx(w).double().T + bias.double()
+    torch.testing.assert_close(mx_linear_torch(x, w, bias).double(), want, rtol=1e-6, atol=1e-6)
+    # the prepared (re-arranged) weight describes the same matrix
+    torch.testing.assert_close(mx_linear_torch(x, prepare_mx_weight(w), bias),
+                               mx_linear_torch(x, w, bias), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- decode path (M <= 16)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m, k, split_k, with_bias", [(1, 96, None, True), (3, 96, 2, False),
+                                                      (8, 256, 2, True), (16, 96, 3, True)])
+def test_decode_matches_reference(fmt, dtype, m, k, split_k, with_bias):
+    x, w, bias = make_case(fmt, dtype, m, 40, k, with_bias, seeded(fmt, dtype, m))
+    assert_close_to_ref(run(x, w, bias, path="decode", split_k=split_k), x, w, bias)
+
+
+def test_decode_split_k_larger_than_k_blocks():
+    x, w, bias = make_case("e2m1", torch.float32, 2, 8, 64, False, seeded("big split"))
+    assert_close_to_ref(run(x, w, bias, path="decode", split_k=64), x, w, bias)
+
+
+# ---------------------------------------------------------------- prefill path (M > 16)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_prefill_matches_reference(fmt, dtype):
+    # N and K not multiples of the tiles; K a multiple of 32
+    x, w, bias = make_case(fmt, dtype, 37, 40, 96, True, seeded(fmt, dtype, "prefill"))
+    assert_close_to_ref(run(x, w, bias, path="prefill", use_dot_scaled=False), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+def test_prefill_dot_scaled_matches_reference(fmt, dtype):
+    x, w, bias = make_case(fmt, dtype, 20, 40, 96, True, seeded(fmt, dtype, "dot_scaled"))
+    assert_close_to_ref(run(x, w, bias, path="prefill", use_dot_scaled=True), x, w, bias)
+
+
+@pytest.mark.parametrize("path", ["auto", "decode", "prefill"])
+def test_leading_dims_and_auto_path(path):
+    x, w, bias = make_case("e2m3", torch.bfloat16, 5, 24, 64, True, seeded(path), lead=(2,))
+    y = run(x, w, bias, path=path)
+    assert y.shape == (2, 5, 24)
+    assert_close_to_ref(y, x, w, bias)
+
+
+def test_empty_batch():
+    x, w, _ = make_case("e2m1", torch.float32, 0, 8, 32, False, seeded("empty"))
+    assert mx_linear(x, w, backend="triton").shape == (0, 8)
+
+
+def test_prepare_keeps_fp4_view_and_splits_fp6_planes():
+    w4 = quantize_mx(torch.randn(8, 64), "e2m1")
+    p4 = prepare_mx_weight(w4)
+    assert isinstance(p4, MXLinearWeight) and p4.planes.shape == (1, 8, 32)
+    assert p4.planes.data_ptr() == w4.data.data_ptr()  # no copy
+    w6 = quantize_mx(torch.randn(8, 64), "e3m2")
+    p6 = prepare_mx_weight(w6)
+    assert p6.planes.shape == (3, 8, 16)
+    assert torch.equal(p6.planes[1], w6.data.reshape(8, 16, 3)[:, :, 1])
+
+
+# ---------------------------------------------------------------- bad inputs
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rejects_bad_inputs(backend):
+    w = quantize_mx(torch.randn(8, 64), "e2m1")
+    with pytest.raises(ValueError, match="dtype"):
+        mx_linear(torch.ones(2, 64, dtype=torch.int32), w, backend=backend)
+    with pytest.raises(ValueError, match="does not match"):
+        mx_linear(torch.randn(2, 96), w, backend=backend)
+    with pytest.raises(ValueError, match="bias"):
+        mx_linear(torch.randn(2, 64), w, torch.randn(9), backend=backend)
+    with pytest.raises(ValueError, match="path"):
+        mx_linear(torch.randn(2, 64), w, backend=backend, path="gemv")
+    with pytest.raises(ValueError, match="2-D"):
+        prepare_mx_weight(quantize_mx(torch.randn(2, 8, 64), "e2m1"))
+
+
+def test_dot_scaled_needs_fp4_or_fp8_and_16_bit_x():
+    w = quantize_mx(torch.randn(8, 64), "e2m3")
+    with pytest.raises(ValueError, match="dot_scaled"):
+        mx_linear(torch.randn(20, 64).bfloat16(), w, backend="triton", path="prefill",
+                  use_dot_scaled=True)
+    w = quantize_mx(torch.randn(8, 64), "e2m1")
+    with pytest.raises(ValueError, match="dot_scaled"):
+        mx_linear(torch.randn(20, 64), w, backend="triton", path="prefill", use_dot_scaled=True)
