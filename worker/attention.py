@@ -59,43 +59,43 @@ class TorchAttentionMetadata:
     # per prefill request: (first token index, query_len, context slots [ctx], causal mask [q, ctx])
 
 
-def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    """Flat slots of positions 0 .. num_tokens - 1 of a request."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+def context_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, max_blocks] block ids -> [R, max_blocks * block_size] flat slots of positions 0, 1, ..."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables[:, :, None] * block_size + offsets).flatten(1)
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                        device=device)
 
 
 class TorchAttention(AttentionBackend):
     """Plain-torch reference backend (CPU and tests): gathers each context, then SDPA."""
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
-        bs, dev = batch.block_size, batch.device
-        slots: list[int] = []
-        contexts: list[list[int]] = []
-        for qlen, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables):
-            ctx = context_slots(table, start + qlen, bs)
-            contexts.append(ctx)
-            slots.extend(ctx[start:])
-        nd = batch.num_decodes
+        dev, nd = batch.device, batch.num_decodes
+        slots = context_slots(_padded(batch.block_tables, dev), batch.block_size)  # [R, L]
+        ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
+        new_slots = [slots[i, start:end] for i, (start, end)
+                     in enumerate(zip(batch.start_positions, ends))]
         decode_slots = decode_mask = None
         if nd:
-            width = max(len(c) for c in contexts[:nd])
-            padded = [c + [0] * (width - len(c)) for c in contexts[:nd]]
-            decode_slots = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor([len(c) for c in contexts[:nd]], device=dev)
+            width = max(ends[:nd])
+            decode_slots = slots[:nd, :width]
+            lens = torch.tensor(ends[:nd], device=dev)
             decode_mask = (torch.arange(width, device=dev)[None, :] < lens[:, None])[:, None, None]
-        spans = []
-        first = nd
-        for i in range(nd, len(contexts)):
-            qlen, start = batch.query_lens[i], batch.start_positions[i]
-            ctx = torch.tensor(contexts[i], dtype=torch.long, device=dev)
-            q_pos = torch.arange(start, start + qlen, device=dev)
-            mask = torch.arange(start + qlen, device=dev)[None, :] <= q_pos[:, None]
-            spans.append((first, qlen, ctx, mask))
+        spans, first = [], nd
+        for i in range(nd, len(ends)):
+            qlen, end = batch.query_lens[i], ends[i]
+            q_pos = torch.arange(end - qlen, end, device=dev)
+            mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
+            spans.append((first, qlen, slots[i, :end], mask))
             first += qlen
         return TorchAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=nd, decode_slots=decode_slots, decode_mask=decode_mask,
-            prefill_spans=spans)
+            slot_mapping=torch.cat(new_slots), num_decode_tokens=nd, decode_slots=decode_slots,
+            decode_mask=decode_mask, prefill_spans=spans)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
