@@ -59,7 +59,12 @@ class TorchAttentionMetadata:
     # per prefill request: (first token index, query_len, context slots [ctx], causal mask [q, ctx])
 
 
-def context_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """Flat slots of positions 0 .. num_tokens - 1 of one request."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+
+
+def slot_table(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[R, max_blocks] block ids -> [R, max_blocks * block_size] flat slots of positions 0, 1, ..."""
     offsets = torch.arange(block_size, device=block_tables.device)
     return (block_tables[:, :, None] * block_size + offsets).flatten(1)
@@ -76,7 +81,7 @@ class TorchAttention(AttentionBackend):
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         dev, nd = batch.device, batch.num_decodes
-        slots = context_slots(_padded(batch.block_tables, dev), batch.block_size)  # [R, L]
+        slots = slot_table(_padded(batch.block_tables, dev), batch.block_size)  # [R, L]
         ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
         new_slots = [slots[i, start:end] for i, (start, end)
                      in enumerate(zip(batch.start_positions, ends))]
