@@ -145,6 +145,8 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":  # registers itself; imports triton only when asked for
+        import mxserve.worker.attention_triton  # noqa: F401
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
     return ATTENTION_BACKENDS[name]()

@@ -43,7 +43,9 @@ class ModelRunner:
         self.tp = tp or TPGroup()
         self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device)
         backend = config.attention_backend
-        self.attn = get_attention_backend("torch" if backend == "auto" else backend)
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attn = get_attention_backend(backend)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
 

@@ -1,0 +1,250 @@
+"""Paged attention (kernels/paged_attention.py) under the Triton interpreter: the kernels against
+their torch references, the references against an independent dense float64 computation on the
+per-request contiguous K/V the caches were filled from, and the Triton attention backend
+(worker/attention_triton.py) against the torch one.
+
+Caches are filled through shuffled, non-contiguous blocks; every slot no request owns (block tails,
+a spare block the table padding points at) holds NaN, and outputs are poisoned with NaN, so a read
+past a context or a missed write shows.
+
+Tolerances (the documented contract), with p the exact probabilities and mag = p @ |v|:
+  out: |out - want| <= RTOL[dtype] * mag + 1e-6 for kernel vs reference and reference vs dense;
+       fp32: summation order; 16-bit: p rounded to the cache dtype before p @ v (as on the GPU)
+       plus one rounding of each output, <= 3 half-ulps of mag.
+  mass: |mass - want| <= 1e-5 + 1e-4 * want; each request's mass sums to Hq * its query count.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import math  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mxserve.kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    paged_prefill_attention,
+    paged_prefill_attention_torch,
+    write_kv_cache,
+    write_kv_cache_torch,
+)
+from mxserve.worker.attention import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    AttentionBatch,
+    TorchAttention,
+    get_attention_backend,
+)
+from mxserve.worker.attention_triton import TritonAttention  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}
+# (Hq, Hkv, head_dim, block_size): GQA ratios 1, 2, 4; both head dims and block sizes
+SHAPES = [(2, 2, 32, 4), (4, 2, 16, 16), (8, 2, 32, 16), (8, 2, 16, 4)]
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
+    """Per-request contiguous K/V [L, Hkv, D] scattered block by block into shuffled cache blocks.
+    Returns (k_cache, v_cache, block_tables int32, [(k, v) per request])."""
+    counts = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(counts) + 3
+    ids = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, math.nan, dtype=dtype) for _ in range(2)]
+    tables = torch.full((len(seq_lens), max(counts) + 1), int(ids[-1]), dtype=torch.int32)
+    truth, used = [], 0
+    for i, (n, count) in enumerate(zip(seq_lens, counts)):
+        kv = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+        blocks = ids[used:used + count]
+        used += count
+        tables[i, :count] = blocks
+        for cache, t in zip(caches, kv):
+            padded = torch.full((count * block_size, num_kv_heads, head_dim), math.nan, dtype=dtype)
+            padded[:n] = t
+            cache[blocks] = padded.view(count, block_size, num_kv_heads, head_dim)
+        truth.append(kv)
+    return caches[0], caches[1], tables, truth
+
+
+def dense(q, k, v, q_pos):
+    """float64 attention of q [n, Hq, D] at positions q_pos over k, v [L, Hkv, D]: out, p, mag."""
+    num_heads, length = q.shape[1], k.shape[0]
+    head_map = torch.arange(num_heads) // (num_heads // k.shape[1])
+    kh, vh = k.double()[:, head_map], v.double()[:, head_map]  # [L, Hq, D]
+    s = (q.double()[:, :, None, :] * kh.transpose(0, 1)[None]).sum(-1) / math.sqrt(q.shape[-1])
+    s[torch.arange(length)[None, None, :].expand_as(s) > q_pos[:, None, None]] = -math.inf
+    e = torch.exp(s - s.max(-1, keepdim=True).values)
+    p = e / e.sum(-1, keepdim=True)  # [n, Hq, L]
+    out = (p[..., None] * vh.transpose(0, 1)[None]).sum(2)
+    mag = (p[..., None] * vh.abs().transpose(0, 1)[None]).sum(2)
+    return out, p, mag
+
+
+def check_out(out, ref, want, mag, dtype):
+    assert out.dtype == dtype and not out.isnan().any()
+    tol = RTOL[dtype] * mag + 1e-6
+    assert ((ref.double() - want).abs() <= tol).all(), "reference vs dense"
+    err = (out.double() - ref.double()).abs()
+    assert (err <= tol).all(), f"kernel vs reference: max err {err.max():.3g}"
+
+
+def check_mass(mass, ref, want, num_queries):
+    torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.double(), ref.double(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.sum(1).double(), num_queries.double(), atol=0, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    gen = seeded("decode", dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits)
+    seq_lens = [1, 7, 29, 45]
+    k_cache, v_cache, tables, truth = make_paged(seq_lens, num_kv_heads, head_dim, block_size,
+                                                 dtype, gen)
+    q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full_like(q, math.nan)
+    got, mass = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
+                                       return_attn_mass=True, out=out, backend="triton")
+    assert got.data_ptr() == out.data_ptr() and mass.shape == (4, tables.shape[1] * block_size)
+    ref, ref_mass = paged_decode_attention_torch(q, k_cache, v_cache, tables, lens,
+                                                 return_attn_mass=True)
+    want_mass = torch.zeros_like(ref_mass, dtype=torch.float64)
+    for i, (n, (k, v)) in enumerate(zip(seq_lens, truth)):
+        want, p, mag = dense(q[i:i + 1], k, v, torch.tensor([n - 1]))
+        check_out(got[i:i + 1], ref[i:i + 1], want, mag, dtype)
+        want_mass[i, :n] = p.sum((0, 1))
+    check_mass(mass, ref_mass, want_mass, torch.full((4,), num_heads))
+    assert paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
+                                  backend="triton").equal(got)  # without the mass: same output
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    gen = seeded("prefill", dtype, num_heads, num_kv_heads, head_dim, block_size)
+    chunks = [(0, 5), (9, 1), (13, 20), (3, 17)]  # (cached context, new queries) per request
+    seq_lens = [c + n for c, n in chunks]
+    k_cache, v_cache, tables, truth = make_paged(seq_lens, num_kv_heads, head_dim, block_size,
+                                                 dtype, gen)
+    query_lens = torch.tensor([n for _, n in chunks])
+    qsl = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32)
+    ctx = torch.tensor([c for c, _ in chunks], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = (2 * torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen)).to(dtype)
+    out = torch.full_like(q, math.nan)
+    got, mass = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, ctx,
+                                        return_attn_mass=True, out=out, max_query_len=20,
+                                        backend="triton")
+    ref, ref_mass = paged_prefill_attention_torch(q, k_cache, v_cache, tables, qsl, lens, ctx,
+                                                  return_attn_mass=True)
+    want_mass = torch.zeros_like(ref_mass, dtype=torch.float64)
+    for i, ((c, n), (k, v)) in enumerate(zip(chunks, truth)):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        want, p, mag = dense(q[a:b], k, v, c + torch.arange(n))
+        check_out(got[a:b], ref[a:b], want, mag, dtype)
+        want_mass[i, :c + n] = p.sum((0, 1))
+    check_mass(mass, ref_mass, want_mass, query_lens * num_heads)
+    assert paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, ctx,
+                                   backend="triton").equal(got)  # default max_query_len: total
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_empty_context_gives_zeros(num_splits):
+    """seq_len 0 (e.g. padding rows of a captured batch): zeros, never NaN."""
+    k_cache, v_cache, tables, _ = make_paged([5, 3], 2, 16, 4, torch.float32, seeded("empty"))
+    q, lens = torch.randn(2, 4, 16), torch.tensor([5, 0], dtype=torch.int32)
+    for backend in ("triton", "torch"):
+        out, mass = paged_decode_attention(q, k_cache, v_cache, tables, lens, backend=backend,
+                                           num_splits=num_splits, return_attn_mass=True)
+        assert not out[0].isnan().any() and (out[1] == 0).all() and (mass[1] == 0).all()
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_bit_exact(dtype, slot_dtype):
+    gen = seeded("write", dtype, slot_dtype)
+    caches = [torch.randn(6, 4, 2, 32, generator=gen).to(dtype) for _ in range(2)]
+    kv = torch.randn(5, 2 + 2 + 4, 32, generator=gen).to(dtype)  # a fused [T, k|v|q, D] buffer
+    k, v = kv[:, :2], kv[:, 2:4]  # non-contiguous views, as the model hands them over
+    slots = torch.tensor([3, -1, 17, 23, 0], dtype=slot_dtype)  # -1: a padding token
+    want = [c.clone() for c in caches]
+    write_kv_cache_torch(k, v, *want, slots)
+    write_kv_cache(k, v, *caches, slots, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))
+    assert torch.equal(want[0][5, 3], k[3]) and torch.equal(want[1][0, 0], v[4])
+
+
+def attention_batch(gen, block_size=4, num_blocks=40):
+    query_lens, starts = [1, 1, 1, 6, 3], [6, 17, 0, 0, 11]  # three decodes, then two chunks
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n, s in zip(query_lens, starts):
+        count = math.ceil((n + s) / block_size)
+        tables.append(ids[:count])
+        ids = ids[count:]
+    return AttentionBatch(query_lens=query_lens, start_positions=starts, block_tables=tables,
+                          num_decodes=3, block_size=block_size, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_matches_torch_backend(dtype):
+    gen = seeded("backend", dtype)
+    batch = attention_batch(gen)
+    num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)
+    caches = [torch.randn(40, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
+              for _ in range(2)]
+    qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
+    results = []
+    for backend in (TorchAttention(), get_attention_backend("triton")):
+        k_cache, v_cache = (c.clone() for c in caches)
+        out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(batch))
+        results.append((out, k_cache, v_cache))
+    (want, *want_caches), (got, *got_caches) = results
+    assert got.shape == (tokens, num_heads * head_dim) and got.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+def test_registry():
+    assert ATTENTION_BACKENDS["triton"] is TritonAttention
+
+
+def test_rejects_bad_inputs():
+    k_cache, v_cache, tables, _ = make_paged([5, 9], 2, 16, 4, torch.float32, seeded("bad"))
+    q, lens = torch.randn(2, 4, 16), torch.tensor([5, 9], dtype=torch.int32)
+    bad = [
+        (dict(q=q.half()), "dtype"),
+        (dict(q=torch.randn(2, 3, 16)), "multiple of Hkv"),
+        (dict(q=torch.randn(2, 4, 32)), "head_dim"),
+        (dict(block_tables=tables.long()), "block_tables must be int32"),
+        (dict(seq_lens=lens[:1]), "seq_lens must be int32"),
+        (dict(v_cache=v_cache[:, :2]), "one shape"),
+        (dict(q=torch.randn(2, 16, 4).transpose(1, 2)), "contiguous along head_dim"),
+        (dict(out=torch.empty(2, 4, 16, dtype=torch.float16)), "out must be"),
+        (dict(num_splits=0), "num_splits"),
+    ]
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=lens)
+    for backend in ("triton", "torch"):
+        for change, match in bad:
+            with pytest.raises(ValueError, match=match):
+                paged_decode_attention(**{**args, **change}, backend=backend)
+    qsl = torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="query_start_loc must be int32"):
+        paged_prefill_attention(torch.randn(4, 4, 16), k_cache, v_cache, tables, qsl, lens,
+                                lens - 2, backend="triton")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv_cache(torch.randn(2, 2, 16), torch.randn(2, 2, 16), k_cache, v_cache,
+                       torch.tensor([1.0, 2.0]), backend="triton")

@@ -1,0 +1,96 @@
+"""The Triton attention backend: kernels/paged_attention.py behind the AttentionBackend contract
+of worker/attention.py (same step layout: decodes first, then prefill chunks).
+
+Metadata is built once per step from host lists, so forward never syncs with the device: int32
+block tables, lengths and query offsets per group, with host-side maxima for the launch grids.
+Registered as "triton" in ATTENTION_BACKENDS when this module is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from mxserve.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv_cache,
+)
+from mxserve.worker.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionBatch,
+)
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    """The step's decodes, or its prefill chunks, in the form the kernels take."""
+
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, right-padded with block 0
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: request i's queries, within the group
+    seq_lens: torch.Tensor  # [num_reqs] int32: cached tokens once this step's are written
+    context_lens: torch.Tensor  # [num_reqs] int32: cached tokens before this step
+    max_query_len: int  # host-side bounds: launch grids and the split choice, no device sync
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat cache slot of each new token
+    num_decode_tokens: int  # the first num_decode_tokens tokens are one-token decodes
+    decode: PagedGroup | None  # None when the step has no decodes
+    prefill: PagedGroup | None  # None when the step has no prefill chunks
+
+
+def _group(batch: AttentionBatch, lo: int, hi: int) -> PagedGroup | None:
+    if lo == hi:
+        return None
+    query_lens, starts = batch.query_lens[lo:hi], batch.start_positions[lo:hi]
+    tables = batch.block_tables[lo:hi]
+    width = max(len(t) for t in tables)
+    seq_lens = [s + n for s, n in zip(starts, query_lens)]
+
+    def i32(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=batch.device)
+
+    return PagedGroup(
+        block_tables=i32([t + [0] * (width - len(t)) for t in tables]),
+        query_start_loc=i32([0, *accumulate(query_lens)]), seq_lens=i32(seq_lens),
+        context_lens=i32(starts), max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+class TritonAttention(AttentionBackend):
+    """Paged Triton kernels (GPU, or the Triton interpreter on CPU): no gathered copies of K/V."""
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        bs, slots = batch.block_size, []  # flat slots of each request's new positions
+        for qlen, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + qlen))
+        nd = batch.num_decodes
+        return TritonAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=batch.device),
+            num_decode_tokens=nd, decode=_group(batch, 0, nd),
+            prefill=_group(batch, nd, len(batch.query_lens)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonAttentionMetadata) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+        nd, dec, pre = meta.num_decode_tokens, meta.decode, meta.prefill
+        if dec is not None:
+            paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables, dec.seq_lens,
+                                   out=out[:nd], max_seq_len=dec.max_seq_len, backend="triton")
+        if pre is not None:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, pre.block_tables,
+                                    pre.query_start_loc, pre.seq_lens, pre.context_lens,
+                                    out=out[nd:], max_query_len=pre.max_query_len,
+                                    max_seq_len=pre.max_seq_len, backend="triton")
+        return out.flatten(1)
+
+
+ATTENTION_BACKENDS["triton"] = TritonAttention
