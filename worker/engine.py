@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from mxserve.worker.sampler import Sampler
 from mxserve.worker.sampling_params import SamplingParams
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,9 +61,9 @@ class Engine:
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.kv = KVCacheManager(runner.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
+        self.max_model_len = self._max_model_len(config, model_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
@@ -69,6 +72,16 @@ class Engine:
         self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
         # The last few finished requests, for tests and debugging (bounded).
         self.finished_requests: collections.deque[Request] = collections.deque(maxlen=256)
+
+    def _max_model_len(self, config: EngineConfig, model_config: ModelConfig) -> int:
+        """The context limit, capped so one request always fits the KV pool alone (else a
+        request growing past the pool would preempt itself forever)."""
+        limit = config.max_model_len or model_config.max_position_embeddings
+        pool = self.kv.num_blocks * self.kv.block_size
+        if limit > pool:
+            logger.warning("max_model_len %d exceeds the KV pool's %d tokens; using %d",
+                           limit, pool, pool)
+        return min(limit, pool)
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -86,8 +99,6 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"has {len(ids)} tokens; the model's context is {self.max_model_len}")
-        if len(ids) > self.kv.num_blocks * self.kv.block_size - 1:
-            raise InvalidRequestError("prompt", f"has {len(ids)} tokens, more than the KV pool holds")
         request = Request(request_id or f"req-{next(self._ids)}", ids, params,
                           eos_token_ids=frozenset(self.model_config.eos_token_ids))
         extend_block_hashes(request.block_hashes, ids, self.kv.block_size,

@@ -172,3 +172,13 @@ def test_smollm2_knows_the_capital_of_france():
                    SamplingParams(temperature=0, max_tokens=32))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+def test_request_outgrowing_the_pool_stops_at_length_instead_of_livelocking(ckpt):
+    llm = LLM(model=ckpt, num_kv_blocks=4, load_progress=False)  # 64 token slots in all
+    assert llm.engine.max_model_len == 64
+    outs = llm.generate([[5] * 10, [6] * 20], SamplingParams(temperature=0, max_tokens=500,
+                                                             ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [54, 44]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert _all_blocks_free(llm)
