@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mxserve.worker.model.config import RopeScaling
@@ -21,9 +22,8 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -48,7 +48,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face's convention) from a precomputed cos/sin table."""
+    """Rotate-half RoPE (Hugging Face's convention) from a precomputed cos/sin table.
+
+    `table(positions)` is looked up once per step; `forward` rotates queries and keys together
+    (they sit side by side in the fused qkv output) with it.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: RopeScaling | None, device: torch.device | str = "cpu") -> None:
@@ -58,15 +62,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(device), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T] -> cos, sin [T, 1, D/2]
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    @staticmethod
+    def forward(qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # qk [T, Hq + Hkv, D] -> rotated, same shape and dtype
+        cos, sin = cos_sin
+        x1, x2 = qk.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qk.dtype)

@@ -38,17 +38,14 @@ class LlamaAttention(nn.Module):
             dtype, device)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
                 meta: object) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.forward(qkv[:, :num_qk_heads], cos_sin)  # [T, Hq + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
         return self.o_proj(out)
 
@@ -74,8 +71,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x, positions, rope, kv_cache, attn, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, attn, meta)
+    def forward(self, x, cos_sin, kv_cache, attn, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,8 +99,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: object) -> torch.Tensor:
         # input_ids, positions [T] -> hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.table(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, attn, meta)
+            x = layer(x, cos_sin, kv_cache, attn, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
