@@ -51,12 +51,12 @@ def run_shape(n: int, k: int, ms: list[int], gen: torch.Generator) -> list[dict]
         row = {"N": n, "K": k, "M": m}
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         row["bf16_err"] = rel_err(F.linear(x, w_bf16), ref16)
-        row["bf16_ms"] = bench_ms(lambda: F.linear(x, w_bf16))
+        row["bf16_ms"] = bench_ms(lambda x=x, wb=w_bf16: F.linear(x, wb))
         for f in FORMATS:
             out.fill_(float("nan"))
             mx_linear(x, mx[f], out=out)
             row[f"{f}_err"] = rel_err(out, x.float() @ deq[f].T)
-            row[f"{f}_ms"] = bench_ms(lambda f=f: mx_linear(x, mx[f], out=out))
+            row[f"{f}_ms"] = bench_ms(lambda x=x, wq=mx[f], out=out: mx_linear(x, wq, out=out))
             row[f"{f}_speedup"] = row["bf16_ms"] / row[f"{f}_ms"]
         for f in ["bf16", *FORMATS]:
             row[f"{f}_weight_TBps"] = n * k * BITS[f] / 8 / (row[f"{f}_ms"] * 1e-3) / 1e12

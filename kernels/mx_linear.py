@@ -1,17 +1,27 @@
 """Weight-only MX linear: y = x @ dequantize(w).T + bias, activations fp32/bf16/fp16.
 
-Two Triton paths share one weight-tile loader (`_load_weight_tile`):
-- decode (M <= 16): memory bound. Split-K over a grid (N tiles, K splits, M tiles); each program
-  streams packed weight bytes (an FP4 row of a 256-wide K tile is 128 contiguous bytes, loaded
-  16 bytes a thread), dequantizes in registers by bit ops and accumulates in fp32. With one split
-  the program adds the bias and writes y; else fp32 partials [SPLIT_K, M, N] are summed in a fixed
-  order (deterministic, no atomics) by a second small kernel that adds the bias and casts.
-- prefill (M > 16): compute bound. Output tiles with grouped ordering; weight tiles dequantized to
-  x's dtype feed tl.dot (tensor cores) with fp32 accumulation; bias and cast fused. A tl.dot_scaled
-  variant (FP4/FP8 weights, 16-bit x) is used where the hardware has native MX MMA (sm_100+).
+Weights live in the kernels' layout (`prepare_mx_weight`, once, at load): int32 word planes
+[P, N, K // E], each word group holding E consecutive elements of a row (see _PLANES), so every
+weight load is a contiguous 16-byte vector. One tile builder (`_weight_tile`) turns words into
+values by bit placement: the code's sign, exponent and mantissa bits are moved straight into a
+bf16 (or fp32) bit pattern, and one multiply by 2^(scale - bias) fixes the exponent bias and
+applies the E8M0 scale at once (an element with exponent 0 lands on a subnormal of the target,
+which that multiply scales exactly). Where a block's 2^(scale - bias) would overflow the target
+(scale bytes above 127 + bias, checked at prepare) a second multiply splits it ("fold" off).
 
-`prepare_mx_weight` builds the kernels' layout once, at load: FP4/FP8 keep the canonical bytes;
-FP6 splits each 3-byte packing group into three byte planes so every load is contiguous.
+- decode (M <= 16): memory bound. Grid (N tiles, K splits); the next tile's words are loaded
+  before the current one is decoded. M = 1 uses fp32 FMAs on a [BLOCK_N, BLOCK_K] tile (no
+  tensor cores, no padding), M >= 2 dequantizes the tile to x's dtype (bf16x2 words straight
+  from the codes) and feeds tl.dot with BLOCK_M = 16 (rows past M masked). Split-K partials are
+  reduced in the same launch: the last program of a tile to finish (an atomic counter) sums them
+  in fixed order (deterministic), adds the bias, writes y and re-arms the counter.
+- prefill (M > 16): on a GPU with 16-bit x the weight is dequantized once per call to x's dtype
+  (one pass, `dequantize_linear_weight`) and cuBLAS runs the product: on the H200 that beat the
+  fused kernel from M = 256 up and is within 10% at M = 64 (bench/results/kernels_gpu.tune*).
+  The fused kernel (grouped output tiles, dequantized tiles into tl.dot, computed transposed so
+  the weights are wgmma's register operand) serves fp32 x and path="prefill", where a
+  tl.dot_scaled variant (FP4/FP8 weights, 16-bit x) is used if the hardware has native MX MMA
+  (sm_100+).
 """
 
 from __future__ import annotations
@@ -22,70 +32,282 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx import MXTensor, _decode, _scale_value, dequantize_mx_torch, get_format
+from .mx import MXTensor, _pack_codes, _unpack_codes, dequantize_mx_torch, get_format
 from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16
 from .triton_compat import use_triton as _use_triton
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DECODE_MAX_M = 16
+PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
+
+# The kernels' layout: word groups of E elements of a row, in P int32 planes [P, N, K // E].
+# Element e = 2u + h of a group sits in the half h of its word(s) (bit 16h up), so the two
+# elements of a pair (2u, 2u + 1) are decoded to a bf16x2 word with one set of 32-bit ops:
+#   FP4 (E 8, P 1):  code at plane 0, bit 4u + 16h
+#   FP8 (E 8, P 2):  code at plane u // 2, bit 8 (u % 2) + 16h
+#   FP6 (E 16, P 3): code >> 2 (sign, top 3 magnitude bits) at plane u // 4, bit 4 (u % 4) + 16h;
+#                    code & 3 at plane 2, bit 16h + 8 (u // 4) + 2 (u % 4)
+_PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
+
+
+def _fields(bits: int, e: int) -> list[tuple[int, int, int, int]]:
+    """(plane, bit, width, code_shift) of element e of a word group (see _PLANES)."""
+    u, h = divmod(e, 2)
+    if bits == 4:
+        return [(0, 4 * u + 16 * h, 4, 0)]
+    if bits == 8:
+        return [(u // 2, 8 * (u % 2) + 16 * h, 8, 0)]
+    return [(u // 4, 4 * (u % 4) + 16 * h, 4, 2), (2, 16 * h + 8 * (u // 4) + 2 * (u % 4), 2, 0)]
 
 
 @dataclass(frozen=True)
 class MXLinearWeight:
-    """An [N, K] MX weight in the kernels' layout. Build with prepare_mx_weight, once."""
+    """An [N, K] MX weight in the kernels' layout. Build with prepare_mx_weight, once.
 
-    planes: torch.Tensor  # uint8 [group_bytes, N, K // pack]: byte b of packing group g: [b, n, g]
+    `counters` is the split-K scratch of the decode kernel (zero between calls): use one weight
+    object from one stream at a time."""
+
+    planes: torch.Tensor  # int32 [P, N, K // E], see _PLANES
     scales: torch.Tensor  # uint8 [N, K // 32], canonical
     fmt: str
     shape: tuple[int, int]  # (N, K)
+    fold: bool  # every scale byte <= 127 + bias (or 255): 2^(scale - bias) fits the target
+    counters: torch.Tensor  # int32 [>= N // 8]
 
 
 def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
-    """Re-arrange a canonical [N, K] MXTensor for the linear kernels (a view for FP4/FP8)."""
+    """Re-arrange a canonical [N, K] MXTensor for the linear kernels (a copy). Reads the scales
+    once (a device sync): call at load."""
     if not isinstance(w, MXTensor) or len(w.shape) != 2:
         raise ValueError("prepare_mx_weight expects a 2-D MXTensor [N, K]")
     f = get_format(w.fmt)
     n, k = w.shape
-    groups = w.data.contiguous().view(n, k // f.pack, f.group_bytes)  # [N, K // pack, group_bytes]
-    planes = groups.permute(2, 0, 1).contiguous() if f.group_bytes > 1 else groups.permute(2, 0, 1)
-    return MXLinearWeight(planes, w.scales.contiguous(), w.fmt, (n, k))
+    e, p = _PLANES[f.bits]
+    codes = _unpack_codes(w.data, f).view(n, k // e, e)
+    planes = torch.zeros(p, n, k // e, dtype=torch.int64, device=codes.device)
+    for i in range(e):
+        for plane, bit, width, shift in _fields(f.bits, i):
+            planes[plane] |= ((codes[..., i] >> shift) & (2**width - 1)) << bit
+    planes = planes.to(torch.int32)  # wraps bit 31
+    s = w.scales
+    fold = bool(((s <= 127 + f.bias) | (s == 255)).all()) if s.numel() else True
+    counters = torch.zeros(triton.cdiv(n, 8), dtype=torch.int32, device=codes.device)
+    return MXLinearWeight(planes, s.contiguous(), w.fmt, (n, k), fold, counters)
+
+
+def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
+    """The canonical packed bytes [N, packed K] of a prepared weight."""
+    f = get_format(w.fmt)
+    n, k = w.shape
+    e, _ = _PLANES[f.bits]
+    planes = w.planes.long() & 0xFFFFFFFF
+    codes = torch.zeros(n, k // e, e, dtype=torch.int64, device=planes.device)
+    for i in range(e):
+        for plane, bit, width, shift in _fields(f.bits, i):
+            codes[..., i] |= ((planes[plane] >> bit) & (2**width - 1)) << shift
+    return _pack_codes(codes.view(n, k), f)
 
 
 def _as_linear_weight(w: MXTensor | MXLinearWeight) -> MXLinearWeight:
     return w if isinstance(w, MXLinearWeight) else prepare_mx_weight(w)
 
 
+# ---------------------------------------------------------------- weight tiles
+
 @triton.jit
-def _load_weight_tile(
-    planes_ptr, scales_ptr, offs_n, k0, N, K, stride_plane, stride_wn, stride_sn,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, PACK: tl.constexpr,
-    GROUP_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """fp32 [BLOCK_N, BLOCK_K] dequantized weights w[offs_n, k0:k0+BLOCK_K]; 0 outside N, K."""
-    GROUPS: tl.constexpr = BLOCK_K // PACK
-    BITS: tl.constexpr = 1 + EBITS + MBITS
-    g = k0 // PACK + tl.arange(0, GROUPS)
-    mask = (offs_n[:, None] < N) & (g[None, :] < K // PACK)
-    ptrs = planes_ptr + offs_n[:, None] * stride_wn + g[None, :]  # [BLOCK_N, GROUPS]
-    word = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-    for b in tl.static_range(1, GROUP_BYTES):
-        word |= tl.load(ptrs + b * stride_plane, mask=mask, other=0).to(tl.int32) << (8 * b)
-    if PACK == 1:
-        w = _decode(word, EBITS, MBITS, NAN_CODE)
-    elif PACK == 2:  # element 2i in the low nibble
-        w = tl.join(_decode(word & 0xF, EBITS, MBITS, NAN_CODE),
-                    _decode(word >> 4, EBITS, MBITS, NAN_CODE))
-    else:  # element 4i + t at bits 6t; join(join(c0, c2), join(c1, c3)) orders [i, t]
-        c0 = _decode(word & 0x3F, EBITS, MBITS, NAN_CODE)
-        c1 = _decode((word >> BITS) & 0x3F, EBITS, MBITS, NAN_CODE)
-        c2 = _decode((word >> 2 * BITS) & 0x3F, EBITS, MBITS, NAN_CODE)
-        c3 = _decode((word >> 3 * BITS) & 0x3F, EBITS, MBITS, NAN_CODE)
-        w = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    smask = (offs_n[:, None] < N) & (kb[None, :] < K // 32)
-    s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + kb[None, :], mask=smask, other=127)
-    w = tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * _scale_value(s.to(tl.int32))[:, :, None]
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+def _shl(v, D: tl.constexpr):
+    """v << D, or v >> -D for negative D (arithmetic; callers mask the bits they keep)."""
+    if D >= 0:
+        return v << D
+    else:
+        return v >> (-D)
+
+
+@triton.jit
+def _placed_bits(w0, w1, w2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                 NAN_CODE: tl.constexpr, E: tl.constexpr, F: tl.constexpr, PAIR: tl.constexpr):
+    """int32 bits of element T of each word group (see _PLANES) as a float with F mantissa bits
+    (7: bf16 in the low half, 23: fp32) whose value is the element's / 2^(127 - bias). PAIR
+    (F = 7): elements T and T + 1 at once, T + 1 in the high half (a bf16x2 word)."""
+    MS: tl.constexpr = F - MBITS  # where the code's mantissa LSB goes
+    S: tl.constexpr = 2 * F + 1 if F == 7 else 31  # sign bit: 15 or 31
+    SIGN: tl.constexpr = (1 << S) if S < 31 else -2147483648
+    MAG: tl.constexpr = (1 << (EBITS + MBITS)) - 1
+    U: tl.constexpr = T // 2
+    H16: tl.constexpr = 16 * (T % 2)  # bit offset of element T's half
+    REP: tl.constexpr = 0x10001 if PAIR else 1  # a mask for both halves
+    SIGNS: tl.constexpr = -2147450880 if PAIR else SIGN  # 0x80008000
+    if E == 16:  # FP6: high nibble (sign + 3 magnitude bits) and 2 low bits
+        HPOS: tl.constexpr = 4 * (U % 4) + H16
+        LPOS: tl.constexpr = H16 + 8 * (U // 4) + 2 * (U % 4)
+        if U < 4:
+            h = w0
+        else:
+            h = w1
+        bits = (_shl(h, MS + 2 - HPOS) & ((7 << (MS + 2)) * REP)) \
+            | (_shl(w2, MS - LPOS) & ((3 << MS) * REP)) | (_shl(h, S - HPOS - 3) & SIGNS)
+    else:
+        BITS: tl.constexpr = 1 + EBITS + MBITS
+        POS: tl.constexpr = BITS * (U % (16 // BITS)) + H16
+        if U < 16 // BITS:
+            w = w0
+        else:
+            w = w1
+        bits = (_shl(w, MS - POS) & ((MAG << MS) * REP)) | (_shl(w, S - POS - BITS + 1) & SIGNS)
+    if NAN_CODE >= 0:  # e4m3: magnitude 0x7F is NaN (not with PAIR)
+        NAN_BITS: tl.constexpr = 0x7FC0 if F == 7 else 0x7FC00000
+        bits = tl.where((bits & (MAG << MS)) == (MAG << MS), NAN_BITS, bits)
+    return bits
+
+
+@triton.jit
+def _bits_to_float(bits, F: tl.constexpr):
+    if F == 7:
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_factors(s, F: tl.constexpr, BIAS: tl.constexpr, FOLD: tl.constexpr):
+    """(f1, f2) with element = placed * f1 (* f2 unless FOLD), from int32 E8M0 bytes s. FOLD:
+    f1 = 2^(s - bias), needs s <= 127 + bias. 0xFF -> NaN, byte 0 -> 2^-127 (subnormal)."""
+    NAN_BITS: tl.constexpr = 0x7FC0 if F == 7 else 0x7FC00000
+    if FOLD:
+        f1 = _bits_to_float(tl.where(s == 255, NAN_BITS, (s + (127 - BIAS)) << F), F)
+        f2 = f1
+    else:
+        f1 = _bits_to_float(tl.full(s.shape, (254 - BIAS) << F, tl.int32), F)  # 2^(127-bias)
+        f2 = _bits_to_float(tl.where(s == 255, NAN_BITS,
+                                     tl.where(s == 0, 1 << (F - 1), s << F)), F)
+    return f1, f2
+
+
+@triton.jit
+def _element(w0, w1, w2, f1, f2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+             NAN_CODE: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr):
+    """Dequantized element T of each word group, in the float type of F."""
+    v = _bits_to_float(_placed_bits(w0, w1, w2, T, EBITS, MBITS, NAN_CODE, E, F, False), F) * f1
+    if not FOLD:
+        v = v * f2
+    return v
+
+
+@triton.jit
+def _pair(w0, w1, w2, f1, f2, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+          E: tl.constexpr, FOLD: tl.constexpr):
+    """bf16 elements 2U and 2U + 1 of each word group, decoded from one bf16x2 bit pattern."""
+    bits = _placed_bits(w0, w1, w2, 2 * U, EBITS, MBITS, -1, E, 7, True)
+    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True) * f1
+    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) * f1
+    if not FOLD:
+        lo = lo * f2
+        hi = hi * f2
+    return lo, hi
+
+
+@triton.jit
+def _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
+                 stride_sn, E: tl.constexpr, P: tl.constexpr, G: tl.constexpr):
+    """Words [BLOCK_N, G] of word groups j0..j0+G of rows offs_n < N (0 elsewhere; num_words =
+    K // E), and their scale bytes as int32."""
+    j = j0 + tl.arange(0, G)
+    mask = (offs_n[:, None] < N) & (j[None, :] < num_words)
+    ptrs = planes_ptr + offs_n[:, None] * stride_wn + j[None, :]
+    w0 = tl.load(ptrs, mask=mask, other=0)
+    w1 = w0
+    w2 = w0
+    if P > 1:
+        w1 = tl.load(ptrs + stride_plane, mask=mask, other=0)
+    if P > 2:
+        w2 = tl.load(ptrs + 2 * stride_plane, mask=mask, other=0)
+    s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + (j >> (2 if E == 8 else 1))[None, :],
+                mask=mask, other=127).to(tl.int32)
+    return w0, w1, w2, s
+
+
+@triton.jit
+def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """[..., 8] with [..., t] = c_t (each join appends the next less significant index bit)."""
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
+def _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
+                 stride_sn, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
+                 E: tl.constexpr, P: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized w[offs_n, E*j0 : E*j0 + BLOCK_K] [BLOCK_N, BLOCK_K] in bf16 (F = 7) or fp32
+    (F = 23); 0 outside N, K. (Word index j0, not k: Triton then sees its divisibility and
+    issues 16-byte loads.)"""
+    w0, w1, w2, s = _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words,
+                                 stride_plane, stride_wn, stride_sn, E, P, BLOCK_K // E)
+    return _build_tile(w0, w1, w2, s, EBITS, MBITS, NAN_CODE, E, FOLD, F, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _build_tile(w0, w1, w2, s, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                NAN_CODE: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of loaded words and scale bytes (_load_groups), natural k
+    order."""
+    BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    f1, f2 = _scale_factors(s, F, BIAS, FOLD)
+    if F == 7 and NAN_CODE < 0:  # bf16x2 pairs: [..., E // 2, 2], element 2u + h at [u, h]
+        l0, h0 = _pair(w0, w1, w2, f1, f2, 0, EBITS, MBITS, E, FOLD)
+        l1, h1 = _pair(w0, w1, w2, f1, f2, 1, EBITS, MBITS, E, FOLD)
+        l2, h2 = _pair(w0, w1, w2, f1, f2, 2, EBITS, MBITS, E, FOLD)
+        l3, h3 = _pair(w0, w1, w2, f1, f2, 3, EBITS, MBITS, E, FOLD)
+        if E == 8:
+            w = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)),
+                        tl.join(tl.join(h0, h2), tl.join(h1, h3)))
+        else:
+            l4, h4 = _pair(w0, w1, w2, f1, f2, 4, EBITS, MBITS, E, FOLD)
+            l5, h5 = _pair(w0, w1, w2, f1, f2, 5, EBITS, MBITS, E, FOLD)
+            l6, h6 = _pair(w0, w1, w2, f1, f2, 6, EBITS, MBITS, E, FOLD)
+            l7, h7 = _pair(w0, w1, w2, f1, f2, 7, EBITS, MBITS, E, FOLD)
+            w = tl.join(_interleave8(l0, l1, l2, l3, l4, l5, l6, l7),
+                        _interleave8(h0, h1, h2, h3, h4, h5, h6, h7))
+    elif E == 8:
+        w = _interleave8(
+            _element(w0, w1, w2, f1, f2, 0, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 1, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 2, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 3, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 4, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 5, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 6, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 7, EBITS, MBITS, NAN_CODE, E, FOLD, F))
+    else:  # [..., 8, 2]: element 2i + b at [i, b]
+        w = tl.join(_interleave8(
+            _element(w0, w1, w2, f1, f2, 0, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 2, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 4, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 6, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 8, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 10, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 12, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 14, EBITS, MBITS, NAN_CODE, E, FOLD, F)), _interleave8(
+            _element(w0, w1, w2, f1, f2, 1, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 3, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 5, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 7, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 9, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 11, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 13, EBITS, MBITS, NAN_CODE, E, FOLD, F),
+            _element(w0, w1, w2, f1, f2, 15, EBITS, MBITS, NAN_CODE, E, FOLD, F)))
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, G, ...E] -> natural k order
+
+
+@triton.jit
+def _dot_w_xt(w, x, acc, INTERP_BF16: tl.constexpr):
+    """acc + w @ x.T (the transposed product: the dequantized weights are the left operand, which
+    Hopper's wgmma reads from registers), with w rounded to x's dtype; see _dot_wt."""
+    if INTERP_BF16:
+        return tl.dot(_round_bf16(w.to(tl.float32)), tl.trans(_to_f32(x, INTERP_BF16)), acc,
+                      input_precision="ieee")
+    return tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -93,90 +315,111 @@ def _dot_wt(x, w, acc, INTERP_BF16: tl.constexpr):
     """acc + x @ w.T with w rounded to x's dtype. INTERP_BF16 (the interpreter's bf16 tl.dot is
     wrong, its casts truncate): the same rounded operands multiplied in fp32, exact for bf16."""
     if INTERP_BF16:
-        wt = tl.trans(_round_bf16(w))
+        wt = tl.trans(_round_bf16(w.to(tl.float32)))
         return tl.dot(_to_f32(x, INTERP_BF16), wt, acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee")
 
 
+# ---------------------------------------------------------------- decode (M <= 16)
+
 @triton.jit
 def _mx_linear_decode_kernel(
-    # pointers: x [M, K]; weight planes [group_bytes, N, K // pack], scales [N, K // 32];
-    # bias [N] (read only if HAS_BIAS); out [M, N] (one split) or partial [SPLIT_K, M, N] fp32
-    x_ptr, planes_ptr, scales_ptr, bias_ptr, out_ptr,
-    # sizes; k_per_split is a multiple of BLOCK_K
-    M, N, K, k_per_split,
-    # strides: out's split stride is 0 with one split
-    stride_xm, stride_plane, stride_wn, stride_sn, stride_os, stride_om,
-    # element format
-    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, PACK: tl.constexpr,
-    GROUP_BYTES: tl.constexpr,
-    # tiling; USE_DOT: tensor cores for BLOCK_M == 16, else broadcast FMAs. EPILOGUE (one
-    # split): add the bias and write out in its dtype; else fp32 partials for _reduce_kernel
+    # pointers: x [M, K]; weight planes [P, N, K // E] int32, scales [N, K // 32]; bias [N]
+    # (read only if HAS_BIAS); out [M, N]; split-K partials [split_k, M, N] fp32 and per-tile
+    # counters (zero on entry and exit; read only if SPLIT)
+    x_ptr, planes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    # sizes; num_words = K // E; words_per_split is a multiple of BLOCK_K // E
+    M, N, K, num_words, split_k, words_per_split,
+    # strides
+    stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
+    # element format and layout (see _PLANES, _scale_factors)
+    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
+    P: tl.constexpr, FOLD: tl.constexpr,
+    # tiling. USE_DOT: tensor cores on a dequantized tile in x's dtype (bf16 bits straight from
+    # the codes when WBF16), BLOCK_M 16; else BLOCK_M 1 and fp32 FMAs. PREFETCH: load the next
+    # tile's words before decoding this one (more bytes in flight)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr, WBF16: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = _load_weight_tile(planes_ptr, scales_ptr, offs_n, k0, N, K, stride_plane, stride_wn,
-                              stride_sn, EBITS, MBITS, NAN_CODE, PACK, GROUP_BYTES, BLOCK_N,
-                              BLOCK_K)  # [BLOCK_N, BLOCK_K]
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    G: tl.constexpr = BLOCK_K // E
+    j_lo = pid_k * words_per_split
+    j_hi = tl.minimum(j_lo + words_per_split, num_words)
+    F: tl.constexpr = 7 if USE_DOT and WBF16 else 23
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # BLOCK_M == 1: fp32 products, summed over k at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:  # the next tile's words are loaded before this one is used
+        n0, n1, n2, ns = _load_groups(planes_ptr, scales_ptr, offs_n, j_lo,
+                                      tl.where(j_lo < j_hi, N, 0), num_words, stride_plane,
+                                      stride_wn, stride_sn, E, P, G)
+    for j0 in range(j_lo, j_hi, G):
+        if PREFETCH:
+            w0, w1, w2, sc = n0, n1, n2, ns
+            n0, n1, n2, ns = _load_groups(planes_ptr, scales_ptr, offs_n, j0 + G,
+                                          tl.where(j0 + G < j_hi, N, 0), num_words,
+                                          stride_plane, stride_wn, stride_sn, E, P, G)
+        else:
+            w0, w1, w2, sc = _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words,
+                                          stride_plane, stride_wn, stride_sn, E, P, G)
+        w = _build_tile(w0, w1, w2, sc, EBITS, MBITS, NAN_CODE, E, FOLD, F, BLOCK_N, BLOCK_K)
+        offs_k = j0 * E + tl.arange(0, BLOCK_K)
         if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
             acc = _dot_wt(x, w, acc, INTERP_BF16)
         else:
-            acc += tl.sum(_to_f32(x, INTERP_BF16)[:, None, :] * w[None, :, :], axis=2)
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+            x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+            acc2 += w * _to_f32(x, INTERP_BF16)[None, :]
+    if not USE_DOT:
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if EPILOGUE:
+    if SPLIT:
+        tile_ptrs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k * stride_ps + tile_ptrs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == split_k - 1:  # the last split of this tile: sum in fixed order
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(split_k):
+                acc += tl.load(partial_ptr + s * stride_ps + tile_ptrs, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(counter_ptr + tile, 0)  # re-arm for the next call
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(
+                    tl.float32)[None, :]
+            out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+    else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
-    else:
-        tl.store(out, acc, mask=mask)
 
 
-@triton.jit
-def _mx_linear_reduce_kernel(
-    # pointers: partial [SPLIT_K, M * N] fp32; bias [N] (read only if HAS_BIAS); out [M * N]
-    partial_ptr, bias_ptr, out_ptr,
-    # sizes
-    MN, N, stride_ps,
-    # tiling
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
-
+# ---------------------------------------------------------------- prefill (M > 16)
 
 @triton.jit
 def _mx_linear_prefill_kernel(
-    # pointers: x [M, K]; weight planes [group_bytes, N, K // pack], scales [N, K // 32];
-    # bias [N] (read only if HAS_BIAS); out [M, N] in x's dtype
+    # pointers: x [M, K]; weight planes [P, N, K // E] int32 (packed bytes [N, K // 2] for
+    # DOT_SCALED_FMT), scales [N, K // 32]; bias [N] (read only if HAS_BIAS); out [M, N]
     x_ptr, planes_ptr, scales_ptr, bias_ptr, out_ptr,
-    # sizes
-    M, N, K,
+    # sizes; num_words = K // E
+    M, N, K, num_words,
     # strides
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om,
     # element format; DOT_SCALED_FMT: "" or tl.dot_scaled's name for the weight format
-    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, PACK: tl.constexpr,
-    GROUP_BYTES: tl.constexpr, DOT_SCALED_FMT: tl.constexpr, X_FMT: tl.constexpr,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
+    P: tl.constexpr, FOLD: tl.constexpr, PACK: tl.constexpr, DOT_SCALED_FMT: tl.constexpr,
+    X_FMT: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr,
+    WBF16: tl.constexpr, HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2
     pid = tl.program_id(0)
@@ -187,16 +430,17 @@ def _mx_linear_prefill_kernel(
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out.T
+    for j0 in range(0, num_words, BLOCK_K // E):
+        k0 = j0 * E
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if DOT_SCALED_FMT == "":
-            w = _load_weight_tile(planes_ptr, scales_ptr, offs_n, k0, N, K, stride_plane,
-                                  stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, PACK, GROUP_BYTES,
-                                  BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K]
-            acc = _dot_wt(x, w, acc, INTERP_BF16)
+            w = _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
+                             stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, FOLD,
+                             7 if WBF16 else 23, BLOCK_N, BLOCK_K)
+            acc = _dot_w_xt(w, x, acc, INTERP_BF16)
         else:  # packed codes [BLOCK_K // PACK, BLOCK_N] and raw scales [BLOCK_N, BLOCK_K // 32]
             g = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
             wq = tl.load(planes_ptr + offs_n[None, :] * stride_wn + g[:, None],
@@ -204,18 +448,46 @@ def _mx_linear_prefill_kernel(
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + kb[None, :],
                         mask=(offs_n[:, None] < N) & (kb[None, :] < K // 32), other=127)
-            acc = tl.dot_scaled(x, None, X_FMT, wq, s, DOT_SCALED_FMT, acc=acc)
+            acc = tl.trans(tl.dot_scaled(x, None, X_FMT, wq, s, DOT_SCALED_FMT,
+                                         acc=tl.trans(acc)))
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16),
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+             mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
 
-def _format_args(fmt: str) -> dict:
-    f = get_format(fmt)
-    return dict(EBITS=f.ebits, MBITS=f.mbits, NAN_CODE=0x7F if fmt == "e4m3" else -1,
-                PACK=f.pack, GROUP_BYTES=f.group_bytes)
+@triton.jit
+def _mx_linear_dequant_kernel(
+    # pointers: weight planes [P, N, K // E] int32, scales [N, K // 32]; out [N, K]
+    planes_ptr, scales_ptr, out_ptr,
+    # sizes (num_words = K // E) and strides
+    N, K, num_words, stride_plane, stride_wn, stride_sn, stride_on,
+    # element format and layout
+    EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
+    P: tl.constexpr, FOLD: tl.constexpr,
+    # tiling
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WBF16: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _weight_tile(planes_ptr, scales_ptr, offs_n, tl.program_id(1) * (BLOCK_K // E), N,
+                     num_words, stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P,
+                     FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    v = w if WBF16 else _cast_out(w, out_ptr.dtype.element_ty, INTERP_BF16)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], v,
+             mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+# ---------------------------------------------------------------- launch
+
+def _format_args(w: MXLinearWeight) -> dict:
+    f = get_format(w.fmt)
+    e, p = _PLANES[f.bits]
+    return dict(EBITS=f.ebits, MBITS=f.mbits, NAN_CODE=0x7F if w.fmt == "e4m3" else -1, E=e, P=p,
+                FOLD=w.fold)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -223,51 +495,93 @@ def _num_sms(device: torch.device) -> int:
         else 1
 
 
-# decode tiles by BLOCK_M: (BLOCK_N, BLOCK_K), about 8K weights in registers a program.
-# Starting points, to be tuned on the H200 (bench/).
-_DECODE_TILES = {1: (64, 128), 2: (64, 64), 4: (32, 64), 8: (16, 64), 16: (64, 128)}
+# decode configs: (BLOCK_N, BLOCK_K, num_warps, num_stages) for the FMA path (M = 1) and the
+# tl.dot path (M >= 2); GPU only, the interpreter uses small tiles. Tuned on the H200 (bench/).
+_DECODE_FMA = (8, 512, 4, 1)
+_DECODE_DOT = (32, 256, 4, 1)
+_DECODE_TARGET_PROGRAMS_PER_SM = 4
+_DECODE_PREFETCH = True
 
 
-def _launch_decode(x2, w, out2, bias, split_k):
-    (m, k), n = x2.shape, w.shape[0]
-    block_m = min(triton.next_power_of_2(m), DECODE_MAX_M)
-    block_n, block_k = _DECODE_TILES[block_m]
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    if split_k is None:  # about four programs an SM: enough loads in flight to hide latency
-        split_k = max(1, min(triton.cdiv(4 * _num_sms(x2.device), tiles), triton.cdiv(k, block_k)))
-    block_k = min(block_k, max(32, triton.next_power_of_2(triton.cdiv(k, split_k))))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    interp_bf16 = interpreted_bf16(x2.dtype, x2)
-    dst = out2 if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32,
-                                                device=x2.device)
-    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
-    _mx_linear_decode_kernel[grid](
-        x2, w.planes, w.scales, bias if bias is not None else w.scales, dst, m, n, k, k_per_split,
-        x2.stride(0), w.planes.stride(0), w.planes.stride(1), w.scales.stride(0),
-        0 if split_k == 1 else dst.stride(0), dst.stride(-2), **_format_args(w.fmt),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m == 16,
-        EPILOGUE=split_k == 1, HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16)
-    if split_k > 1:
-        block = 1024
-        _mx_linear_reduce_kernel[(triton.cdiv(m * n, block),)](
-            dst, bias if bias is not None else dst, out2, m * n, n, dst.stride(0),
-            SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16)
-
-
-def _launch_prefill(x2, w, out2, bias, use_dot_scaled):
+def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
+                   prefetch=None):
+    """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm: overrides of
+    the tuned choices (bench/)."""
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
-    block_m, block_n, block_k = (128, 128, 64) if on_gpu else (32, 32, 64)
+    use_dot = m > 1 if use_dot is None else use_dot or m > 1
+    block_m = 16 if use_dot else 1
+    if config is None:
+        config = (_DECODE_DOT if use_dot else _DECODE_FMA) if on_gpu else (16, 128, 4, 1)
+    block_n, block_k, num_warps, num_stages = config
+    e, _ = _PLANES[get_format(w.fmt).bits]
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    if split_k is None:  # enough programs in flight to hide the memory latency
+        want = (programs_per_sm or _DECODE_TARGET_PROGRAMS_PER_SM) * _num_sms(x2.device)
+        split_k = max(1, min(want // tiles, triton.cdiv(k, block_k)))
+    block_k = min(block_k, max(2 * e, triton.next_power_of_2(triton.cdiv(k, split_k))))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    words_per_split = k_per_split // e
+    interp_bf16 = interpreted_bf16(x2.dtype, x2)
+    counters = w.counters
+    if split_k > 1 and counters.numel() < tiles:
+        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device) \
+        if split_k > 1 else out2
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    _mx_linear_decode_kernel[grid](
+        x2, w.planes, w.scales, bias if bias is not None else w.scales, out2, partial, counters,
+        m, n, k, k // e, split_k, words_per_split, x2.stride(0), w.planes.stride(0),
+        w.planes.stride(1), w.scales.stride(0), out2.stride(0),
+        partial.stride(0) if split_k > 1 else 0,
+        **_format_args(w), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        PREFETCH=_DECODE_PREFETCH if prefetch is None else prefetch,
+        WBF16=x2.dtype == torch.bfloat16 and not interp_bf16, SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
+        **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
+
+
+_PREFILL = (128, 128, 64, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+
+def _launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
+    (m, k), n = x2.shape, w.shape[0]
+    on_gpu = x2.is_cuda
+    block_m, block_n, block_k, num_warps, num_stages = config or (
+        _PREFILL if on_gpu else (32, 32, 64, 4, 1))
+    f = get_format(w.fmt)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    planes = _canonical_data(w) if use_dot_scaled else w.planes  # bytes [N, K // PACK]
+    interp_bf16 = interpreted_bf16(x2.dtype, x2)
     _mx_linear_prefill_kernel[grid](
-        x2, w.planes, w.scales, bias if bias is not None else w.scales, out2, m, n, k,
-        x2.stride(0), w.planes.stride(0), w.planes.stride(1), w.scales.stride(0), out2.stride(0),
-        **_format_args(w.fmt), DOT_SCALED_FMT=w.fmt if use_dot_scaled else "",
+        x2, planes, w.scales, bias if bias is not None else w.scales, out2, m, n, k,
+        k // _PLANES[f.bits][0], x2.stride(0), w.planes.stride(0), planes.stride(-2),
+        w.scales.stride(0), out2.stride(0),
+        **_format_args(w), PACK=f.pack, DOT_SCALED_FMT=w.fmt if use_dot_scaled else "",
         X_FMT={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x2.dtype, ""),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, HAS_BIAS=bias is not None,
-        INTERP_BF16=interpreted_bf16(x2.dtype, x2),
-        **(dict(num_warps=8, num_stages=3) if on_gpu else {}))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        WBF16=x2.dtype == torch.bfloat16 and not interp_bf16, HAS_BIAS=bias is not None,
+        INTERP_BF16=interp_bf16,
+        **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
+
+
+def dequantize_linear_weight(w: MXTensor | MXLinearWeight, dtype: torch.dtype,
+                             *, backend: str = "auto") -> torch.Tensor:
+    """w as a dense [N, K] `dtype` tensor (exact in fp32, one rounding to dtype)."""
+    w = _as_linear_weight(w)
+    n, k = w.shape
+    if not _use_triton(backend, w.planes):
+        return dequantize_mx_torch(MXTensor(_canonical_data(w), w.scales, w.fmt, (n, k)), dtype)
+    out = torch.empty(n, k, dtype=dtype, device=w.planes.device)
+    block_n, block_k = (32, 256) if w.planes.is_cuda else (16, 64)
+    interp_bf16 = interpreted_bf16(dtype, out)
+    _mx_linear_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        w.planes, w.scales, out, n, k, k // _PLANES[get_format(w.fmt).bits][0],
+        w.planes.stride(0), w.planes.stride(1),
+        w.scales.stride(0), out.stride(0), **_format_args(w), BLOCK_N=block_n, BLOCK_K=block_k,
+        WBF16=dtype == torch.bfloat16 and not interp_bf16, INTERP_BF16=interp_bf16)
+    return out
 
 
 def _check_linear(x: torch.Tensor, w: MXLinearWeight, bias: torch.Tensor | None) -> None:
@@ -286,13 +600,15 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
     """y [..., N] = x [..., K] @ dequantize(w).T + bias, in x's dtype, accumulated in fp32.
 
     Pass a prepared MXLinearWeight (prepare_mx_weight, at load); an MXTensor is prepared per call.
-    path: "auto" (decode when M <= 16), "decode" or "prefill". use_dot_scaled (prefill): None =
-    only where MX MMA is native (sm_100+); needs e2m1/e4m3 weights and 16-bit x. fp16 x: the
-    dequantized weights must fit fp16's range. Raises ValueError on bad input."""
+    path: "auto" (decode when M <= 16, dense dequantize + cuBLAS from PREFILL_DEQUANT_MIN_M rows
+    of 16-bit x on a GPU), "decode", "prefill" (always the fused kernel) or "dequant".
+    use_dot_scaled (prefill): None = only where MX MMA is native (sm_100+); needs e2m1/e4m3
+    weights and 16-bit x. fp16 x: the dequantized weights must fit fp16's range. Raises
+    ValueError on bad input."""
     w = _as_linear_weight(w)
     _check_linear(x, w, bias)
-    if path not in ("auto", "decode", "prefill"):
-        raise ValueError(f"mx_linear: path must be auto, decode or prefill, got {path!r}")
+    if path not in ("auto", "decode", "prefill", "dequant"):
+        raise ValueError(f"mx_linear: path must be auto, decode, prefill or dequant, got {path!r}")
     if not _use_triton(backend, x):
         ref = mx_linear_torch(x, w, bias)
         return ref if out is None else out.copy_(ref)
@@ -303,11 +619,18 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if not out.is_contiguous() or out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype:
         raise ValueError(f"mx_linear: out must be contiguous {x.dtype} {(*x.shape[:-1], n)}")
-    if x2.shape[0] == 0:
+    m = x2.shape[0]
+    if m == 0:
         return out
     out2 = out.view(-1, n)  # [M, N]
-    if path == "decode" or (path == "auto" and x2.shape[0] <= DECODE_MAX_M):
+    if path == "decode" or (path == "auto" and m <= DECODE_MAX_M):
         _launch_decode(x2, w, out2, bias, split_k)
+        return out
+    if path == "dequant" or (path == "auto" and x.is_cuda and x.dtype != torch.float32
+                             and m >= PREFILL_DEQUANT_MIN_M):
+        wd = dequantize_linear_weight(w, x.dtype, backend=backend)
+        torch.matmul(x2, wd.T, out=out2) if bias is None else \
+            torch.addmm(bias, x2, wd.T, out=out2)
         return out
     can_dot_scaled = w.fmt in ("e2m1", "e4m3") and x.dtype != torch.float32
     if use_dot_scaled is None:  # emulated (upcast to bf16) below sm_100: no gain there
@@ -324,10 +647,8 @@ def mx_linear_torch(x: torch.Tensor, w: MXTensor | MXLinearWeight,
     """Reference: dequantize w exactly, matmul in fp32, add bias, cast to x's dtype."""
     w = _as_linear_weight(w)
     _check_linear(x, w, bias)
-    f = get_format(w.fmt)
     n, k = w.shape
-    data = w.planes.permute(1, 2, 0).reshape(n, f.packed_len(k))  # canonical [N, packed K]
-    wf = dequantize_mx_torch(MXTensor(data, w.scales, w.fmt, (n, k)), torch.float32)
+    wf = dequantize_mx_torch(MXTensor(_canonical_data(w), w.scales, w.fmt, (n, k)), torch.float32)
     y = x.float() @ wf.T
     if bias is not None:
         y = y + bias.float()

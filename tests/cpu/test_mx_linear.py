@@ -21,6 +21,9 @@ import torch  # noqa: E402
 from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
 from mxserve.kernels.mx_linear import (  # noqa: E402
     MXLinearWeight,
+    _canonical_data,
+    _launch_decode,
+    dequantize_linear_weight,
     mx_linear,
     mx_linear_torch,
     prepare_mx_weight,
@@ -74,7 +77,8 @@ def test_reference_is_dequantize_then_matmul(fmt):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m, k, split_k, with_bias", [(1, 96, None, True), (3, 96, 2, False),
+@pytest.mark.parametrize("m, k, split_k, with_bias", [(1, 96, None, True), (1, 256, 3, False),
+                                                      (3, 96, 2, False),
                                                       (8, 256, 2, True), (16, 96, 3, True)])
 def test_decode_matches_reference(fmt, dtype, m, k, split_k, with_bias):
     x, w, bias = make_case(fmt, dtype, m, 40, k, with_bias, seeded(fmt, dtype, m))
@@ -103,7 +107,7 @@ def test_prefill_dot_scaled_matches_reference(fmt, dtype):
     assert_close_to_ref(run(x, w, bias, path="prefill", use_dot_scaled=True), x, w, bias)
 
 
-@pytest.mark.parametrize("path", ["auto", "decode", "prefill"])
+@pytest.mark.parametrize("path", ["auto", "decode", "prefill", "dequant"])
 def test_leading_dims_and_auto_path(path):
     x, w, bias = make_case("e2m3", torch.bfloat16, 5, 24, 64, True, seeded(path), lead=(2,))
     y = run(x, w, bias, path=path)
@@ -116,15 +120,66 @@ def test_empty_batch():
     assert mx_linear(x, w, backend="triton").shape == (0, 8)
 
 
-def test_prepare_keeps_fp4_view_and_splits_fp6_planes():
-    w4 = quantize_mx(torch.randn(8, 64), "e2m1")
-    p4 = prepare_mx_weight(w4)
-    assert isinstance(p4, MXLinearWeight) and p4.planes.shape == (1, 8, 32)
-    assert p4.planes.data_ptr() == w4.data.data_ptr()  # no copy
-    w6 = quantize_mx(torch.randn(8, 64), "e3m2")
-    p6 = prepare_mx_weight(w6)
-    assert p6.planes.shape == (3, 8, 16)
-    assert torch.equal(p6.planes[1], w6.data.reshape(8, 16, 3)[:, :, 1])
+def test_prepare_rearranges_words_and_back():
+    for fmt, shape in [("e2m1", (1, 8, 8)), ("e3m2", (3, 8, 4)), ("e2m3", (3, 8, 4)),
+                       ("e4m3", (2, 8, 8))]:
+        w = quantize_mx(torch.randn(8, 64), fmt)
+        w.data.copy_(torch.randint(0, 256, w.data.shape, generator=seeded(fmt, "layout"),
+                                   dtype=torch.uint8))
+        p = prepare_mx_weight(w)
+        assert isinstance(p, MXLinearWeight) and p.fold
+        assert p.planes.shape == shape and p.planes.dtype == torch.int32
+        assert torch.equal(_canonical_data(p), w.data)  # the layout is a permutation of bits
+    # FP4: element 2u + h of a word group at bit 4u + 16h of its word
+    w = quantize_mx(torch.tensor([[0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5] * 4]), "e2m1")
+    assert prepare_mx_weight(w).planes[0, 0, 0].item() == 0x9642_7531 - 2**32
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_large_and_nan_scales(fmt, path):
+    """Scale bytes above 127 + bias (no folded 2^(scale - bias) factor), byte 0 (2^-127) and
+    0xFF (NaN): every output row that meets a NaN scale is NaN, the others match."""
+    gen = seeded(fmt, path, "scales")
+    x, w, bias = make_case(fmt, torch.float32, 3 if path == "decode" else 20, 24, 128, True, gen)
+    w.scales.copy_(torch.randint(100, 140, w.scales.shape, generator=gen, dtype=torch.uint8))
+    w.scales[0, 0] = 0
+    w.scales[1, :] = 150
+    p = prepare_mx_weight(w)
+    assert not p.fold
+    assert_close_to_ref(run(x, w, bias, path=path, use_dot_scaled=False), x, w, bias)
+    w.scales[5, 1] = 255
+    y = run(x, w, bias, path=path, use_dot_scaled=False)
+    assert y[:, 5].isnan().all() and not y[:, :5].isnan().any() and not y[:, 6:].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_linear_weight_matches_dequantize_mx(fmt, dtype):
+    w = quantize_mx(torch.randn(40, 96, generator=seeded(fmt, "deq")), fmt)
+    w.data.copy_(torch.randint(0, 256, w.data.shape, generator=seeded(fmt), dtype=torch.uint8))
+    got = dequantize_linear_weight(prepare_mx_weight(w), dtype, backend="triton")
+    torch.testing.assert_close(got, dequantize_mx(w, dtype, backend="torch"), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_split_k_counters_rearm():
+    """The in-launch split-K reduction leaves its counters at zero, so calls can repeat."""
+    x, w, bias = make_case("e2m1", torch.float32, 1, 40, 256, True, seeded("rearm"))
+    p = prepare_mx_weight(w)
+    for m in (1, 5):
+        for _ in range(2):
+            xm = x.expand(m, -1).contiguous()
+            out = torch.full((m, 40), math.nan)
+            y = mx_linear(xm, p, bias, backend="triton", path="decode", split_k=4, out=out)
+            assert_close_to_ref(y, xm, w, bias)
+            assert int(p.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequant_path(dtype):
+    x, w, bias = make_case("e2m3", dtype, 33, 40, 96, True, seeded("dequant", dtype))
+    assert_close_to_ref(run(x, w, bias, path="dequant"), x, w, bias)
 
 
 # ---------------------------------------------------------------- bad inputs
@@ -152,3 +207,13 @@ def test_dot_scaled_needs_fp4_or_fp8_and_16_bit_x():
     w = quantize_mx(torch.randn(8, 64), "e2m1")
     with pytest.raises(ValueError, match="dot_scaled"):
         mx_linear(torch.randn(20, 64), w, backend="triton", path="prefill", use_dot_scaled=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m, split_k", [(1, 1), (1, 2), (5, 1), (5, 3)])
+def test_decode_prefetch_variant(fmt, m, split_k):
+    """The decode kernel's PREFETCH variant (next tile's words loaded ahead) computes the same."""
+    x, w, bias = make_case(fmt, torch.float32, m, 40, 512, True, seeded(fmt, m, "prefetch"))
+    out = torch.full((m, 40), math.nan)
+    _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, prefetch=True)
+    assert_close_to_ref(out, x, w, bias)

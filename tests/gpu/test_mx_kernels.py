@@ -25,7 +25,12 @@ from mxserve.kernels.mx import (  # noqa: E402
     quantize_mx,
     quantize_mx_torch,
 )
-from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch, prepare_mx_weight  # noqa: E402
+from mxserve.kernels.mx_linear import (  # noqa: E402
+    dequantize_linear_weight,
+    mx_linear,
+    mx_linear_torch,
+    prepare_mx_weight,
+)
 
 FMTS = ["e2m1", "e2m3", "e3m2", "e4m3"]
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -113,12 +118,33 @@ def test_decode_other_dtypes(fmt, dtype):
     check_linear(*make_case(fmt, 4096, 4096, 5, dtype, 3), path="decode")
 
 
+@pytest.mark.parametrize("path", ["prefill", "auto"])  # auto: dequantize + cuBLAS for 16-bit x
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [17, 512, 2000])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_prefill_at_scale(fmt, m, dtype):
-    check_linear(*make_case(fmt, 4096, 4096, m, dtype, m), path="prefill",
-                 use_dot_scaled=False)
+def test_prefill_at_scale(fmt, m, dtype, path):
+    check_linear(*make_case(fmt, 4096, 4096, m, dtype, m), path=path, use_dot_scaled=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_linear_weight_bit_exact(fmt, dtype):
+    """The linear's tile decoder (bf16 bits placed straight from the codes) on every code and
+    scale byte, 0 (2^-127) and 0xFF (NaN) included, against the float64 reference."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    t = quantize_mx(wide_range(1024, 4096, gen), fmt)
+    t.data.copy_(torch.randint(0, 256, t.data.shape, generator=gen, device=DEV,
+                               dtype=torch.uint8))
+    t.scales.copy_(torch.randint(0, 256, t.scales.shape, generator=gen, device=DEV,
+                                 dtype=torch.uint8))
+    got = dequantize_linear_weight(prepare_mx_weight(t), dtype, backend="triton")
+    torch.testing.assert_close(got, dequantize_mx_torch(t, dtype), rtol=0, atol=0,
+                               equal_nan=True)
+    t.scales.clamp_(100, 127)  # the folded-scale path
+    p = prepare_mx_weight(t)
+    assert p.fold
+    torch.testing.assert_close(dequantize_linear_weight(p, dtype, backend="triton"),
+                               dequantize_mx_torch(t, dtype), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
