@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# `quantization` values -> the OCP MX element format of the decoder linears' weights.
+MX_QUANTIZATIONS = {"mxfp4": "e2m1", "mxfp6": "e2m3", "mxfp6_e3m2": "e3m2"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch" (reference) or, on CUDA, "triton"
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
     load_progress: bool = True
+    # MX weights for the decoder linears (q/k/v/o, gate/up/down), quantized while loading a
+    # full-precision checkpoint (one from `mxserve quantize` is MX already; None serves it as is).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
@@ -43,9 +48,13 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, "
+                             f"got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None and self.quantization not in MX_QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {sorted(MX_QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
 
     @property
     def torch_device(self) -> torch.device:

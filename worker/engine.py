@@ -9,6 +9,7 @@ background thread for the server.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -220,8 +221,13 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     checkpoint = open_checkpoint(config.model)
-    runner = ModelRunner(checkpoint.config, config)
+    model_config = checkpoint.config
+    runner = ModelRunner(model_config, config)
     runner.load_weights(checkpoint.weights(progress=config.load_progress))
-    engine = Engine(runner, checkpoint.config, config, checkpoint.tokenizer)
+    if runner.quantization and not checkpoint.quantization:  # quantized while loading
+        # Different numerics, different KV: keep prefix-cache hashes apart from the original's.
+        model_config = dataclasses.replace(
+            model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
+    engine = Engine(runner, model_config, config, checkpoint.tokenizer)
     engine.generation_defaults = dict(checkpoint.generation_defaults)
     return engine

@@ -9,6 +9,7 @@ import torch
 
 from mxserve.worker.attention import AttentionBatch, get_attention_backend
 from mxserve.worker.config import EngineConfig
+from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.parallel import TPGroup
@@ -19,7 +20,7 @@ from mxserve.worker.scheduler import StepPlan
 class StepResult:
     """The runner's answer to a StepPlan."""
 
-    # [num_sampling, vocab] float32: one row per scheduled request with `samples` True, in plan order.
+    # [num_sampling, vocab] float32: a row per scheduled request with `samples` True, in plan order.
     logits: torch.Tensor
     # Final hidden states [num_sampling, hidden] of those rows, for a draft model (None otherwise).
     hidden_states: torch.Tensor | None = None
@@ -29,6 +30,18 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -
     """K and V of every layer for one token, on one tensor-parallel rank."""
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * elem
+
+
+def _quantization(config: EngineConfig) -> str | None:
+    """The MX format of the decoder linears: the checkpoint's own (an `mxserve quantize`
+    directory), else `config.quantization` (quantize while loading), else None."""
+    from mxserve.worker.model.loader import declared_quantization
+
+    declared = declared_quantization(config.model)
+    if declared and config.quantization not in (None, declared):
+        raise ModelLoadError(f"{config.model} is quantized to {declared} already; "
+                             f"quantization={config.quantization!r} can't re-quantize it")
+    return declared or config.quantization
 
 
 class ModelRunner:
@@ -41,7 +54,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.tp = tp or TPGroup()
-        self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device)
+        self.quantization = _quantization(config)
+        self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device,
+                                      self.quantization)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"

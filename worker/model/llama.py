@@ -26,17 +26,19 @@ from mxserve.worker.model.parallel import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
+                 quant: str | None = None) -> None:
         super().__init__()
         if cfg.num_key_value_heads % tp.size:
-            raise ModelLoadError(f"{cfg.num_key_value_heads} KV heads can't split over tp {tp.size}")
+            raise ModelLoadError(
+                f"{cfg.num_key_value_heads} KV heads can't split over tp {tp.size}")
         self.num_heads = cfg.num_attention_heads // tp.size
         self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.attention_bias, tp,
-            dtype, device)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device)
+            dtype, device, quant)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
@@ -51,12 +53,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
+                 quant: str | None = None) -> None:
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
-                                                 dtype, device)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device)
+                                                 dtype, device, quant)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -64,10 +67,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
+                 quant: str | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, quant)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -77,16 +81,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embeddings -> decoder layers -> final norm; `compute_logits` applies the LM head."""
+    """Embeddings -> decoder layers -> final norm; `compute_logits` applies the LM head.
+
+    `quantization` ("mxfp4", "mxfp6", "mxfp6_e3m2"; mx_layers.py): the decoder linears hold MX
+    weights. They load an MX checkpoint's MXTensors as they are and quantize float weights."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 quantization: str | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.quantization = quantization
+        quant = None
+        if quantization is not None:
+            from mxserve.worker.model.mx_layers import model_element_format  # imports Triton
+
+            quant = model_element_format(cfg, tp.size, quantization)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
+                                                   device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, tp, dtype, device, quant) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(
             self.embed_tokens if cfg.tie_word_embeddings else None, cfg.vocab_size,
@@ -114,11 +129,18 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name not in expected:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            if not isinstance(tensor, torch.Tensor) and self.quantization is None:
+                raise ModelLoadError(f"{name} is MX-quantized: build the model with its "
+                                     "quantization")
             self._load_one(name, tensor)
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+            raise ModelLoadError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.finish_loading()
 
     def _expected_names(self) -> list[str]:
         cfg = self.config

@@ -9,6 +9,8 @@ Two layouts are read:
 Both are checked completely when opened (every tensor the config implies must be present), so a bad
 checkpoint fails in `open_checkpoint`, not halfway through loading. `Checkpoint.weights()` then
 yields Hugging Face Llama names and shapes ([out_features, in_features]) whatever the source.
+A directory written by `mxserve quantize` (config.json's quantization_config, mx_layers.py) yields
+its decoder linears as MXTensors under the same names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig, RopeScaling
 from mxserve.worker.model.tokenizer import Tokenizer, gguf_field
@@ -52,13 +55,15 @@ class Checkpoint:
     generation_defaults: dict  # a subset of GENERATION_KEYS from generation_config.json; {} if none
     path: str
     source: _SafetensorsSource | _GGUFSource = field(repr=False)
+    quantization: str | None = None  # an MX checkpoint's format ("mxfp4", ...), else None
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) once for each of `expected_tensor_names(config)`, lazily, in
         file order.
 
-        safetensors tensors keep their stored dtype; GGUF tensors are dequantized to float32 and
-        their q/k rows put back in Hugging Face's rotate-half order. A tqdm bar goes to stderr."""
+        safetensors tensors keep their stored dtype (an MX checkpoint's linears: MXTensors); GGUF
+        tensors are dequantized to float32 and their q/k rows put back in Hugging Face's
+        rotate-half order. A tqdm bar goes to stderr."""
         with tqdm(total=len(expected_tensor_names(self.config)), file=sys.stderr, unit="tensor",
                   desc=f"loading {os.path.basename(self.path)}", disable=not progress) as bar:
             for name, tensor in self.source.tensors():
@@ -92,6 +97,15 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     raise ModelLoadError(f"{path}: expected a Hugging Face directory or a .gguf file")
 
 
+def declared_quantization(model: str | None) -> str | None:
+    """The MX format an `mxserve quantize` directory declares in its config.json (read alone);
+    None for any other checkpoint."""
+    path = os.path.expanduser(model) if model not in (None, "smollm2") else ""
+    if not os.path.isdir(path):
+        return None
+    return _quantization(_read_json(os.path.join(path, "config.json")), path)
+
+
 def _smollm2_path() -> str:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -107,14 +121,17 @@ def _smollm2_path() -> str:
 class _SafetensorsSource:
     """Reads the planned tensors lazily, one file at a time, through safe_open's mmap."""
 
-    def __init__(self, plan: dict[str, list[str]]) -> None:
+    def __init__(self, plan: dict[str, list[str]], mx_fmt: str | None = None) -> None:
         self.plan = plan  # shard file -> the HF names to read from it
+        self.mx_fmt = mx_fmt  # MX checkpoints: element format of the X.weight_mx/_scale pairs
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in self.plan.items():
             with _safe_open(file) as f:
+                packed = set(f.keys()) if self.mx_fmt else set()
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    yield name, (_mx().read_mx(f, name, self.mx_fmt) if name + "_mx" in packed
+                                 else f.get_tensor(name))
 
 
 def _open_hf_dir(path: str) -> Checkpoint:
@@ -122,16 +139,35 @@ def _open_hf_dir(path: str) -> Checkpoint:
     gen = _read_json(os.path.join(path, "generation_config.json"))
     files = _weight_files(path)
     config = _hf_model_config(cfg, gen, _hf_model_id(path, files))
-    plan = _plan_reads(path, files, config)
+    quantization = _quantization(cfg, path)
+    mx_fmt = MX_QUANTIZATIONS[quantization] if quantization else None
+    plan = _plan_reads(path, files, config, mx_fmt)
     tokenizer = Tokenizer.from_hf_dir(path)
     defaults = {k: gen[k] for k in GENERATION_KEYS if gen.get(k) is not None}
-    return Checkpoint(config, tokenizer, defaults, path, _SafetensorsSource(plan))
+    return Checkpoint(config, tokenizer, defaults, path, _SafetensorsSource(plan, mx_fmt),
+                      quantization)
 
 
-def _plan_reads(path: str, files: list[str], config: ModelConfig) -> dict[str, list[str]]:
+def _quantization(cfg: dict, path: str) -> str | None:
+    qc = cfg.get("quantization_config")
+    return None if qc is None else _mx().parse_quantization_config(qc, path)
+
+
+def _mx():
+    """mx_layers (MX checkpoints), imported only when one is opened: it imports Triton."""
+    from mxserve.worker.model import mx_layers
+
+    return mx_layers
+
+
+def _plan_reads(path: str, files: list[str], config: ModelConfig,
+                mx_fmt: str | None = None) -> dict[str, list[str]]:
     """file -> the expected names it holds. A missing tensor, or one the model would silently
-    drop (e.g. Llama's o_proj.bias when attention_bias is set), is a ModelLoadError."""
+    drop (e.g. Llama's o_proj.bias when attention_bias is set), is a ModelLoadError. MX
+    checkpoints (`mx_fmt`): each checked weight_mx/weight_scale pair counts as its weight."""
     owner = {name: file for file in files for name in _header_keys(file)}
+    if mx_fmt:
+        owner = _mx().mx_logical_owner(owner, mx_fmt)
     expected = expected_tensor_names(config)
     plan: dict[str, list[str]] = {}
     for name in expected:

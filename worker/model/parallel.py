@@ -19,7 +19,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TPGroup:
-    """Which shard this process holds. `group` is a torch.distributed process group (None = world)."""
+    """Which shard this process holds. `group`: a torch.distributed process group (None = world)."""
 
     rank: int = 0
     size: int = 1
@@ -53,16 +53,20 @@ class ColumnParallelLinear(nn.Module):
 
     Several logical projections may be fused (qkv, gate_up): `output_sizes` lists their full sizes
     and `load(shard_index, w)` places each one's rank slice in its part of the fused weight.
+    `quant` (an MX element format, e.g. "e2m1"): the weight is one MXWeight (mx_layers.py) for
+    the fused layer; each shard's packed rows go to its part (MX blocks run along K, so rows
+    concatenate exactly). `finish_loading()` runs once after the last `load`.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 quant: str | None = None) -> None:
         super().__init__()
         self.tp = tp
+        self.quant = quant
         self.local_sizes = [s // tp.size for s in output_sizes]
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = _weight(out, in_features, dtype, device, quant)
         self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
 
@@ -71,6 +75,9 @@ class ColumnParallelLinear(nn.Module):
         return slice(start, start + self.local_sizes[shard_index])
 
     def load(self, shard_index: int, weight: torch.Tensor) -> None:
+        """weight: the full [output_sizes[shard_index], in_features] tensor (or MXTensor)."""
+        if self.quant:
+            return self.weight.load(self._rows(shard_index), weight, self.tp, 0)
         self.weight.data[self._rows(shard_index)].copy_(self.tp.shard(weight, 0))
 
     def load_bias(self, shard_index: int, bias: torch.Tensor) -> None:
@@ -78,26 +85,51 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("checkpoint has a bias for a layer built without one")
         self.bias.data[self._rows(shard_index)].copy_(self.tp.shard(bias, 0))
 
+    def finish_loading(self) -> None:
+        if self.quant:
+            self.weight.finish_loading()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant:
+            return self.weight(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split over ranks, then an all-reduce of the partial sums."""
+    """y = x W^T with W's input columns split over ranks, then an all-reduce of the partial sums.
+
+    `quant`: an MX weight, as in ColumnParallelLinear; each rank holds whole 32-blocks of K."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", quant: str | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features // tp.size, dtype=dtype, device=device),
-            requires_grad=False)
+        self.quant = quant
+        self.weight = _weight(out_features, in_features // tp.size, dtype, device, quant)
 
     def load(self, weight: torch.Tensor) -> None:
+        if self.quant:
+            return self.weight.load(slice(None), weight, self.tp, 1)
         self.weight.data.copy_(self.tp.shard(weight, 1))
 
+    def finish_loading(self) -> None:
+        if self.quant:
+            self.weight.finish_loading()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.weight(x) if self.quant else F.linear(x, self.weight)
+        return self.tp.all_reduce(y)
+
+
+def _weight(out_features: int, in_features: int, dtype: torch.dtype,
+            device: torch.device | str, quant: str | None) -> nn.Parameter | nn.Module:
+    """A float nn.Parameter [out, in], or for `quant` an MXWeight module of that shape."""
+    if quant is None:
+        return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                            requires_grad=False)
+    from mxserve.worker.model.mx_layers import MXWeight  # imports Triton: only for MX models
+
+    return MXWeight(out_features, in_features, quant, dtype, device)
 
 
 class VocabParallelEmbedding(nn.Module):
