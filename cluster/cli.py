@@ -1,4 +1,5 @@
-"""The `mxserve` command: generate, chat (and, later, serve and client)."""
+"""The `mxserve` command: generate and chat offline; serve a model on Ray Serve and talk to it
+over gRPC (client, chat --endpoint)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,59 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     chat = sub.add_parser("chat", help="interactive chat with streamed answers")
+    chat.add_argument("--endpoint", default=None,
+                      help="chat with an mxserve server at host:port instead of in-process")
+    chat.add_argument("--app", default="mxserve", help="Serve application name (--endpoint)")
     for p in (gen, chat):
         _engine_args(p)
         _sampling_args(p)
+    _serve_parser(sub)
+    _client_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over gRPC on Ray Serve (Ctrl-C to stop)",
+                       description="Start a local Ray cluster (or use --address) and serve the "
+                                   "model: a router ingress and worker replicas behind Ray "
+                                   "Serve's gRPC proxy.")
+    p.add_argument("--config", default=None, help="YAML/JSON file of ServeConfig fields "
+                                                  "(cluster/config.py); flags override it")
+    p.add_argument("--address", default=None,
+                   help="deploy onto this existing Ray cluster (e.g. 'auto', 'ray://head:10001')"
+                        " and return, instead of starting a local one")
+    p.add_argument("--model", default=None,
+                   help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-name", default=None, help="the name clients use (default: derived)")
+    p.add_argument("--num-workers", type=int, default=None, help="worker replicas (default 1)")
+    p.add_argument("--worker-cpus", type=float, default=None, help="CPUs per worker (default 1)")
+    p.add_argument("--worker-gpus", type=float, default=None, help="GPUs per worker (default 0)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="Ray Serve's HTTP proxy port (default 8000; mxserve does not use it)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Ray's Prometheus metrics port (local cluster)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="per worker, beyond those running (default 64)")
+    p.add_argument("--request-timeout-s", type=float, default=None)
+    p.add_argument("--redis-url", default=None, help="the global prefix index (coming)")
+    for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
+                       ("max-num-seqs", int), ("max-num-batched-tokens", int),
+                       ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
+                       ("num-threads", int)):
+        p.add_argument(f"--{name}", type=kind, default=None, help="engine option")
+
+
+def _client_parser(sub) -> None:
+    p = sub.add_parser("client", help="send one prompt to an mxserve server and stream the answer")
+    p.add_argument("prompt")
+    p.add_argument("--endpoint", default="localhost:9000", help="host:port (default %(default)s)")
+    p.add_argument("--app", default="mxserve", help="Serve application name")
+    p.add_argument("--model", default="", help="model name (default: the served one)")
+    p.add_argument("--completion", action="store_true",
+                   help="send the prompt as raw text instead of a chat message")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _sampling_args(p)
 
 
 def _sampling_params(args):
@@ -64,6 +114,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    if args.endpoint:
+        return _remote_chat(args)
     params = _sampling_params(args)
     llm = _llm(args)
     engine, tokenizer = llm.engine, llm.tokenizer
@@ -98,13 +150,93 @@ def _stream(engine, request_id: str) -> str:
     return text
 
 
+_ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "num_kv_blocks", "kv_cache_memory_gb", "num_threads")
+
+
+def cmd_serve(args) -> int:
+    from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.local import serve_until_stopped
+
+    flags = dict(model=args.model, model_name=args.model_name, num_workers=args.num_workers,
+                 grpc_port=args.grpc_port, http_port=args.http_port,
+                 metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
+                 request_timeout_s=args.request_timeout_s, redis_url=args.redis_url)
+    flags = {k: v for k, v in flags.items() if v is not None}
+    config = ServeConfig.from_file(args.config) if args.config else ServeConfig()
+    engine = {**config.engine, **{k: getattr(args, k) for k in _ENGINE_FLAGS
+                                  if getattr(args, k) is not None}}
+    resources = config.worker_resources.model_dump()
+    if args.worker_cpus is not None:
+        resources["num_cpus"] = args.worker_cpus
+    if args.worker_gpus is not None:
+        resources["num_gpus"] = args.worker_gpus
+    config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
+                            "worker_resources": Resources(**resources)})
+    return serve_until_stopped(config, args.address)
+
+
+def _client_sampling(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def cmd_client(args) -> int:
+    from mxserve.cluster.client import Client
+
+    prompt = dict(messages=[{"role": "user", "content": args.prompt}]) if not args.completion \
+        else dict(prompt=args.prompt)
+    with Client(args.endpoint, args.app) as client:
+        for chunk in client.stream(model=args.model, timeout_s=args.timeout, **prompt,
+                                   **_client_sampling(args)):
+            print(chunk.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _remote_chat(args) -> int:
+    from mxserve.cluster.client import Client
+
+    messages: list[dict[str, str]] = []
+    print(f"mxserve chat with {args.endpoint}: a message, an empty line or Ctrl-D to quit.",
+          file=sys.stderr)
+    with Client(args.endpoint, args.app) as client:
+        while True:
+            try:
+                line = input("> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if not line:
+                return 0
+            messages.append({"role": "user", "content": line})
+            answer = ""
+            try:
+                for chunk in client.stream(messages=messages, **_client_sampling(args)):
+                    print(chunk.text, end="", flush=True)
+                    answer += chunk.text
+            except KeyboardInterrupt:
+                pass
+            print()
+            messages.append({"role": "assistant", "content": answer})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "client": cmd_client}
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        return commands[args.command](args)
     except MxserveError as e:
         print(f"mxserve: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            print(f"mxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -31,20 +31,37 @@ def check_stop(request: Request, max_model_len: int, text_start: int) -> None:
 
 def _cut_at_stop_string(request: Request, text_start: int) -> bool:
     params = request.sampling_params
-    text = request.output_text
-    search_from = max(0, text_start - max(len(s) for s in params.stop) + 1)
-    found = [(i, s) for s in params.stop if (i := text.find(s, search_from)) != -1]
-    if not found:
+    match = find_stop_string(request.output_text, text_start, params.stop,
+                             params.include_stop_str_in_output)
+    if match is None:
         return False
-    index, stop = min(found)
-    end = index + len(stop) if params.include_stop_str_in_output else index
-    request.output_text = text[:end]
-    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+    request.output_text = request.output_text[:match[0]]
+    request.finish_reason, request.stop_reason = FinishReason.STOP, match[1]
     return True
 
 
+def find_stop_string(text: str, text_start: int, stop: tuple[str, ...],
+                     include_stop_str: bool) -> tuple[int, str] | None:
+    """The stop-string rule, shared by the engine and the router (which detokenizes when the
+    worker does not): the earliest stop string in `text` that may end at or after `text_start`
+    (the text length before the newest token), as (length of text to keep, the stop string);
+    None when there is none."""
+    if not stop:
+        return None
+    search_from = max(0, text_start - max(len(s) for s in stop) + 1)
+    found = [(i, s) for s in stop if (i := text.find(s, search_from)) != -1]
+    if not found:
+        return None
+    index, hit = min(found)
+    return (index + len(hit) if include_stop_str else index), hit
+
+
+def stop_holdback(stop: tuple[str, ...]) -> int:
+    """Characters of output text to withhold while streaming an unfinished request: a stop
+    string may still complete across them, and then they must never have been sent."""
+    return max(len(s) for s in stop) - 1 if stop else 0
+
+
 def stream_holdback(request: Request) -> int:
-    """Characters of output text to withhold while streaming: a stop string may still complete
-    across them, and then they must never have been sent."""
-    stop = request.sampling_params.stop
-    return max(len(s) for s in stop) - 1 if stop and request.finish_reason is None else 0
+    """`stop_holdback` for a request (0 once it finished)."""
+    return stop_holdback(request.sampling_params.stop) if request.finish_reason is None else 0

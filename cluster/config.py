@@ -1,0 +1,99 @@
+"""The serving cluster's configuration: what `mxserve serve` reads (flags or a YAML/JSON file).
+
+Pydantic, because users and deploy files supply these values (STYLE.md 7). Engine options are
+EngineConfig's own (worker/config.py) and are checked by building one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mxserve.worker.config import EngineConfig
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+class Resources(BaseModel):
+    """Ray resources one replica reserves. `resources` are custom ones, e.g. {"worker_node": 1}
+    to pin replicas onto nodes started with that resource."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    def ray_actor_options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                "resources": dict(self.resources)}
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve autoscaling of the workers by ongoing requests per replica."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_workers: int = Field(1, ge=0)
+    max_workers: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Autoscaling:
+        if self.max_workers < self.min_workers:
+            raise ValueError("autoscaling.max_workers must be >= min_workers")
+        return self
+
+
+class ServeConfig(BaseModel):
+    """One served model: a router ingress deployment in front of `num_workers` worker replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # HF directory or .gguf path; None: SmolLM2-135M-Instruct
+    model_name: str | None = None  # the name clients pass; None: derived from `model`
+    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig options (no `model`)
+    num_workers: int = Field(1, ge=1)
+    autoscaling: Autoscaling | None = None  # when set, replaces num_workers
+    worker_resources: Resources = Field(default_factory=Resources)
+    router_resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    num_routers: int = Field(1, ge=1)
+    max_queued_requests: int = Field(64, ge=0)  # per worker, beyond max_num_seqs running
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (unused by mxserve)
+    metrics_port: int | None = Field(None, ge=1, le=65535)  # Ray's Prometheus export (local)
+    proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
+    request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
+    redis_url: str | None = None  # the global prefix index (prefix-aware routing, coming)
+    app_name: str = "mxserve"
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if "model" in self.engine:
+            raise ValueError("set the model with `model`, not engine.model")
+        self.engine_config()  # raises ValueError on a bad engine option
+        return self
+
+    @classmethod
+    def from_file(cls, path: str, **overrides: Any) -> ServeConfig:
+        """Read a YAML or JSON file; `overrides` (non-None values) win over the file."""
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".json"):
+                data = json.load(f)
+            else:
+                import yaml
+
+                data = yaml.safe_load(f) or {}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, **{"load_progress": False, **self.engine})
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model in (None, "smollm2"):
+            return SMOLLM2_NAME
+        return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf")

@@ -1,0 +1,155 @@
+"""The Ray Serve application: a router ingress deployment (gRPC, via Serve's gRPC proxy) in
+front of a worker deployment, one engine per replica. Wiring only: the logic is
+router/ingress.py (`Router`) and cluster/worker.py (`Worker`).
+
+    client --gRPC--> Serve proxy --> RouterDeployment.Generate --handle, stream--> WorkerDeployment
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.metrics import RayRouterMetrics, WorkerMetricsExporter
+from mxserve.cluster.worker import Worker
+from mxserve.proto import mxserve_pb2 as pb
+from mxserve.router.errors import ServeError
+from mxserve.router.ingress import Router
+from mxserve.router.requests import ModelCard
+from mxserve.worker.engine import StepOutput
+from mxserve.worker.sampling_params import SamplingParams
+
+SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
+WORKER, ROUTER = "Worker", "Router"
+
+
+@serve.deployment(name=WORKER)
+class WorkerDeployment:
+    """One engine replica. The engine's tokenizer is dropped: the router detokenizes."""
+
+    async def __init__(self, engine_options: dict, max_queued_requests: int) -> None:
+        from mxserve.worker.config import EngineConfig
+        from mxserve.worker.engine import build_engine
+
+        engine = await asyncio.to_thread(build_engine, EngineConfig(**engine_options))
+        engine.tokenizer = None
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
+                             node_id=ray.get_runtime_context().get_node_id())
+        self.worker.start()
+        self._metrics = asyncio.create_task(WorkerMetricsExporter(self.worker).run())
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[StepOutput]:
+        async for out in self.worker.generate(prompt_token_ids, params, request_id):
+            yield out
+
+    def record_routing_stats(self) -> dict:
+        """Serve polls this for request routers; the router's Health RPC reads it too."""
+        return self.worker.load()
+
+    def __del__(self) -> None:  # Serve calls this when the replica stops
+        if hasattr(self, "worker"):
+            self._metrics.cancel()
+            self.worker.shutdown()
+
+
+class HandleWorkers:
+    """`router.ingress.Workers` over a Serve deployment handle."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str) -> None:
+        self.handle = handle.options(stream=True)
+        self.replica_prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[StepOutput]:
+        response = self.handle.generate.remote(prompt_token_ids, params, request_id)
+        finished = False
+        try:
+            async for out in response:
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # closed early (cancel, deadline, stop string): abort there
+                response.cancel()
+
+    async def loads(self) -> list[dict]:
+        """Ask every worker replica directly: a handle call would reach only one. Replicas are
+        Ray actors named SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace."""
+        actors = await asyncio.to_thread(self._replica_actors)
+        results = await asyncio.gather(*(a.record_routing_stats.remote() for a in actors),
+                                       return_exceptions=True)
+        return sorted((r for r in results if isinstance(r, dict) and r),
+                      key=lambda r: r["worker_id"])
+
+    def _replica_actors(self) -> list:  # blocking GCS calls: run off the event loop
+        names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                 if n["namespace"] == "serve" and n["name"].startswith(self.replica_prefix)]
+        return [ray.get_actor(name, namespace="serve") for name in names]
+
+
+@serve.deployment(name=ROUTER)
+class RouterDeployment:
+    """The gRPC ingress: method names are the proto's RPC names."""
+
+    async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
+                       max_model_len: int | None, app_name: str) -> None:
+        from mxserve.worker.model.loader import open_checkpoint
+
+        checkpoint = await asyncio.to_thread(open_checkpoint, model)
+        cfg = checkpoint.config
+        card = ModelCard(model_name, max_model_len or cfg.max_position_embeddings,
+                         cfg.vocab_size, tuple(cfg.eos_token_ids))
+        self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
+                             RayRouterMetrics())
+
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
+                       grpc_context) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.router.generate(request):
+                yield response
+        except ServeError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    async def ListModels(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:  # noqa: N802
+        return await self.router.list_models()
+
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:  # noqa: N802
+        return await self.router.health()
+
+
+def _set_status(grpc_context, error: ServeError) -> None:
+    grpc_context.set_code(getattr(grpc.StatusCode, error.code))
+    grpc_context.set_details(error.message)
+
+
+def build_app(config: ServeConfig) -> serve.Application:
+    """The application for `serve.run`: a router bound to the worker deployment."""
+    engine = config.engine_config()
+    engine_options = {**config.engine, "model": config.model, "load_progress": False}
+    worker_options: dict = dict(
+        ray_actor_options=config.worker_resources.ray_actor_options(),
+        # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.
+        max_ongoing_requests=2 * (engine.max_num_seqs + config.max_queued_requests) + 1)
+    if config.autoscaling is None:
+        worker_options["num_replicas"] = config.num_workers
+    else:
+        a = config.autoscaling
+        worker_options["autoscaling_config"] = dict(
+            min_replicas=a.min_workers, max_replicas=a.max_workers,
+            initial_replicas=max(a.min_workers, 1),
+            target_ongoing_requests=a.target_ongoing_requests)
+    workers = WorkerDeployment.options(**worker_options).bind(engine_options,
+                                                              config.max_queued_requests)
+    return RouterDeployment.options(
+        num_replicas=config.num_routers, max_ongoing_requests=10_000,
+        ray_actor_options=config.router_resources.ray_actor_options(),
+    ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
+           config.app_name)

@@ -1,0 +1,90 @@
+"""mxserve's metrics, exported through Ray's Prometheus endpoint (names get Ray's "ray_" prefix;
+Serve adds application/deployment/replica tags).
+
+Router (per request): time to first token, time per output token, requests by outcome, output
+tokens. Worker (sampled every `interval_s`): running and waiting requests (queue depth), KV blocks
+used/free and usage, prefix-cache hit tokens, prompt tokens, and generated tokens per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.serve import metrics
+
+from mxserve.cluster.worker import Worker
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+_TPOT_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+
+
+class RayRouterMetrics:
+    """`router.ingress.RouterMetrics` on Ray metrics."""
+
+    def __init__(self) -> None:
+        self.ttft = metrics.Histogram("mxserve_time_to_first_token_seconds",
+                                      "Request arrival at the router to its first token",
+                                      boundaries=_LATENCY_BUCKETS)
+        self.tpot = metrics.Histogram("mxserve_time_per_output_token_seconds",
+                                      "Mean time between a request's output tokens",
+                                      boundaries=_TPOT_BUCKETS)
+        self.requests = metrics.Counter("mxserve_requests_total", "Requests by how they ended",
+                                        tag_keys=("status",))
+        self.tokens = metrics.Counter("mxserve_generation_tokens_total",
+                                      "Output tokens streamed to clients (rate() = tokens/s)")
+
+    def on_request_end(self, status: str, ttft_s: float | None, tpot_s: float | None,
+                       num_output_tokens: int) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.requests.inc(1, tags={"status": status})
+        if num_output_tokens:
+            self.tokens.inc(num_output_tokens)
+
+
+class WorkerMetricsExporter:
+    """Samples a Worker's load and running totals into Ray gauges and counters."""
+
+    def __init__(self, worker: Worker, interval_s: float = 1.0) -> None:
+        self.worker, self.interval_s = worker, interval_s
+        gauge = metrics.Gauge
+        self.running = gauge("mxserve_num_requests_running", "Requests the engine runs")
+        self.waiting = gauge("mxserve_num_requests_waiting", "Requests queued in the engine")
+        self.kv_used = gauge("mxserve_kv_blocks_used", "KV blocks referenced by requests")
+        self.kv_free = gauge("mxserve_kv_blocks_free", "KV blocks free or evictable")
+        self.kv_usage = gauge("mxserve_kv_cache_usage", "Fraction of KV blocks in use")
+        self.tokens_per_s = gauge("mxserve_generation_tokens_per_second",
+                                  "Output tokens per second over the last interval")
+        self.prefix_hits = metrics.Counter("mxserve_prefix_cache_hit_tokens_total",
+                                           "Prompt tokens served from the prefix cache")
+        self.prompt_tokens = metrics.Counter("mxserve_prompt_tokens_total", "Prompt tokens")
+        self._last = (0, 0, 0)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_time = loop.time()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = loop.time()
+            self.export(now - last_time)
+            last_time = now
+
+    def export(self, elapsed_s: float) -> None:
+        w = self.worker
+        load = w.load()
+        self.running.set(load["num_running"])
+        self.waiting.set(load["num_waiting"])
+        self.kv_used.set(load["num_kv_blocks_used"])
+        self.kv_free.set(load["num_kv_blocks_free"])
+        total = load["num_kv_blocks_used"] + load["num_kv_blocks_free"]
+        self.kv_usage.set(load["num_kv_blocks_used"] / total if total else 0.0)
+        totals = (w.num_prefix_hit_tokens, w.num_prompt_tokens, w.num_output_tokens)
+        hits, prompts, outputs = (now - before for now, before in zip(totals, self._last))
+        self._last = totals
+        if hits:
+            self.prefix_hits.inc(hits)
+        if prompts:
+            self.prompt_tokens.inc(prompts)
+        self.tokens_per_s.set(outputs / elapsed_s if elapsed_s > 0 else 0.0)

@@ -1,0 +1,96 @@
+"""A worker replica's logic, free of Ray (the Serve deployment in deployments.py only wires it):
+an `AsyncEngine` (engine loop on its own thread beside the replica's event loop), admission
+control, and the load report routing and autoscaling read.
+
+Admission: the engine runs `max_num_seqs` requests at once; up to `max_queued_requests` more may
+wait. A request beyond that is rejected at once with RESOURCE_EXHAUSTED rather than queued
+without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from mxserve.router.errors import RESOURCE_EXHAUSTED, ServeError
+from mxserve.worker.async_engine import AsyncEngine
+from mxserve.worker.engine import Engine, StepOutput
+from mxserve.worker.errors import InvalidRequestError
+from mxserve.worker.sampling_params import SamplingParams
+
+
+class Worker:
+    """Serves one engine. Construct, then `start()`; `shutdown()` stops the engine loop."""
+
+    def __init__(self, engine: Engine, max_queued_requests: int, worker_id: str = "worker",
+                 node_id: str = "") -> None:
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.capacity = engine.config.max_num_seqs + max_queued_requests
+        self.worker_id, self.node_id = worker_id, node_id
+        self.num_in_flight = 0  # requests admitted and not yet finished (event-loop side)
+        self.num_requests_total = 0  # requests admitted
+        self.num_requests_aborted = 0  # admitted, then closed before they finished
+        # Running totals, read by the metrics exporter.
+        self.num_prompt_tokens = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_output_tokens = 0
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[StepOutput]:
+        """Stream the request's engine outputs. Closing the stream (or cancelling the task
+        iterating it) aborts the request in the engine, which frees its KV blocks.
+
+        Raises ServeError: INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full)."""
+        if self.num_in_flight >= self.capacity:
+            raise ServeError(RESOURCE_EXHAUSTED,
+                             f"worker {self.worker_id} is full: {self.num_in_flight} requests "
+                             f"running or queued (limit {self.capacity}); retry later")
+        self.num_in_flight += 1
+        self.num_requests_total += 1
+        first, finished = True, False
+        try:
+            async for out in self.async_engine.generate(prompt_token_ids, params, request_id):
+                finished = out.finished
+                if first:
+                    self.num_prompt_tokens += out.num_prompt_tokens
+                    self.num_prefix_hit_tokens += out.num_cached_tokens
+                    first = False
+                self.num_output_tokens += len(out.new_token_ids)
+                yield out
+        except InvalidRequestError as e:
+            finished = True  # rejected, not aborted
+            raise ServeError.invalid(e) from None
+        finally:
+            self.num_in_flight -= 1
+            self.num_requests_aborted += not finished
+
+    def load(self) -> dict:
+        """The engine's load now; fields as in the proto's WorkerLoad."""
+        stats = self.engine.stats()  # read from the event loop while the engine thread runs:
+        # each number is current, together they may straddle a step
+        return dict(worker_id=self.worker_id, node_id=self.node_id,
+                    num_running=stats.num_running, num_waiting=stats.num_waiting,
+                    num_kv_blocks_used=stats.num_kv_blocks_used,
+                    num_kv_blocks_free=stats.num_kv_blocks_free,
+                    num_requests_total=self.num_requests_total,
+                    num_requests_aborted=self.num_requests_aborted)
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no request holds KV blocks or waits; True if it happened in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            load = self.load()
+            if load["num_running"] == load["num_waiting"] == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False

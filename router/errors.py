@@ -1,0 +1,47 @@
+"""The error a serving request ends with, as the client sees it.
+
+`ServeError.code` is a gRPC status code name; the router's Serve wrapper sets it on the call.
+It pickles by value, so a worker replica can raise it and the router receives it intact.
+"""
+
+from __future__ import annotations
+
+from mxserve.worker.errors import InvalidRequestError, MxserveError
+
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+UNAVAILABLE = "UNAVAILABLE"
+INTERNAL = "INTERNAL"
+
+
+class ServeError(MxserveError):
+    """A request failed with a status the client should get.
+
+    Attributes:
+        code: a gRPC status code name, e.g. "INVALID_ARGUMENT".
+        message: what went wrong; for INVALID_ARGUMENT it starts with the field's name.
+        field: the offending request field, when there is one.
+    """
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+    def __reduce__(self):
+        return type(self), (self.code, self.message, self.field)
+
+    @classmethod
+    def invalid(cls, error: InvalidRequestError) -> ServeError:
+        return cls(INVALID_ARGUMENT, str(error), error.field)
+
+
+def as_serve_error(error: BaseException) -> ServeError | None:
+    """The ServeError that `error` is or wraps (a Ray task error keeps it as `.cause`), if any;
+    an InvalidRequestError becomes INVALID_ARGUMENT."""
+    for e in (error, getattr(error, "cause", None), error.__cause__):
+        if isinstance(e, ServeError):
+            return ServeError(e.code, e.message, e.field)
+        if isinstance(e, InvalidRequestError):
+            return ServeError.invalid(e)
+    return None

@@ -1,0 +1,124 @@
+"""The router's logic, free of Ray and gRPC plumbing (the Serve deployment in
+cluster/deployments.py only wires it): validate -> tokenize -> forward to a worker -> detokenize
+and apply stop strings -> response messages.
+
+Closing a `generate` stream early (client gone, deadline, a stop string seen here) closes the
+worker stream, and the worker aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from mxserve.proto import mxserve_pb2 as pb
+from mxserve.router.errors import INTERNAL, UNAVAILABLE, ServeError, as_serve_error
+from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
+from mxserve.router.stream import OutputStream
+from mxserve.worker.engine import StepOutput
+from mxserve.worker.errors import InvalidRequestError
+from mxserve.worker.model.tokenizer import Tokenizer
+from mxserve.worker.sampling_params import SamplingParams
+
+
+class Workers(Protocol):
+    """How the router reaches the worker replicas (a Serve handle in the cluster)."""
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[StepOutput]:
+        """Stream the request's engine outputs; closing the stream aborts the request. Rejections
+        raise ServeError (or anything `as_serve_error` understands)."""
+
+    async def loads(self) -> list[dict]:
+        """Every worker's load report (`Worker.load()`)."""
+
+
+class RouterMetrics(Protocol):
+    def on_request_end(self, status: str, ttft_s: float | None, tpot_s: float | None,
+                       num_output_tokens: int) -> None: ...
+
+
+class NullMetrics:
+    def on_request_end(self, status, ttft_s, tpot_s, num_output_tokens) -> None:
+        pass
+
+
+class Router:
+    def __init__(self, tokenizer: Tokenizer, card: ModelCard, workers: Workers,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.card = card
+        self.workers = workers
+        self.metrics = metrics or NullMetrics()
+
+    def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, str]:
+        """Validate and tokenize; raises ServeError(INVALID_ARGUMENT) naming the field."""
+        try:
+            ids, _ = prompt_token_ids(request, self.tokenizer, self.card)
+            params = sampling_params(request.sampling_params)
+        except InvalidRequestError as e:
+            raise ServeError.invalid(e) from None
+        return ids, params, request.request_id or f"mx-{uuid.uuid4().hex}"
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the responses; raises ServeError for anything the client should see."""
+        start, first, status = time.monotonic(), None, "error"
+        ids, params, request_id = self.prepare(request)
+        out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
+        stream = self.workers.generate(ids, params, request_id)
+        try:
+            async for step in stream:
+                if step.finish_reason == "abort":
+                    raise ServeError(UNAVAILABLE, f"request {request_id} was aborted by its worker")
+                num_new = out.add(step.new_token_ids, step.finish_reason)
+                first = first or time.monotonic()
+                yield _response(request_id, out, step, num_new)
+                if out.finished:
+                    status = out.finish_reason
+                    return
+            raise ServeError(INTERNAL, f"request {request_id}: the worker stream ended early")
+        except Exception as e:
+            error = as_serve_error(e)
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            await stream.aclose()  # a no-op when the worker finished; else the worker aborts
+            self._record(status, start, first, out.num_tokens)
+
+    async def list_models(self) -> pb.ListModelsResponse:
+        loads = await self.workers.loads()
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=self.card.name, max_model_len=self.card.max_model_len,
+            vocab_size=self.card.vocab_size, num_workers=len(loads))])
+
+    async def health(self) -> pb.HealthResponse:
+        loads = await self.workers.loads()
+        return pb.HealthResponse(healthy=bool(loads),
+                                 workers=[pb.WorkerLoad(**load) for load in loads])
+
+    def _record(self, status: str, start: float, first: float | None, num_tokens: int) -> None:
+        end = time.monotonic()
+        ttft = first - start if first is not None else None
+        tpot = (end - first) / (num_tokens - 1) if first is not None and num_tokens > 1 else None
+        self.metrics.on_request_end(status, ttft, tpot, num_tokens)
+
+
+def _response(request_id: str, out: OutputStream, step: StepOutput,
+              num_new: int) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=request_id,
+                                   token_ids=step.new_token_ids[:num_new], text=out.take_text())
+    for lp in (step.new_logprobs or [])[:num_new]:
+        response.logprobs.add(token_ids=list(lp), logprobs=list(lp.values()))
+    if out.finished:
+        response.finish_reason = out.finish_reason
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=step.num_prompt_tokens,
+                                         cached_tokens=step.num_cached_tokens,
+                                         completion_tokens=out.num_tokens))
+        if isinstance(out.stop_reason, str):
+            response.stop_string = out.stop_reason
+        elif out.stop_reason is not None:
+            response.stop_token_id = out.stop_reason
+    return response

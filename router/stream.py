@@ -1,0 +1,86 @@
+"""Token ids from a worker -> the text a client streams: incremental detokenization and stop
+strings, exactly as the engine does them when it detokenizes itself (offline `LLM.generate`).
+
+The worker engine runs without a tokenizer, so it ends a request on EOS, stop token ids and
+length only; stop strings are the router's. For each new token, in the engine's order
+(`Engine._update` + `check_stop`):
+  1. append its text (the detokenizer holds back an incomplete UTF-8 character);
+  2. the worker said "stop" (EOS or a stop id)      -> done, flush held-back text;
+  3. a stop string appears (once min_tokens reached) -> done, text cut there, no flush;
+  4. the worker said "length"                       -> done, flush.
+While running, the last `stop_holdback` characters are not sent: a stop string may complete
+across them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from mxserve.worker.sampling_params import SamplingParams
+from mxserve.worker.stop import find_stop_string, stop_holdback
+
+
+class OutputStream:
+    """One request's output as the router sees it: token ids in, text deltas out."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.text = ""
+        self.num_text_sent = 0
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token_ids: Sequence[int], worker_finish_reason: str | None) -> int:
+        """Take one worker step's tokens (the reason, if any, belongs to the last one). Returns
+        how many of them count: fewer when a stop string ends the request early."""
+        for i, token in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            self._add_token(token, worker_finish_reason if last else None)
+            if self.finished:
+                return i + 1
+        return len(token_ids)
+
+    def take_text(self) -> str:
+        """The text not yet sent that is safe to send now."""
+        holdback = 0 if self.finished else stop_holdback(self.params.stop)
+        end = max(self.num_text_sent, len(self.text) - holdback)
+        delta = self.text[self.num_text_sent:end]
+        self.num_text_sent = end
+        return delta
+
+    def _add_token(self, token: int, worker_reason: str | None) -> None:
+        params = self.params
+        text_start = len(self.text)
+        self.text += self._detok.step([token])
+        self.num_tokens += 1
+        if worker_reason == "stop":
+            self._finish("stop", self._stop_token(token))
+            return
+        if params.stop and self.num_tokens >= params.min_tokens:
+            match = find_stop_string(self.text, text_start, params.stop,
+                                     params.include_stop_str_in_output)
+            if match is not None:
+                self.text = self.text[:match[0]]
+                self.finish_reason, self.stop_reason = "stop", match[1]
+                return
+        if worker_reason is not None:
+            self._finish(worker_reason, None)
+
+    def _finish(self, reason: str, stop_reason: int | None) -> None:
+        self.text += self._detok.flush()
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def _stop_token(self, token: int) -> int | None:
+        """The stop id that ended the request; None for EOS (checked first, as the engine does)."""
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            return None
+        return token if token in self.params.stop_token_ids else None

@@ -1,0 +1,302 @@
+"""End to end on a real multi-node local Ray cluster, over real gRPC on loopback:
+client -> Serve's gRPC proxy -> router replica (head node) -> worker replicas (two other nodes).
+
+One Ray cluster serves the whole module (start-up is the slow part): a head node with the
+router and two nodes with one worker each. The main application serves a tiny random Llama
+(fast, deterministic in float32); a few tests deploy a second application beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from mxserve import LLM, SamplingParams
+from mxserve.cluster.client import Client
+from mxserve.cluster.config import Resources, ServeConfig
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+MB = 2**20
+ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """The running cluster: the main app's config, its offline twin, and helpers."""
+
+    def __init__(self, cluster, config: ServeConfig, llm: LLM) -> None:
+        self.cluster, self.config, self.llm = cluster, config, llm
+        self.endpoint = f"localhost:{config.grpc_port}"
+
+    def client(self, app: str | None = None, **kwargs) -> Client:
+        return Client(self.endpoint, app or self.config.app_name, **kwargs)
+
+    def deploy(self, **overrides) -> ServeConfig:
+        from mxserve.cluster.local import deploy, wait_for_grpc
+
+        config = ServeConfig(**{**self.config.model_dump(), **overrides})
+        deploy(config)
+        wait_for_grpc(config)
+        return config
+
+    def wait_idle(self, app: str | None = None, timeout_s: float = 20.0):
+        """Every worker's load once none runs, waits or holds KV blocks (or fail)."""
+        deadline = time.monotonic() + timeout_s
+        with self.client(app) as client:
+            while True:
+                loads = client.health().workers
+                if all(w.num_running == w.num_waiting == w.num_kv_blocks_used == 0
+                       for w in loads):
+                    return loads
+                assert time.monotonic() < deadline, f"workers still busy: {loads}"
+                time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_env():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, monkeypatch_env):
+    from ray.cluster_utils import Cluster
+
+    from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
+
+    for key, value in SERVE_ENV.items():  # as `mxserve serve` starts Ray
+        monkeypatch_env.setenv(key, value)
+    model = str(tiny_checkpoint("llama"))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=4, resources={"router_node": 4, "spare": 4}, include_dashboard=False,
+        object_store_memory=512 * MB, _system_config={"metrics_report_interval_ms": 1000}))
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={"worker_node": 1}, object_store_memory=128 * MB)
+    ray.init(address=cluster.address)
+    config = ServeConfig(
+        model=model, app_name="tiny", num_workers=2, engine=ENGINE, max_queued_requests=16,
+        worker_resources=Resources(num_cpus=0.5, resources={"worker_node": 1}),
+        router_resources=Resources(num_cpus=0.25, resources={"router_node": 1}),
+        grpc_port=_free_port(), http_port=_free_port(), proxy_location="HeadOnly")
+    try:
+        deploy(config)
+        wait_for_grpc(config)
+        yield Served(cluster, config, LLM(model=model, load_progress=False, **ENGINE))
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+CASES = [
+    dict(temperature=0, max_tokens=12, ignore_eos=True),
+    dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=1),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_answer_equals_offline_generate(served, case):
+    params = SamplingParams(**case)
+    with served.client() as client:
+        for prompt in ("w5 w6 w7", [9, 10, 11, 12], None):
+            if prompt is None:  # a chat conversation, through the chat template
+                messages = [{"role": "user", "content": "w40 w41"}]
+                expected = served.llm.chat(messages, params)[0]
+                chunks = list(client.stream(messages=messages, **case))
+            else:
+                expected = served.llm.generate(prompt, params)[0]
+                chunks = list(client.stream(prompt, **case))
+            assert len(chunks) >= len(expected.token_ids)  # streamed, a message per step
+            text = "".join(c.text for c in chunks)
+            ids = [t for c in chunks for t in c.token_ids]
+            assert (text, ids) == (expected.text, expected.token_ids)
+            last = chunks[-1]
+            assert last.finish_reason == expected.finish_reason == "length"
+            assert last.usage.prompt_tokens == len(expected.prompt_token_ids)
+            assert last.usage.completion_tokens == len(expected.token_ids)
+            if case.get("logprobs"):
+                lps = [dict(zip(lp.token_ids, lp.logprobs)) for c in chunks for lp in c.logprobs]
+                assert lps == pytest.approx(expected.logprobs)
+
+
+def test_stop_string_ends_the_stream_like_offline(served):
+    full = served.llm.generate("w20", SamplingParams(temperature=0, max_tokens=30,
+                                                     ignore_eos=True))[0].text
+    stop = full[11:15]  # inside the text, across a word boundary
+    params = dict(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    expected = served.llm.generate("w20", SamplingParams(**params))[0]
+    with served.client() as client:
+        got = client.generate("w20", **params)
+    assert got.text == expected.text == full[:full.index(stop)]
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    served.wait_idle()  # the worker's request, still going when the stop string came, is gone
+
+
+def test_sixteen_concurrent_streaming_clients_from_both_workers(served):
+    prompts = [f"w{3 + i} w{50 + i}" for i in range(16)]
+    params = [dict(temperature=0, max_tokens=16, ignore_eos=True) if i % 2 else
+              dict(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(16)]
+    expected = served.llm.generate(prompts, [SamplingParams(**p) for p in params])
+    before = {w.worker_id: w.num_requests_total for w in served.wait_idle()}
+
+    def one(i: int):
+        with served.client() as client:
+            chunks = list(client.stream(prompts[i], **params[i]))
+        return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for (text, ids), exp in zip(results, expected):
+        assert (text, ids) == (exp.text, exp.token_ids)
+    loads = served.wait_idle()
+    served_by = [w.num_requests_total - before[w.worker_id] for w in loads]
+    assert len(loads) == 2 and sum(served_by) == 16 and min(served_by) > 0, served_by
+
+
+def test_router_and_workers_are_on_three_different_nodes(served):
+    head = ray.get_runtime_context().get_node_id()
+    loads = served.wait_idle()
+    nodes = {w.node_id for w in loads}
+    assert len(nodes) == 2 and head not in nodes
+    with served.client() as client:
+        (model,) = client.list_models().models
+    assert model.id == served.config.served_model_name
+    assert (model.max_model_len, model.num_workers) == (512, 2)
+
+
+BAD = [  # (request keywords, the field INVALID_ARGUMENT must name)
+    (dict(prompt=""), "prompt"),
+    (dict(messages=[]), "messages"),
+    (dict(prompt=[1, 100000]), "prompt"),
+    (dict(prompt=[5] * 600), "prompt"),  # longer than the model's 512-token context
+    (dict(prompt="w5", model="gpt-17"), "model"),
+    (dict(prompt="w5", temperature=-0.5), "temperature"),
+    (dict(prompt="w5", top_p=0.0), "top_p"),
+    (dict(prompt="w5", max_tokens=0), "max_tokens"),
+    (dict(prompt="w5", presence_penalty=3.0), "presence_penalty"),
+]
+
+
+def test_bad_input_gets_invalid_argument_and_the_next_request_works(served):
+    with served.client() as client:
+        for kwargs, field in BAD:
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(**kwargs)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+            assert e.value.details().startswith(field), (kwargs, e.value.details())
+            good = client.generate("w5 w6", max_tokens=2, ignore_eos=True)
+            assert len(good.token_ids) == 2
+    served.wait_idle()
+
+
+def test_client_cancel_mid_stream_aborts_and_frees_kv_blocks(served):
+    aborted = sum(w.num_requests_aborted for w in served.wait_idle())
+    with served.client() as client:
+        stream = client.stream("w7 w8", max_tokens=480, ignore_eos=True)
+        for _ in range(3):
+            next(stream)
+        stream.close()  # cancels the call
+        loads = served.wait_idle()
+        assert sum(w.num_requests_aborted for w in loads) == aborted + 1
+        assert len(client.generate("w7", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_deadline_exceeded_aborts_the_request_and_frees_kv_blocks(served):
+    aborted = sum(w.num_requests_aborted for w in served.wait_idle())
+    with served.client() as client:
+        stream = client.stream("w7 w8", max_tokens=500, ignore_eos=True, timeout_s=0.5)
+        next(stream)  # the worker has it (500 tokens take the tiny model over a second)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stream:
+                pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        loads = served.wait_idle()
+        assert sum(w.num_requests_aborted for w in loads) == aborted + 1
+        assert len(client.generate("w7", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_more_than_the_queue_limit_is_resource_exhausted(served):
+    from ray import serve
+
+    small = served.deploy(app_name="small", num_workers=1, max_queued_requests=1,
+                          engine={**ENGINE, "max_num_seqs": 1},
+                          worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}))
+    try:
+        with served.client("small") as client:
+            running = client.stream("w5", max_tokens=500, ignore_eos=True)
+            next(running)
+            queued = client.stream("w5", max_tokens=4, ignore_eos=True)
+            pool = ThreadPoolExecutor(1)
+            first_of_queued = pool.submit(next, queued)  # sends it; it waits in the engine
+            deadline = time.monotonic() + 10
+            while client.health().workers[0].num_waiting == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as e:  # one running + one queued: full
+                client.generate("w5", max_tokens=4)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "full" in e.value.details()
+            running.close()
+            assert first_of_queued.result(timeout=10).token_ids  # the queued one runs now
+            queued.close()
+            pool.shutdown()
+            served.wait_idle("small")
+            assert len(client.generate("w5", max_tokens=4, ignore_eos=True).token_ids) == 4
+    finally:
+        serve.delete(small.app_name)
+
+
+@pytest.mark.slow
+def test_smollm2_cluster_answers_paris_through_the_cli_client(served, capsys):
+    from ray import serve
+
+    from mxserve.cluster import cli
+
+    app = served.deploy(app_name="smollm2", model=None, num_workers=1, engine={"num_threads": 1},
+                        worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}))
+    try:
+        assert cli.main(["client", "What is the capital of France?", "--endpoint",
+                         served.endpoint, "--app", "smollm2", "--max-tokens", "32"]) == 0
+        assert "Paris" in capsys.readouterr().out
+    finally:
+        serve.delete(app.app_name)
+
+
+def test_metrics_reach_rays_prometheus_export(served):
+    import urllib.request
+
+    prompt = " ".join(f"w{i}" for i in range(3, 43))  # 40 tokens: two full KV blocks
+    with served.client() as client:
+        for _ in range(3):  # two of three land on the same worker: a prefix-cache hit
+            client.generate(prompt, max_tokens=4, ignore_eos=True)
+    wanted = ("mxserve_time_to_first_token_seconds", "mxserve_time_per_output_token_seconds",
+              "mxserve_num_requests_waiting", "mxserve_num_requests_running",
+              "mxserve_kv_cache_usage", "mxserve_prefix_cache_hit_tokens_total",
+              "mxserve_generation_tokens_per_second")
+    ports = [n.metrics_export_port for n in served.cluster.list_all_nodes()]
+    deadline = time.monotonic() + 40
+    while True:
+        text = ""
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text += r.read().decode()
+        missing = [m for m in wanted if m not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"not exported: {missing}"
+        time.sleep(1)

@@ -1,0 +1,238 @@
+"""The serving logic without Ray: Router (validate, tokenize, detokenize, stop strings) over a
+Worker (AsyncEngine, admission, load), the config, the client's request builder and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from mxserve import LLM, SamplingParams
+from mxserve.cluster.client import build_request
+from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.worker import Worker
+from mxserve.proto import mxserve_pb2 as pb
+from mxserve.router.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ServeError, as_serve_error
+from mxserve.router.ingress import Router
+from mxserve.router.requests import ModelCard
+from mxserve.worker.config import EngineConfig
+from mxserve.worker.engine import build_engine
+
+
+class LocalWorkers:
+    """router.ingress.Workers over one in-process Worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def generate(self, prompt_token_ids, params, request_id):
+        return self.worker.generate(prompt_token_ids, params, request_id)
+
+    async def loads(self):
+        return [self.worker.load()]
+
+
+def make_router(model: str | None, max_queued_requests: int = 8, **engine_options):
+    """A Router over a started Worker whose engine has no tokenizer (as in the cluster)."""
+    engine = build_engine(EngineConfig(model=model, load_progress=False, **engine_options))
+    tokenizer, engine.tokenizer = engine.tokenizer, None
+    worker = Worker(engine, max_queued_requests)
+    worker.start()
+    cfg = engine.model_config
+    card = ModelCard("m", engine.max_model_len, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    return Router(tokenizer, card, LocalWorkers(worker)), worker
+
+
+async def collect(router: Router, request: pb.GenerateRequest) -> dict:
+    out = dict(text="", token_ids=[], logprobs=[], finish_reason="", stop=None, usage=None)
+    async for r in router.generate(request):
+        out["text"] += r.text
+        out["token_ids"] += r.token_ids
+        out["logprobs"] += [dict(zip(lp.token_ids, lp.logprobs)) for lp in r.logprobs]
+        if r.finish_reason:
+            out["finish_reason"], out["usage"] = r.finish_reason, r.usage
+            kind = r.WhichOneof("stop_reason")
+            out["stop"] = getattr(r, kind) if kind else None
+    return out
+
+
+# SmolLM2's byte-level BPE makes stop strings straddle tokens; each case is also run offline.
+CASES = [
+    dict(temperature=0, max_tokens=24),
+    dict(temperature=0.9, top_p=0.95, seed=11, max_tokens=24),
+    dict(temperature=0, max_tokens=24, stop=[" Paris", "xyz"]),
+    dict(temperature=0, max_tokens=24, stop=["ital of"], include_stop_str_in_output=True),
+    dict(temperature=0, max_tokens=24, stop=["."], min_tokens=12),
+    dict(temperature=0.7, seed=5, max_tokens=12, logprobs=2, stop_token_ids=[13]),
+]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    llm = LLM(load_progress=False, num_threads=1)
+    router, worker = make_router(None, num_threads=1)
+    yield llm, router
+    worker.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_router_stream_equals_offline_llm(smollm2, case):
+    llm, router = smollm2
+    params = SamplingParams(**case)
+    for prompt, expected in ((dict(messages=QUESTION), llm.chat(QUESTION, params)[0]),
+                             (dict(prompt="The capital of France is"),
+                              llm.generate("The capital of France is", params)[0])):
+        got = asyncio.run(collect(router, build_request(**prompt, **case)))
+        assert got["text"] == expected.text
+        assert got["token_ids"] == expected.token_ids
+        assert got["finish_reason"] == expected.finish_reason
+        assert got["usage"].completion_tokens == len(expected.token_ids)
+        assert got["usage"].prompt_tokens == len(expected.prompt_token_ids)
+        if case.get("logprobs"):
+            assert got["logprobs"] == pytest.approx(expected.logprobs)
+        if case.get("stop") and expected.finish_reason == "stop":
+            assert got["stop"] in case["stop"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    router, worker = make_router(str(tiny_checkpoint("llama")), max_queued_requests=1,
+                                 dtype="float32", num_kv_blocks=64, max_num_seqs=2)
+    yield router, worker
+    worker.shutdown()
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[5, 999]), "prompt"),
+    (dict(prompt=[5] * 600), "prompt"),  # the tiny model's context is 512
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "", "content": "hi"}]), "messages"),
+    (dict(prompt="w5", model="no-such-model"), "model"),
+    (dict(prompt="w5", temperature=-1.0), "temperature"),
+    (dict(prompt="w5", top_p=1.5), "top_p"),
+    (dict(prompt="w5", max_tokens=0), "max_tokens"),
+    (dict(prompt="w5", stop=[""]), "stop"),
+    (dict(prompt="w5", logprobs=99), "logprobs"),
+    (dict(prompt="w5", stop_token_ids=[-1]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD)
+def test_bad_requests_are_invalid_argument_naming_the_field(tiny, kwargs, field):
+    router, _ = tiny
+    with pytest.raises(ServeError) as e:
+        asyncio.run(collect(router, build_request(**kwargs)))
+    assert e.value.code == INVALID_ARGUMENT and e.value.field == field
+    assert e.value.message.startswith(field)
+    good = asyncio.run(collect(router, build_request("w5 w6", max_tokens=3, ignore_eos=True)))
+    assert len(good["token_ids"]) == 3 and good["finish_reason"] == "length"
+
+
+def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
+    router, worker = tiny  # max_num_seqs=2, max_queued_requests=1: three fit, the fourth not
+    long = build_request("w5 w6 w7", max_tokens=400, ignore_eos=True)
+
+    async def main():
+        streams = [router.generate(long) for _ in range(3)]
+        for s in streams:
+            await anext(s)  # admitted and running or queued
+        with pytest.raises(ServeError) as e:
+            await collect(router, long)
+        assert e.value.code == RESOURCE_EXHAUSTED
+        for s in streams:
+            await s.aclose()  # the client goes away mid-stream
+        assert await worker.wait_idle()
+        return await router.health()
+
+    aborted = worker.num_requests_aborted
+    health = asyncio.run(main())
+    (load,) = health.workers
+    assert load.num_running == load.num_waiting == load.num_kv_blocks_used == 0
+    assert load.num_requests_aborted == aborted + 3
+    worker.engine.kv.check_integrity()
+
+
+def test_stop_string_seen_by_the_router_aborts_the_worker_request(tiny):
+    router, worker = tiny
+    full = asyncio.run(collect(router, build_request("w9", max_tokens=40, ignore_eos=True,
+                                                     temperature=0)))
+    stop = full["text"][13:17]  # straddles words: the cut lands inside a token's text
+    aborted = worker.num_requests_aborted
+    cut = asyncio.run(collect(router, build_request("w9", max_tokens=40, ignore_eos=True,
+                                                    temperature=0, stop=[stop])))
+    assert cut["text"] == full["text"][:full["text"].index(stop)]
+    assert cut["finish_reason"] == "stop" and cut["stop"] == stop
+    assert asyncio.run(worker.wait_idle())
+    assert worker.num_requests_aborted == aborted + 1  # the worker had more tokens to go
+
+
+def test_serve_error_survives_pickling_and_ray_style_wrapping():
+    error = ServeError(RESOURCE_EXHAUSTED, "full", None)
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.code, again.message, again.field) == (RESOURCE_EXHAUSTED, "full", None)
+
+    class Wrapped(Exception):  # Ray's RayTaskError keeps the original as .cause
+        cause = error
+    assert as_serve_error(Wrapped()).code == RESOURCE_EXHAUSTED
+    assert as_serve_error(ValueError("x")) is None
+
+
+def test_serve_config_defaults_and_checks(tmp_path):
+    config = ServeConfig()
+    assert config.served_model_name == "SmolLM2-135M-Instruct" and config.num_workers == 1
+    assert ServeConfig(model="/x/my-model.gguf").served_model_name == "my-model"
+    with pytest.raises(ValueError):
+        ServeConfig(engine={"max_num_seqs": 0})
+    with pytest.raises(ValueError):
+        ServeConfig(num_workres=2)  # a typo is an error, not ignored
+    path = tmp_path / "serve.yaml"
+    path.write_text("num_workers: 2\nengine:\n  max_num_seqs: 8\n"
+                    "worker_resources:\n  num_cpus: 2\n")
+    config = ServeConfig.from_file(str(path), grpc_port=9100)
+    assert config.num_workers == 2 and config.engine_config().max_num_seqs == 8
+    assert config.worker_resources.num_cpus == 2 and config.grpc_port == 9100
+
+
+def test_serve_cli_builds_the_config(monkeypatch):
+    from mxserve.cluster import cli, local
+
+    seen = {}
+    monkeypatch.setattr(local, "serve_until_stopped",
+                        lambda config, address: seen.update(config=config, address=address) or 0)
+    assert cli.main(["serve", "--num-workers", "2", "--grpc-port", "9001", "--worker-cpus", "0.5",
+                     "--max-num-seqs", "8", "--address", "auto"]) == 0
+    config = seen["config"]
+    assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
+    assert config.worker_resources.num_cpus == 0.5 and config.engine == {"max_num_seqs": 8}
+
+
+def test_build_request_covers_each_prompt_kind():
+    assert build_request("hi").text == "hi"
+    assert list(build_request([1, 2]).token_ids.ids) == [1, 2]
+    chat = build_request(messages=[{"role": "user", "content": "hi"}], stop="x", seed=3)
+    assert chat.chat.messages[0].content == "hi" and list(chat.sampling_params.stop) == ["x"]
+    assert chat.sampling_params.HasField("seed") and not chat.sampling_params.HasField("top_p")
+    with pytest.raises(ValueError):
+        build_request("hi", temprature=0)
+
+
+def test_build_app_turns_the_config_into_deployment_options():
+    from mxserve.cluster.config import Autoscaling, Resources
+    from mxserve.cluster.deployments import build_app
+
+    config = ServeConfig(autoscaling=Autoscaling(min_workers=1, max_workers=3),
+                         worker_resources=Resources(num_gpus=1, resources={"big": 1}),
+                         max_queued_requests=4, engine={"max_num_seqs": 8})
+    router = build_app(config)._bound_deployment  # Serve internals, read-only here
+    worker = router.init_args[0]._bound_deployment
+    assert worker._deployment_config.autoscaling_config.max_replicas == 3
+    assert worker.ray_actor_options["num_gpus"] == 1
+    assert worker.ray_actor_options["resources"] == {"big": 1}
+    assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
+    assert router.init_args[2:] == ("SmolLM2-135M-Instruct", None, "mxserve")
