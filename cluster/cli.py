@@ -15,6 +15,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["mxfp4", "mxfp6", "mxfp6_e3m2"],
+                   help="MX weights for the decoder linears, quantized while loading")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         _sampling_args(p)
     _serve_parser(sub)
     _client_parser(sub)
+    from mxserve.worker.model.quantize import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 
@@ -99,7 +104,7 @@ def _llm(args):
     from mxserve.worker.llm import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len)
+               max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def cmd_generate(args) -> int:
@@ -223,8 +228,10 @@ def _remote_chat(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mxserve.worker.model.quantize import cmd_quantize
+
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "client": cmd_client}
+                "client": cmd_client, "quantize": cmd_quantize}
     try:
         return commands[args.command](args)
     except MxserveError as e:

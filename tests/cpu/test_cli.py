@@ -27,3 +27,16 @@ def test_bad_model_path_is_a_clear_error():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "mxserve: error:" in done.stderr and "/nonexistent/model" in done.stderr
+
+
+def test_quantize_then_generate_from_the_quantized_directory(tmp_path):
+    out = tmp_path / "smollm2-mxfp4"
+    done = subprocess.run([*CLI, "quantize", "--format", "mxfp4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    done = subprocess.run([*CLI, "generate", "--chat", "What is the capital of France?",
+                           "--model", str(out), "--max-tokens", "24"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
