@@ -107,7 +107,8 @@ def main() -> None:
               "device": platform.processor() or platform.machine(),
               "date": datetime.date.today().isoformat(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
-              "command": f"python bench/mx_quality.py --tokens {args.tokens} --window {args.window}",
+              "command": "python bench/mx_quality.py "
+                         f"--tokens {args.tokens} --window {args.window}",
               "num_tokens": len(ids), "window": args.window, "results": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

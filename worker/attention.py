@@ -65,7 +65,7 @@ def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> l
 
 
 def slot_table(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[R, max_blocks] block ids -> [R, max_blocks * block_size] flat slots of positions 0, 1, ..."""
+    """[R, max_blocks] block ids -> [R, max_blocks * block_size]: slots of positions 0, 1, ..."""
     offsets = torch.arange(block_size, device=block_tables.device)
     return (block_tables[:, :, None] * block_size + offsets).flatten(1)
 
@@ -116,7 +116,8 @@ class TorchAttention(AttentionBackend):
         if nd:
             out[:nd] = _decode(q[:nd], flat_k, flat_v, meta.decode_slots, meta.decode_mask)
         for first, qlen, ctx, mask in meta.prefill_spans:
-            out[first:first + qlen] = _prefill(q[first:first + qlen], flat_k[ctx], flat_v[ctx], mask)
+            q_span = q[first:first + qlen]
+            out[first:first + qlen] = _prefill(q_span, flat_k[ctx], flat_v[ctx], mask)
         return out.flatten(1)
 
 

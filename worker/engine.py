@@ -85,7 +85,8 @@ class Engine:
         return min(limit, pool)
 
     # ---- requests in and out -------------------------------------------------------------
-    def make_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+    def make_request(self, prompt_token_ids: list[int],
+                     sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> Request:
         """Validate and build a request without touching engine state (safe from any thread)."""
         params = sampling_params or SamplingParams()
@@ -116,7 +117,8 @@ class Engine:
                 request.sampling_params.skip_special_tokens)
         self.scheduler.add(request)
 
-    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         request = self.make_request(prompt_token_ids, sampling_params, request_id)
         self.add(request)

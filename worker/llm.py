@@ -75,7 +75,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
-            raise InvalidRequestError("sampling_params", f"got {len(sampling_params)} for {n} prompts")
+            raise InvalidRequestError("sampling_params",
+                                      f"got {len(sampling_params)} for {n} prompts")
         return list(sampling_params)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:

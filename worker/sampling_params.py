@@ -27,11 +27,11 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
     Penalties follow vLLM: repetition_penalty (> 1 discourages) applies to prompt and output tokens,
-    presence/frequency penalties to output tokens only. `stop` strings end generation when they appear
-    in the detokenized output (not included unless include_stop_str_in_output). `seed` makes a sampled
-    request reproducible regardless of what it is batched with. `logprobs` = n returns, per output
-    token, the log-probability of the sampled token and of the n most likely ones (raw model
-    distribution, before temperature and filters).
+    presence/frequency penalties to output tokens only. `stop` strings end generation when they
+    appear in the detokenized output (not included unless include_stop_str_in_output). `seed` makes
+    a sampled request reproducible regardless of what it is batched with. `logprobs` = n returns,
+    per output token, the log-probability of the sampled token and of the n most likely ones (raw
+    model distribution, before temperature and filters).
     """
 
     temperature: float = 1.0
@@ -69,7 +69,8 @@ class SamplingParams:
                "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+            _check(_is_number(value) and -2 <= value <= 2, name,
+                   f"must be in [-2, 2], got {value!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",

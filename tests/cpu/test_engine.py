@@ -34,7 +34,8 @@ def _all_blocks_free(llm: LLM) -> bool:
 def test_prefix_cache_hit_gives_same_tokens_as_miss(ckpt):
     shared = _prompts(1, (64,))[0]
     prompts = [shared + tail for tail in _prompts(3, (7, 12, 20), seed=5)]
-    cold = LLM(model=ckpt, enable_prefix_caching=False, load_progress=False).generate(prompts, GREEDY)
+    cold_llm = LLM(model=ckpt, enable_prefix_caching=False, load_progress=False)
+    cold = cold_llm.generate(prompts, GREEDY)
     llm = LLM(model=ckpt, load_progress=False)
     first = llm.generate(prompts[:1], GREEDY)[0]
     warm = llm.generate(prompts, GREEDY)

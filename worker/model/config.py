@@ -9,7 +9,7 @@ from mxserve.worker.errors import ModelLoadError
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3"); None in ModelConfig means plain RoPE."""
+    """Llama-3 frequency scaling ("rope_type": "llama3"); None in ModelConfig means plain RoPE."""
 
     factor: float
     low_freq_factor: float
