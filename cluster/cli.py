@@ -126,19 +126,23 @@ def cmd_chat(args) -> int:
     engine, tokenizer = llm.engine, llm.tokenizer
     messages: list[dict[str, str]] = []
     print("mxserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line:
-            return 0
+    while (line := _read_message()) is not None:
         messages.append({"role": "user", "content": line})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         rid = engine.add_request(tokenizer.encode(prompt, add_special_tokens=False), params)
         answer = _stream(engine, rid)
         messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def _read_message() -> str | None:
+    """The user's next chat line; None when they quit (empty line, Ctrl-D or Ctrl-C)."""
+    try:
+        line = input("> ").strip()
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return None
+    return line or None
 
 
 def _stream(engine, request_id: str) -> str:
@@ -206,14 +210,7 @@ def _remote_chat(args) -> int:
     print(f"mxserve chat with {args.endpoint}: a message, an empty line or Ctrl-D to quit.",
           file=sys.stderr)
     with Client(args.endpoint, args.app) as client:
-        while True:
-            try:
-                line = input("> ").strip()
-            except (EOFError, KeyboardInterrupt):
-                print(file=sys.stderr)
-                return 0
-            if not line:
-                return 0
+        while (line := _read_message()) is not None:
             messages.append({"role": "user", "content": line})
             answer = ""
             try:
@@ -224,6 +221,7 @@ def _remote_chat(args) -> int:
                 pass
             print()
             messages.append({"role": "assistant", "content": answer})
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
