@@ -9,6 +9,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # `quantization` values -> the OCP MX element format of the decoder linears' weights.
 MX_QUANTIZATIONS = {"mxfp4": "e2m1", "mxfp6": "e2m3", "mxfp6_e3m2": "e3m2"}
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class EngineConfig:
     # MX weights for the decoder linears (q/k/v/o, gate/up/down), quantized while loading a
     # full-precision checkpoint (one from `mxserve quantize` is MX already; None serves it as is).
     quantization: str | None = None
+    # "auto": read the checkpoint's weights; "dummy": random weights of its architecture, made on
+    # the device from a config alone (`model` = a directory with config.json, or a name in
+    # DUMMY_MODELS, worker/model/dummy.py), seeded by `seed`. For benchmarks; no tokenizer needed.
+    load_format: str = "auto"
+    # CUDA: pure-decode steps replay CUDA graphs captured at start (worker/cuda_graphs.py);
+    # True runs every step eagerly. No effect on CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
@@ -55,6 +63,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in MX_QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {sorted(MX_QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     @property
     def torch_device(self) -> torch.device:

