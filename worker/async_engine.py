@@ -2,7 +2,8 @@
 
 The engine is single-threaded: only the loop thread touches it. Callers on the event loop hand
 it new requests and aborts through a command queue, and get per-request `asyncio.Queue`s that the
-loop thread fills with `StepOutput`s via `call_soon_threadsafe`.
+loop thread fills with `StepOutput`s via `call_soon_threadsafe`. The KV cache's events (for the
+global prefix index) leave the loop thread the same way, through a sink (`watch_kv_events`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,23 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from mxserve.worker.engine import Engine, StepOutput
+from mxserve.worker.kv_cache import KVEvent
 from mxserve.worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every block hash in the prefix cache at one moment, in the event stream's order: events
+    delivered after it are changes since."""
+
+    block_hashes: list[int]
+
+
+KVSink = Callable[[list[KVEvent] | KVSnapshot], None]
 
 
 class AsyncEngine:
@@ -24,6 +38,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        self._kv_sink: KVSink | None = None
 
     def start(self) -> None:
         if self._thread is None:
@@ -66,6 +81,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def watch_kv_events(self, sink: KVSink) -> None:
+        """Turn on the KV cache's events. The loop thread calls `sink` (quickly; it must not
+        block) with each batch of events in the order the cache changed, and with a `KVSnapshot`
+        in its place in that order whenever `request_kv_snapshot()` asks."""
+        self._kv_sink = sink
+        self._commands.put(("watch", None))
+
+    def request_kv_snapshot(self) -> None:
+        self._commands.put(("snapshot", None))
+
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -77,6 +102,7 @@ class AsyncEngine:
             except BaseException as e:  # a bug: fail every stream, keep the thread alive
                 self._fail_all(e)
                 continue
+            self._flush_kv_events()
             for out in outputs:
                 self._deliver(out.request_id, out)
 
@@ -96,10 +122,21 @@ class AsyncEngine:
                 out = self.engine.abort(arg)
                 if out is not None:
                     self._deliver(arg, out)
+            elif kind == "watch":
+                self.engine.kv.record_events = True
+            elif kind == "snapshot" and self._kv_sink is not None:
+                self._flush_kv_events()
+                self._kv_sink(KVSnapshot(self.engine.kv.cached_block_hashes()))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_sink is not None:
+            events = self.engine.kv.take_events()
+            if events:
+                self._kv_sink(events)
 
     def _deliver(self, request_id: str, item: object) -> None:
         target = self._streams.get(request_id)

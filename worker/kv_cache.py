@@ -50,7 +50,8 @@ class KVCacheManager:
     them, it only maps hash <-> block id. Every change to that map is recorded as a `KVEvent`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
@@ -67,6 +68,8 @@ class KVCacheManager:
         # request id -> how many leading blocks cache_blocks has already dealt with
         self._num_cached: dict[str, int] = {}
         self._events: list[KVEvent] = []
+        # Only whoever calls take_events (the index publisher) turns this on.
+        self.record_events = record_events
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -83,6 +86,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a copy); [] for an unknown request."""
         return list(self._tables.get(request_id, ()))
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (in use or evictable): a full dump for the index."""
+        return list(self._hash_to_block)
 
     def lookup_prefix(self, block_hashes: list[int]) -> list[int]:
         """Block ids of the longest prefix of `block_hashes` in the cache; changes nothing."""
@@ -193,7 +200,8 @@ class KVCacheManager:
         self._forget(request_id)
 
     def take_events(self) -> list[KVEvent]:
-        """The BlockStored / BlockRemoved events since the last call, oldest first."""
+        """The BlockStored / BlockRemoved events since the last call, oldest first. Recorded only
+        while `record_events` is set, so nobody's unread events pile up."""
         events, self._events = self._events, []
         return events
 
@@ -249,12 +257,14 @@ class KVCacheManager:
             return  # the same content computed twice at once: keep the first copy
         self._hash_to_block[block_hash] = block_id
         self._block_to_hash[block_id] = block_hash
-        self._events.append(BlockStored(block_hash, parent_hash))
+        if self.record_events:
+            self._events.append(BlockStored(block_hash, parent_hash))
 
     def _unregister(self, block_id: int) -> None:
         block_hash = self._block_to_hash.pop(block_id)
         del self._hash_to_block[block_hash]
-        self._events.append(BlockRemoved(block_hash))
+        if self.record_events:
+            self._events.append(BlockRemoved(block_hash))
 
     def _forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)

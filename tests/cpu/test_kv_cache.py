@@ -41,7 +41,7 @@ def test_rejects_bad_sizes(num_blocks, block_size):
 
 
 def test_allocate_rounds_up_and_never_shrinks():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     assert mgr.allocate("a", 5)
     assert len(mgr.get_block_ids("a")) == 2
     assert mgr.allocate("a", 3)  # asks for less: keeps what it has
@@ -55,14 +55,14 @@ def test_allocate_rounds_up_and_never_shrinks():
 
 
 def test_allocate_zero_tokens_holds_nothing():
-    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=2, block_size=BS)
     assert mgr.allocate("a", 0)
     assert mgr.get_block_ids("a") == []
     mgr.check_integrity()
 
 
 def test_unknown_request_is_empty_and_free_is_noop():
-    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=2, block_size=BS)
     assert mgr.get_block_ids("nope") == []
     mgr.free("nope")
     mgr.trim("nope", 0)
@@ -71,14 +71,14 @@ def test_unknown_request_is_empty_and_free_is_noop():
 
 
 def test_get_block_ids_returns_a_copy():
-    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=2, block_size=BS)
     mgr.allocate("a", 4)
     mgr.get_block_ids("a").append(99)
     assert len(mgr.get_block_ids("a")) == 1
 
 
 def test_num_blocks_needed():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     assert mgr.num_blocks_needed("a", 9) == 3
     assert mgr.num_blocks_needed("a", 9, num_prefix_blocks=2) == 1
     assert mgr.num_blocks_needed("a", 9, num_prefix_blocks=3) == 0
@@ -91,7 +91,7 @@ def test_num_blocks_needed():
 
 
 def test_cache_hit_after_free():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(10))  # two full blocks and a partial one
     table = cached_request(mgr, "a", tokens)
     mgr.free("a")
@@ -106,7 +106,7 @@ def test_cache_hit_after_free():
 
 
 def test_hit_on_a_block_in_use_shares_it():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     tokens = list(range(8))
     table = cached_request(mgr, "a", tokens)
     hits = mgr.lookup_prefix(hashes_of(tokens))
@@ -121,7 +121,7 @@ def test_hit_on_a_block_in_use_shares_it():
 
 
 def test_lookup_stops_at_first_miss():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(12))
     table = cached_request(mgr, "a", tokens)
     hashes = hashes_of(tokens)
@@ -131,7 +131,7 @@ def test_lookup_stops_at_first_miss():
 
 
 def test_lru_evicts_least_recently_freed_and_sequence_tail_first():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     a_tokens, b_tokens = [1] * 8, [2] * 8
     a, b = cached_request(mgr, "a", a_tokens), cached_request(mgr, "b", b_tokens)
     ha, hb = hashes_of(a_tokens), hashes_of(b_tokens)
@@ -148,7 +148,7 @@ def test_lru_evicts_least_recently_freed_and_sequence_tail_first():
 
 
 def test_hit_refreshes_lru_position():
-    mgr = KVCacheManager(num_blocks=2, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=2, block_size=BS)
     a, b = cached_request(mgr, "a", [1] * 4), cached_request(mgr, "b", [2] * 4)
     mgr.free("a")
     mgr.free("b")  # LRU: a, b
@@ -160,7 +160,7 @@ def test_hit_refreshes_lru_position():
 
 
 def test_free_pool_is_used_before_evicting():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     tokens = list(range(8))
     table = cached_request(mgr, "a", tokens)
     mgr.free("a")
@@ -172,7 +172,7 @@ def test_free_pool_is_used_before_evicting():
 
 
 def test_allocate_failure_changes_nothing():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     tokens = list(range(8))
     cached_request(mgr, "a", tokens)
     mgr.free("a")  # 2 evictable blocks
@@ -193,7 +193,7 @@ def test_allocate_failure_changes_nothing():
 
 
 def test_allocate_failure_on_growth_keeps_table():
-    mgr = KVCacheManager(num_blocks=3, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=3, block_size=BS)
     assert mgr.allocate("a", 8)
     table = mgr.get_block_ids("a")
     assert not mgr.allocate("a", 16)
@@ -201,7 +201,7 @@ def test_allocate_failure_on_growth_keeps_table():
 
 
 def test_prefix_misuse_raises():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     table = cached_request(mgr, "a", list(range(8)))
     with pytest.raises(ValueError, match="first allocate"):
         mgr.allocate("a", 12, prefix_block_ids=table[:1])
@@ -217,7 +217,7 @@ def test_prefix_misuse_raises():
 
 
 def test_cache_blocks_emits_chained_events_once():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(13))
     h = hashes_of(tokens)
     assert mgr.allocate("a", 13)
@@ -233,7 +233,7 @@ def test_cache_blocks_emits_chained_events_once():
 
 
 def test_cache_blocks_after_hit_skips_shared_blocks():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(12))
     h = hashes_of(tokens)
     cached_request(mgr, "a", tokens[:8])
@@ -245,7 +245,7 @@ def test_cache_blocks_after_hit_skips_shared_blocks():
 
 
 def test_cache_blocks_rejects_more_than_held():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     mgr.allocate("a", 4)
     with pytest.raises(ValueError):
         mgr.cache_blocks("a", hashes_of(list(range(8))), 8)
@@ -254,7 +254,7 @@ def test_cache_blocks_rejects_more_than_held():
 
 
 def test_duplicate_hash_keeps_first_block():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     tokens = list(range(8))
     a = cached_request(mgr, "a", tokens)
     b = cached_request(mgr, "b", tokens)  # computed concurrently, no hit
@@ -274,7 +274,7 @@ def test_duplicate_hash_keeps_first_block():
 
 
 def test_trim_releases_tail_blocks():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     assert mgr.allocate("a", 6)
     assert mgr.allocate("a", 6 + 5)  # speculate 5 slots: 3 blocks
     table = mgr.get_block_ids("a")
@@ -285,7 +285,7 @@ def test_trim_releases_tail_blocks():
 
 
 def test_trim_unregisters_a_partial_cached_block():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     draft = list(range(8))
     h = hashes_of(draft)
     table = cached_request(mgr, "a", draft)
@@ -303,7 +303,7 @@ def test_trim_unregisters_a_partial_cached_block():
 
 
 def test_trim_keeps_released_full_blocks_cached():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(12))
     table = cached_request(mgr, "a", tokens)
     mgr.take_events()
@@ -315,7 +315,7 @@ def test_trim_keeps_released_full_blocks_cached():
 
 
 def test_trim_of_shared_partial_block_raises_and_changes_nothing():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     tokens = list(range(8))
     cached_request(mgr, "a", tokens)
     assert mgr.allocate("b", 8, mgr.lookup_prefix(hashes_of(tokens)))
@@ -328,7 +328,7 @@ def test_trim_of_shared_partial_block_raises_and_changes_nothing():
 
 
 def test_trim_beyond_held_raises_and_trim_to_zero_forgets():
-    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=8, block_size=BS)
     table = cached_request(mgr, "a", list(range(8)))
     with pytest.raises(ValueError):
         mgr.trim("a", 9)
@@ -345,7 +345,8 @@ def test_trim_beyond_held_raises_and_trim_to_zero_forgets():
 
 
 def test_prefix_caching_off():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS,
+                         enable_prefix_caching=False)
     tokens = list(range(8))
     cached_request(mgr, "a", tokens)
     assert mgr.lookup_prefix(hashes_of(tokens)) == []
@@ -356,7 +357,7 @@ def test_prefix_caching_off():
 
 
 def test_reset_prefix_cache():
-    mgr = KVCacheManager(num_blocks=4, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=4, block_size=BS)
     tokens = list(range(8))
     cached_request(mgr, "a", tokens)
     mgr.take_events()
@@ -411,7 +412,7 @@ def _corrupt_unhashed_evictable(m):
     ],
 )
 def test_check_integrity_catches_corruption(corrupt):
-    mgr = KVCacheManager(num_blocks=6, block_size=BS)
+    mgr = KVCacheManager(record_events=True, num_blocks=6, block_size=BS)
     cached_request(mgr, "a", list(range(8)))
     mgr.check_integrity()
     corrupt(mgr)
@@ -439,7 +440,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, True, False]),
     )
     def setup(self, num_blocks, block_size, caching):
-        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                  record_events=True)
         self.bs, self.caching = block_size, caching
         self.tokens: dict[str, list[int]] = {}  # running request -> tokens it holds slots for
         self.num_computed: dict[str, int] = {}
