@@ -98,9 +98,6 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"ids must be integers in [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop", "stop strings need a tokenizer, and this model has "
-                                      "none (dummy weights): use stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"has {len(ids)} tokens; the model's context is {self.max_model_len}")

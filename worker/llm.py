@@ -88,6 +88,10 @@ class LLM:
             prompt = self.tokenizer.encode(prompt)
         elif not isinstance(prompt, list):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        if params.stop and self.tokenizer is None:  # served engines have none: the router
+            # applies stop strings there
+            raise InvalidRequestError("stop", "stop strings need a tokenizer, and this model has "
+                                      "none (dummy weights): use stop_token_ids")
         return self.engine.make_request(prompt, params)
 
     def _need_tokenizer(self, what: str) -> None:
