@@ -62,6 +62,19 @@ def _group(batch: AttentionBatch, lo: int, hi: int) -> PagedGroup | None:
         context_lens=i32(starts), max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
+def static_decode_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, max_seq_len: int) -> TritonAttentionMetadata:
+    """Metadata of an all-decode step over buffers a CUDA graph reads (cuda_graphs.py): slots
+    [B] int64 (-1: padding, nothing written), block tables [B, max_blocks] and seq_lens [B] int32
+    (0: padding, nothing attended). max_seq_len bounds every seq_len; it fixes the launch grids."""
+    num = seq_lens.shape[0]
+    starts = torch.arange(num + 1, dtype=torch.int32, device=seq_lens.device)  # unread by decode
+    return TritonAttentionMetadata(
+        slot_mapping=slot_mapping, num_decode_tokens=num, prefill=None,
+        decode=PagedGroup(block_tables=block_tables, query_start_loc=starts, seq_lens=seq_lens,
+                          context_lens=seq_lens, max_query_len=1, max_seq_len=max_seq_len))
+
+
 class TritonAttention(AttentionBackend):
     """Paged Triton kernels (GPU, or the Triton interpreter on CPU): no gathered copies of K/V."""
 

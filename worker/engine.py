@@ -237,5 +237,6 @@ def build_engine(config: EngineConfig) -> Engine:
         model_config = dataclasses.replace(
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
     engine = Engine(runner, model_config, config, checkpoint.tokenizer)
+    runner.capture_cuda_graphs(engine.max_model_len)
     engine.generation_defaults = dict(checkpoint.generation_defaults)
     return engine

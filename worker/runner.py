@@ -63,9 +63,22 @@ class ModelRunner:
         self.attn = get_attention_backend(backend)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights)
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Capture the decode CUDA graphs (cuda_graphs.py) when on CUDA with the Triton backend
+        and not `enforce_eager`; otherwise do nothing. Call once, after the weights are loaded:
+        the graphs hold the addresses of the weights and the KV caches."""
+        if self.config.enforce_eager or self.device.type != "cuda" \
+                or type(self.attn).__name__ != "TritonAttention":
+            return
+        from mxserve.worker.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_model_len)
+        self.graphs.capture()
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_bytes_per_token(self.model_config, self.dtype, self.tp.size)
@@ -82,6 +95,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.graphs is not None and self.graphs.can_run(plan):
+            logits, hidden = self.graphs.run(plan)
+            return StepResult(logits=logits, hidden_states=hidden)
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         meta = self.attn.build_metadata(AttentionBatch(
             query_lens=[s.num_new_tokens for s in plan.scheduled],

@@ -81,7 +81,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.is_prefill):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted while making room for another
+            if request.status is not RequestStatus.RUNNING:  # preempted to make room for another
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):

@@ -1,0 +1,131 @@
+"""Pure-decode steps as CUDA graph replays (GPU, Triton attention).
+
+Launching a decode step's kernels one by one from Python costs more than their GPU work at small
+batches; a CUDA graph replays them all with one launch. Once the weights are loaded, `capture()`
+records, for each size in `capture_sizes(max_num_seqs)`, one graph of the whole step (embedding ->
+layers -> norm -> LM head) over static input buffers of that many rows, largest first, all in one
+memory pool. A step whose every request computes one token copies its inputs into the buffers and
+replays the graph of the smallest captured size >= its batch:
+
+    rows:      [r0 r1 r2 | pad pad pad]      batch 3 replayed in the size-6 graph
+    slot:       s0 s1 s2    -1  -1  -1       padding writes no KV ...
+    seq_len:    n0 n1 n2     0   0   0       ... attends to nothing; its logits are dropped
+
+Steps with prefill chunks run eagerly (runner.py). A graph fixes every launch grid, so the decode
+attention's context split is chosen for `max_model_len` rather than for the step's longest context;
+the kernel's last split takes whatever remains, so any length is computed exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mxserve.worker.attention_triton import static_decode_metadata
+from mxserve.worker.scheduler import StepPlan
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, then 1.5x and 2x steps (24, 32, 48, 64, ...) below max_num_seqs, and
+    max_num_seqs itself: padding wastes at most a third of a step's rows past 16."""
+    sizes, p = [1, 2, 4, 8, 16], 16
+    while p < max_num_seqs:
+        sizes += [p * 3 // 2, p * 2]
+        p *= 2
+    return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [size, vocab] float32, written by each replay
+    hidden: torch.Tensor  # [size, hidden]
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one ModelRunner and the static buffers they read."""
+
+    def __init__(self, runner, max_model_len: int) -> None:
+        self.runner = runner
+        self.block_size = runner.config.block_size
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(runner.config.max_num_seqs)
+        n, dev = self.sizes[-1], runner.device
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.tokens = torch.zeros(3, n, dtype=torch.long, device=dev)  # ids, positions, slots
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, _Graph] = {}
+        self.num_replays = 0  # steps served by a replay (tests, stats)
+        self.capture_seconds = 0.0
+
+    def can_run(self, plan: StepPlan) -> bool:
+        """Every scheduled request decodes one token and the batch fits the captured sizes."""
+        return (bool(self.graphs) and plan.num_decodes == len(plan.scheduled) <= self.sizes[-1]
+                and max(len(s.block_table) for s in plan.scheduled) <= self.max_blocks)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.tokens[2].fill_(-1)  # capture runs the step once: padding rows only
+        for size in reversed(self.sizes):
+            side = torch.cuda.Stream()  # warm up off the capture stream: compiles, workspaces
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(size)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden, logits = self._forward(size)
+            self.graphs[size] = _Graph(graph, logits, hidden)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.runner.model
+        meta = static_decode_metadata(self.tokens[2, :size], self.block_tables[:size],
+                                      self.seq_lens[:size], self.max_model_len)
+        hidden = model(self.tokens[0, :size], self.tokens[1, :size], self.runner.kv_caches,
+                       self.runner.attn, meta)  # [size, hidden]
+        return hidden, model.compute_logits(hidden)
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden) of the plan's rows that sample, as the eager path returns them;
+        views of the graph's outputs when all rows sample, valid until the next replay."""
+        batch = len(plan.scheduled)
+        size = next(s for s in self.sizes if s >= batch)
+        self._copy_inputs(plan, size)
+        graph = self.graphs[size]
+        graph.graph.replay()
+        self.num_replays += 1
+        logits, hidden = graph.logits[:batch], graph.hidden[:batch]
+        rows = [i for i, s in enumerate(plan.scheduled) if s.samples]
+        if len(rows) == batch:
+            return logits, hidden
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # a 1-token chunk
+        return logits[index], hidden[index]
+
+    def _copy_inputs(self, plan: StepPlan, size: int) -> None:
+        sched, bs = plan.scheduled, self.block_size
+        batch = len(sched)
+        positions = [s.start_position for s in sched]
+        tokens = np.zeros((3, size), dtype=np.int64)  # padding: id 0, position 0, slot -1
+        tokens[0, :batch] = [s.token_ids[0] for s in sched]
+        tokens[1, :batch] = positions
+        tokens[2, :batch] = [s.block_table[p // bs] * bs + p % bs
+                             for s, p in zip(sched, positions)]
+        tokens[2, batch:] = -1
+        seq_lens = np.zeros(size, dtype=np.int32)
+        seq_lens[:batch] = positions
+        seq_lens[:batch] += 1
+        width = max(len(s.block_table) for s in sched)
+        tables = np.zeros((batch, width), dtype=np.int32)  # beyond a request's length: unread
+        for i, s in enumerate(sched):
+            tables[i, :len(s.block_table)] = s.block_table
+        self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
+        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        self.block_tables[:batch, :width].copy_(torch.from_numpy(tables), non_blocking=True)
