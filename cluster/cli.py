@@ -73,7 +73,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="per worker, beyond those running (default 64)")
     p.add_argument("--request-timeout-s", type=float, default=None)
-    p.add_argument("--redis-url", default=None, help="the global prefix index (coming)")
+    p.add_argument("--redis-url", default=None,
+                   help="Redis for the global prefix index, redis://[:password@]host:port/db "
+                        "(rediss:// for TLS); default: start a local redis-server")
+    p.add_argument("--no-prefix-routing", action="store_true",
+                   help="route by load only (Serve's power of two choices); no Redis")
     for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int),
                        ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
@@ -180,8 +184,11 @@ def cmd_serve(args) -> int:
         resources["num_cpus"] = args.worker_cpus
     if args.worker_gpus is not None:
         resources["num_gpus"] = args.worker_gpus
+    routing = config.routing.model_dump()
+    if args.no_prefix_routing:
+        routing["prefix_aware"] = False
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
-                            "worker_resources": Resources(**resources)})
+                            "worker_resources": Resources(**resources), "routing": routing})
     return serve_until_stopped(config, args.address)
 
 

@@ -46,6 +46,29 @@ class Autoscaling(BaseModel):
         return self
 
 
+class Routing(BaseModel):
+    """How the router picks a worker (router/routing.py): longest cached prefix per the global
+    prefix index in Redis, minus a load penalty; Serve's power-of-two by load when off."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefix_aware: bool = True
+    prefix_weight: float = Field(1.0, ge=0)  # score per cached prompt token
+    load_weight: float = Field(64.0, ge=0)  # score lost per running/waiting request
+    kv_weight: float = Field(256.0, ge=0)  # score lost at a full KV pool
+    lookup_timeout_s: float = Field(0.05, gt=0)  # slower index lookups fall back to load only
+    retry_after_s: float = Field(1.0, ge=0)  # after an index failure, load only this long
+    stats_period_s: float = Field(0.5, gt=0)  # how often Serve polls each worker's load
+    heartbeat_s: float = Field(1.0, gt=0)  # worker heartbeat in the index
+    heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is purged
+
+    def policy_options(self) -> dict:
+        return self.model_dump(include={"prefix_weight", "load_weight", "kv_weight",
+                                        "lookup_timeout_s", "retry_after_s"})
+
+    def publisher_options(self) -> dict:
+        return self.model_dump(include={"heartbeat_s", "heartbeat_ttl_s"})
+
+
 class ServeConfig(BaseModel):
     """One served model: a router ingress deployment in front of `num_workers` worker replicas."""
 
@@ -64,7 +87,10 @@ class ServeConfig(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535)  # Ray's Prometheus export (local)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
-    redis_url: str | None = None  # the global prefix index (prefix-aware routing, coming)
+    # The global prefix index: redis://[:password@]host:port/db (rediss:// for TLS). None:
+    # `mxserve serve` starts a local redis-server (embedded cluster only).
+    redis_url: str | None = None
+    routing: Routing = Field(default_factory=Routing)
     app_name: str = "mxserve"
 
     @model_validator(mode="after")
@@ -86,6 +112,14 @@ class ServeConfig(BaseModel):
                 data = yaml.safe_load(f) or {}
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
+
+    @property
+    def index_namespace(self) -> str:
+        return f"mxserve:{self.app_name}"
+
+    @property
+    def uses_prefix_index(self) -> bool:
+        return self.routing.prefix_aware and self.redis_url is not None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, **{"load_progress": False, **self.engine})

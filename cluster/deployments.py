@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.cluster.config import ServeConfig
@@ -21,19 +22,23 @@ from mxserve.cluster.worker import Worker
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.errors import ServeError
 from mxserve.router.ingress import Router
+from mxserve.router.prefix_index import PrefixIndex
 from mxserve.router.requests import ModelCard
 from mxserve.worker.engine import StepOutput
+from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
 from mxserve.worker.sampling_params import SamplingParams
 
 SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
 WORKER, ROUTER = "Worker", "Router"
+ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 
 
 @serve.deployment(name=WORKER)
 class WorkerDeployment:
     """One engine replica. The engine's tokenizer is dropped: the router detokenizes."""
 
-    async def __init__(self, engine_options: dict, max_queued_requests: int) -> None:
+    async def __init__(self, engine_options: dict, max_queued_requests: int,
+                       index: dict | None = None) -> None:
         from mxserve.worker.config import EngineConfig
         from mxserve.worker.engine import build_engine
 
@@ -43,6 +48,12 @@ class WorkerDeployment:
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id())
         self.worker.start()
+        self.publisher = None
+        if index is not None:  # publish this engine's prefix cache to the global index
+            self.publisher = KVEventPublisher(
+                PrefixIndex.from_url(index["url"], index["namespace"]), replica_id,
+                self.worker.async_engine, PublisherConfig(**index["publisher"]))
+            self.publisher.start()
         self._metrics = asyncio.create_task(WorkerMetricsExporter(self.worker).run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -54,9 +65,16 @@ class WorkerDeployment:
         """Serve polls this for request routers; the router's Health RPC reads it too."""
         return self.worker.load()
 
-    def __del__(self) -> None:  # Serve calls this when the replica stops
+    def record_replica_metadata(self) -> dict:
+        """Read once by the request routers: how this worker hashes prompt blocks."""
+        engine = self.worker.engine
+        return {"model_id": engine.model_config.model_id, "block_size": engine.kv.block_size}
+
+    async def __del__(self) -> None:  # Serve calls this when the replica stops
         if hasattr(self, "worker"):
             self._metrics.cancel()
+            if self.publisher is not None:
+                await self.publisher.close()
             self.worker.shutdown()
 
 
@@ -146,8 +164,18 @@ def build_app(config: ServeConfig) -> serve.Application:
             min_replicas=a.min_workers, max_replicas=a.max_workers,
             initial_replicas=max(a.min_workers, 1),
             target_ongoing_requests=a.target_ongoing_requests)
+    index = None
+    if config.uses_prefix_index:
+        worker_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs=dict(redis_url=config.redis_url,
+                                       namespace=config.index_namespace,
+                                       **config.routing.policy_options()),
+            request_routing_stats_period_s=config.routing.stats_period_s)
+        index = dict(url=config.redis_url, namespace=config.index_namespace,
+                     publisher=config.routing.publisher_options())
     workers = WorkerDeployment.options(**worker_options).bind(engine_options,
-                                                              config.max_queued_requests)
+                                                              config.max_queued_requests, index)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),

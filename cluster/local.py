@@ -10,6 +10,7 @@ import threading
 import time
 
 from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.redis_server import LocalRedis
 
 # Ray Serve settings for a lower-latency token stream (all three are Serve's own knobs; they
 # are read when the proxy and replica processes start, so they go in the environment Ray starts
@@ -84,6 +85,15 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None) -> int:
     import ray
     from ray import serve
 
+    redis = None
+    if config.routing.prefix_aware and config.redis_url is None:
+        if address:
+            print("mxserve: no --redis-url given for the Ray cluster: routing by load only "
+                  "(start Redis where every node can reach it for prefix-aware routing)",
+                  file=sys.stderr, flush=True)
+        else:
+            redis = LocalRedis().start()
+            config = config.model_copy(update={"redis_url": redis.url})
     init_ray(address, config)
     try:
         deploy(config)
@@ -92,10 +102,14 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None) -> int:
     except BaseException:
         if not address:
             ray.shutdown()
+        if redis is not None:
+            redis.stop()
         raise
     endpoint = f"localhost:{config.grpc_port}"
+    routing = (f"prefix-aware routing, index at {_redacted(config.redis_url)}"
+               if config.uses_prefix_index else "routing by load")
     print(f"mxserve: serving {config.served_model_name!r} with {config.num_workers} worker(s); "
-          f"gRPC on {endpoint} (app {config.app_name!r})", flush=True)
+          f"gRPC on {endpoint} (app {config.app_name!r}); {routing}", flush=True)
     if address:
         print(f"mxserve: deployed onto the Ray cluster at {address}; it keeps serving after this "
               f"command exits (remove it with `serve shutdown`).", flush=True)
@@ -110,4 +124,14 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None) -> int:
     print("mxserve: shutting down...", file=sys.stderr, flush=True)
     serve.shutdown()
     ray.shutdown()
+    if redis is not None:
+        redis.stop()
     return 0
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

@@ -1,0 +1,78 @@
+"""The worker deployment's Ray Serve request router: wiring for router/routing.py's policy.
+
+Serve runs it inside each caller of the worker deployment (the router ingress replicas), on its
+routing event loop; `choose_replicas` must not block. It reads each replica's load from Serve's
+queue-length cache and the worker's routing stats (`record_routing_stats`), the hashing
+parameters from the worker's replica metadata (`record_replica_metadata`), and the prompt from
+the pending `generate` call's first argument.
+"""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from mxserve.router.prefix_index import PrefixIndex
+from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
+from mxserve.worker.block_hash import block_hashes
+
+
+class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, redis_url: str | None = None, namespace: str = "mxserve",
+                         **routing) -> None:
+        self._redis_url, self._namespace = redis_url, namespace
+        self._config = RoutingConfig(**routing)
+        self._policy: PrefixRouter | None = None  # built on the routing loop, on first use
+        self._lookups = metrics.Counter(
+            "mxserve_router_prefix_lookups_total",
+            "Prefix index lookups by outcome: ok, error (failed or timed out: routed by load), "
+            "skipped (backing off after an error: routed by load)", tag_keys=("outcome",))
+        self._lookup_latency = metrics.Histogram(
+            "mxserve_router_prefix_lookup_seconds", "Prefix index lookup latency",
+            boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
+        self._cached_tokens = metrics.Counter(
+            "mxserve_router_routed_cached_tokens_total",
+            "Prompt tokens the chosen worker held in its prefix cache, per the index")
+
+    def _observe_lookup(self, outcome: str, latency_s: float | None) -> None:
+        self._lookups.inc(tags={"outcome": outcome})
+        if latency_s is not None and outcome == "ok":
+            self._lookup_latency.observe(latency_s)
+
+    def _get_policy(self) -> PrefixRouter:
+        if self._policy is None:
+            index = (PrefixIndex.from_url(self._redis_url, self._namespace)
+                     if self._redis_url else None)
+            self._policy = PrefixRouter(index, self._config, on_lookup=self._observe_lookup)
+        return self._policy
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [self._load(r) for r in candidate_replicas]
+        hashes, block_size = self._prompt_hashes(candidate_replicas, pending_request)
+        decision = await self._get_policy().route(loads, hashes, block_size)
+        if decision.cached_tokens:
+            self._cached_tokens.inc(decision.cached_tokens)
+        return [[by_id[replica_id]] for replica_id in decision.order]
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats or {}
+        queued = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        used, free = stats.get("num_kv_blocks_used", 0), stats.get("num_kv_blocks_free", 0)
+        return ReplicaLoad(replica.replica_id.unique_id,
+                           max(queued, stats.get("num_running", 0) + stats.get("num_waiting", 0)),
+                           used / (used + free) if used + free else 0.0)
+
+    @staticmethod
+    def _prompt_hashes(replicas: list[RunningReplica],
+                       pending: PendingRequest | None) -> tuple[list[int], int]:
+        """The prompt's block hashes as the workers compute them ([] when unknown)."""
+        if pending is None or pending.metadata.call_method != "generate" or not pending.args:
+            return [], 0
+        meta = next((r.replica_metadata for r in replicas if r.replica_metadata), None)
+        if meta is None:
+            return [], 0
+        block_size = meta["block_size"]
+        return block_hashes(pending.args[0], block_size, meta["model_id"]), block_size

@@ -1,0 +1,131 @@
+"""Which worker gets a request: the policy behind the worker deployment's Ray Serve request router
+(cluster/request_router.py only wires it). No Ray here; tested on its own.
+
+Each candidate worker is scored, in prompt tokens:
+
+    score = prefix_weight * cached_prompt_tokens - load_weight * num_ongoing - kv_weight * kv_usage
+
+cached_prompt_tokens comes from the global prefix index (one Redis round trip: the leading
+prompt blocks each worker holds); num_ongoing (requests running or queued there) and kv_usage
+(fraction of its KV pool in use) from the workers' load reports. So a worker that holds the
+prefix wins until it is `prefix tokens / load_weight` requests busier than the others, and
+prompts that nobody holds go to the least loaded worker. Ties are broken at random.
+
+When the index cannot answer within `lookup_timeout_s` (Redis slow or down), the request is
+routed by load alone, power-of-two-choices style, and the index is left alone for
+`retry_after_s` before it is asked again; both are counted and logged. A stale or missing
+index costs cache affinity, never a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mxserve.router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    prefix_weight: float = 1.0  # score per prompt token the worker already holds
+    load_weight: float = 64.0  # score lost per request running or waiting on the worker
+    kv_weight: float = 256.0  # score lost at a full KV pool, in proportion to the used fraction
+    lookup_timeout_s: float = 0.05  # an index lookup slower than this falls back to load only
+    retry_after_s: float = 1.0  # after an index failure, route by load this long
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_weight", "load_weight", "kv_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing {name} must be >= 0")
+        if self.lookup_timeout_s <= 0 or self.retry_after_s < 0:
+            raise ValueError("need lookup_timeout_s > 0 and retry_after_s >= 0")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    num_ongoing: int  # requests running or waiting there
+    kv_usage: float  # fraction of its KV blocks in use, [0, 1]
+
+
+@dataclass(frozen=True)
+class Decision:
+    order: list[str]  # replica ids, the preferred first; later ones if it refuses
+    source: str  # "prefix" (index answered), "load" (nothing to look up), "fallback"
+    cached_tokens: int  # prompt tokens the first choice holds (0 unless source == "prefix")
+
+
+# (outcome, latency_s): outcome "ok", "error" (failed or timed out) or "skipped" (backing off)
+LookupObserver = Callable[[str, float | None], None]
+
+
+class PrefixRouter:
+    def __init__(self, index: PrefixIndex | None, config: RoutingConfig | None = None,
+                 rng: random.Random | None = None,
+                 on_lookup: LookupObserver | None = None) -> None:
+        self.index = index
+        self.config = config or RoutingConfig()
+        self.rng = rng or random.Random()
+        self.on_lookup = on_lookup or (lambda outcome, latency_s: None)
+        self._index_down_until = 0.0
+        self._index_down = False
+
+    async def route(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int],
+                    block_size: int) -> Decision:
+        """Order the candidates for a prompt with these chained block hashes."""
+        if not loads:
+            return Decision([], "load", 0)
+        if self.index is None or not block_hashes:
+            return Decision(self._by_score(loads, {}, block_size), "load", 0)
+        held = await self._lookup(list(block_hashes))
+        if held is None:
+            return Decision(self._two_choices(loads), "fallback", 0)
+        order = self._by_score(loads, held, block_size)
+        return Decision(order, "prefix", held.get(order[0], 0) * block_size)
+
+    def _by_score(self, loads: Sequence[ReplicaLoad], held: dict[str, int],
+                  block_size: int) -> list[str]:
+        c = self.config
+
+        def score(load: ReplicaLoad) -> float:
+            return (c.prefix_weight * held.get(load.replica_id, 0) * block_size
+                    - c.load_weight * load.num_ongoing - c.kv_weight * load.kv_usage)
+
+        ranked = sorted(loads, key=lambda load: (-score(load), self.rng.random()))
+        return [load.replica_id for load in ranked]
+
+    def _two_choices(self, loads: Sequence[ReplicaLoad]) -> list[str]:
+        """Two at random, the less loaded first; the rest after them in random order."""
+        shuffled = list(loads)
+        self.rng.shuffle(shuffled)
+        first = sorted(shuffled[:2], key=lambda load: (load.num_ongoing, load.kv_usage))
+        return [load.replica_id for load in first + shuffled[2:]]
+
+    async def _lookup(self, block_hashes: list[int]) -> dict[str, int] | None:
+        """Blocks held per worker, or None when the index is down, slow or backing off."""
+        now = time.monotonic()
+        if now < self._index_down_until:
+            self.on_lookup("skipped", None)
+            return None
+        try:
+            held = await asyncio.wait_for(self.index.lookup(block_hashes),
+                                          self.config.lookup_timeout_s)
+        except Exception as e:  # timeout, connection refused, Redis errors
+            self.on_lookup("error", time.monotonic() - now)
+            self._index_down_until = time.monotonic() + self.config.retry_after_s
+            if not self._index_down:
+                logger.warning("prefix index unavailable (%r): routing by load only, retrying "
+                               "every %.1f s", e, self.config.retry_after_s)
+            self._index_down = True
+            return None
+        self.on_lookup("ok", time.monotonic() - now)
+        if self._index_down:
+            logger.warning("prefix index is back: prefix-aware routing resumed")
+            self._index_down = False
+        return held
