@@ -76,6 +76,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--redis-url", default=None,
                    help="Redis for the global prefix index, redis://[:password@]host:port/db "
                         "(rediss:// for TLS); default: start a local redis-server")
+    p.add_argument("--ask", default=None, metavar="QUESTION",
+                   help="once serving, ask this over gRPC, print the answer and shut down")
     p.add_argument("--no-prefix-routing", action="store_true",
                    help="route by load only (Serve's power of two choices); no Redis")
     for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
@@ -189,7 +191,7 @@ def cmd_serve(args) -> int:
         routing["prefix_aware"] = False
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
                             "worker_resources": Resources(**resources), "routing": routing})
-    return serve_until_stopped(config, args.address)
+    return serve_until_stopped(config, args.address, ask=args.ask)
 
 
 def _client_sampling(args) -> dict:

@@ -78,10 +78,12 @@ def init_ray(address: str | None, config: ServeConfig, **ray_options) -> None:
     ray.init(include_dashboard=False, **ray_options)
 
 
-def serve_until_stopped(config: ServeConfig, address: str | None = None) -> int:
+def serve_until_stopped(config: ServeConfig, address: str | None = None,
+                        ask: str | None = None) -> int:
     """`mxserve serve`: deploy, print the endpoint, and (embedded cluster only) block until
     Ctrl-C or SIGTERM, then shut Serve and Ray down. With `address` the application stays on
-    that cluster after this returns."""
+    that cluster after this returns. With `ask`, send that question over gRPC once the server
+    is up, print the streamed answer, and shut down instead of waiting."""
     import ray
     from ray import serve
 
@@ -114,19 +116,38 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None) -> int:
         print(f"mxserve: deployed onto the Ray cluster at {address}; it keeps serving after this "
               f"command exits (remove it with `serve shutdown`).", flush=True)
         return 0
-    print(f"mxserve: try `mxserve client \"What is the capital of France?\" --endpoint "
-          f"{endpoint}`; Ctrl-C to stop.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's `&` job ignores it
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+    if ask is not None:
+        status = _ask(endpoint, config.app_name, ask)
+    else:
+        print(f"mxserve: try `mxserve client \"What is the capital of France?\" --endpoint "
+              f"{endpoint}`; Ctrl-C to stop.", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's `&` job ignores it
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+        status = 0
     print("mxserve: shutting down...", file=sys.stderr, flush=True)
     serve.shutdown()
     ray.shutdown()
     if redis is not None:
         redis.stop()
-    return 0
+    return status
+
+
+def _ask(endpoint: str, app_name: str, question: str) -> int:
+    """One chat request over gRPC, streamed to stdout; 0 if an answer came back."""
+    from mxserve.cluster.client import Client
+
+    print(f"mxserve: asking over gRPC: {question}", flush=True)
+    answer = ""
+    with Client(endpoint, app_name) as client:
+        for chunk in client.stream(messages=[{"role": "user", "content": question}],
+                                   max_tokens=64, temperature=0):
+            print(chunk.text, end="", flush=True)
+            answer += chunk.text
+    print(flush=True)
+    return 0 if answer.strip() else 1
 
 
 def _redacted(url: str) -> str:
