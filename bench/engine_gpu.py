@@ -21,10 +21,16 @@ order, each written to the JSON as soon as it ends (a failing one records its er
   on 256-token prompts at several batch sizes (no padding: the most favourable case for HF); its
   best tok/s is the baseline for the mix. The same weights check: greedy tokens of HF vs ours on 4
   prompts (bf16, so they may part after a near-tie).
+- decode sweep (bf16): steady decode steps at batch 1 .. 512 (256-token prompts): engine step
+  wall time and the GPU time of the graph replayed with that step's inputs (host overhead = the
+  difference). The mix also records the wall time inside each part of engine.step().
 - prefix caching (bf16): a shared 2048-token system prompt, 64 conversations x 4 turns, each turn
   a lognormal (median 64) user message + 64 output tokens appended to the history; a turn's 64
   requests are submitted together once the previous turn has finished. Run with prefix caching on
   (a fresh engine) and off; throughput = output tokens / wall time; outputs compared token by token.
+  Random bf16 weights give logits with near-ties, where any rounding difference (a cached KV
+  computed in another batch) flips a greedy token; so the same comparison also runs in float32
+  on a smaller workload (16 conversations x 2 turns, a 512-token system prompt).
 
 Run on the GPU machine:  python bench/engine_gpu.py --out DIR     (writes DIR/engine_gpu.json, .md)
 Smoke test on a CPU:     python bench/engine_gpu.py --shapes /path/to/config_dir --quick --out DIR
@@ -132,18 +138,7 @@ def decode_batch1(args, llm, num_tokens: int) -> dict:
            "num_steps": len(times), "prefill_step_ms": round(times[0] * 1e3, 3)}
     graphs = engine.runner.graphs
     if graphs is not None and 1 in graphs.graphs:
-        graph = graphs.graphs[1].graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(20):
-            graph.replay()
-        replays = []
-        for _ in range(200):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            replays.append(start.elapsed_time(end))
-        out["graph_replay_ms_p50"] = round(statistics.median(replays), 4)
+        out["graph_replay_ms_p50"] = replay_ms(graphs.graphs[1].graph, 200)
     return out
 
 
@@ -194,6 +189,7 @@ def run_mix(llm, prompts: list[list[int]], out_lens: list[int]) -> dict:
         engine.add(r)
     ids = [r.request_id for r in requests]
     first, done, occupancy, fills, num_steps = {}, {}, [], [], 0
+    phases, restore = time_phases(engine)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -208,6 +204,7 @@ def run_mix(llm, prompts: list[list[int]], out_lens: list[int]) -> dict:
         if num_steps % 16 == 0:
             fills.append(kv_fill(engine))
     wall = time.perf_counter() - t0
+    restore()
     num_out = sum(out_lens)
     ttft = [first[i] * 1e3 for i in ids]
     tpot = [(done[i] - first[i]) * 1e3 / (k - 1) for i, k in zip(ids, out_lens) if k > 1]
@@ -222,7 +219,33 @@ def run_mix(llm, prompts: list[list[int]], out_lens: list[int]) -> dict:
             "kv_occupancy_peak": round(max(o for o, _ in occupancy), 4),
             "kv_occupancy_mean_while_queued": _mean([o for o, w in occupancy if w > 0]),
             "kv_occupancy_mean": _mean([o for o, _ in occupancy]),
-            "kv_fill_mean": _mean(fills), "graph_replays": _replays(llm)}
+            "kv_fill_mean": _mean(fills), "graph_replays": _replays(llm),
+            "phase_s": {k: round(v, 3) for k, v in phases.items()}}
+
+
+def time_phases(engine) -> tuple[dict, object]:
+    """Wall time spent in each part of engine.step(): schedule, execute (input copies and kernel
+    launches; asynchronous), sample (waits for the GPU), update. Returns (totals, restore)."""
+    totals = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "update": 0.0}
+    targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
+               "sample": (engine, "sampler"), "update": (engine, "_update")}
+    saved = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
+
+    def timer(key, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            totals[key] += time.perf_counter() - t0
+            return out
+        return timed
+
+    for key, (obj, name) in targets.items():
+        setattr(obj, name, timer(key, saved[key]))
+
+    def restore() -> None:
+        for key, (obj, name) in targets.items():
+            setattr(obj, name, saved[key])
+    return totals, restore
 
 
 def _mean(values: list[float]) -> float | None:
@@ -257,6 +280,48 @@ def mix_section(args, shape: str) -> tuple[dict, LLM]:
                            max_num_batched_tokens=args.max_batched_tokens,
                            max_model_len=args.max_model_len))
     return res, llm
+
+
+def decode_sweep(args, llm) -> dict:
+    """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time and
+    the GPU time of that batch's graph replayed with the last step's inputs."""
+    engine, rows = llm.engine, []
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(5)
+    for batch in args.sweep_batches:
+        ids = [engine.add_request(rng.integers(10, vocab - 10, 256).tolist(),
+                                  SamplingParams(max_tokens=48, **GREEDY)) for _ in range(batch)]
+        while engine.scheduler.waiting or any(engine.requests[i].num_output_tokens < 4
+                                              for i in ids):
+            engine.step()
+        times = []
+        for _ in range(24):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        row = {"batch": batch, "engine_step_ms_p50": round(statistics.median(times), 3)}
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            size = next(x for x in graphs.sizes if x >= batch)
+            row["graph_size"] = size
+            row["graph_replay_ms_p50"] = replay_ms(graphs.graphs[size].graph, 20)
+        rows.append(row)
+        for i in ids:
+            engine.abort(i)
+    return {"rows": rows}
+
+
+def replay_ms(graph, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(n + 5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 4)
 
 
 def load_hf(args, shape: str):
@@ -362,8 +427,32 @@ def prefix_section(args, shape: str, llm_on) -> dict:
                on_cached_prompt_tokens=cached_on, off_cached_prompt_tokens=cached_off,
                speedup=round(wall_off / wall_on, 2),
                identical_outputs=sum(a == b for a, b in zip(out_on, out_off)),
-               num_outputs=len(out_on))
+               num_outputs=len(out_on),
+               mean_matching_prefix=round(statistics.mean(
+                   common_prefix(a, b) for a, b in zip(out_on, out_off)), 2))
     return res
+
+
+def prefix_fp32_check(args, shape: str) -> dict:
+    """Same outputs with prefix caching on and off, in float32 (bf16 runs of random weights part
+    at near-ties of the logits, see the JSON): a smaller multi-turn run."""
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(model=shape, load_format="dummy", dtype="float32", load_progress=False,
+                  device=args.device, max_model_len=args.max_model_len, max_num_seqs=16,
+                  kv_cache_memory_gb=4.0, enable_prefix_caching=caching)
+        vocab = llm.engine.model_config.vocab_size
+        system = np.random.default_rng(4).integers(10, vocab - 10, args.system_len // 4).tolist()
+        users = [[np.random.default_rng(10 * c + t).integers(10, vocab - 10, 24).tolist()
+                  for t in range(2)] for c in range(16)]
+        _, outs[caching], cached = run_conversations(llm, system, users, 32)
+        outs[f"cached_{caching}"] = cached
+        del llm
+        free()
+    return {"conversations": 16, "turns": 2, "output_len": 32, "system_len": args.system_len // 4,
+            "cached_prompt_tokens_on": outs["cached_True"],
+            "identical_outputs": sum(a == b for a, b in zip(outs[True], outs[False])),
+            "num_outputs": len(outs[True])}
 
 
 # ---- driver ----------------------------------------------------------------------------------
@@ -465,6 +554,13 @@ def markdown(d: dict) -> str:
                   f"{m['kv_occupancy_peak']}, mean while requests queued "
                   f"{m['kv_occupancy_mean_while_queued']}; block fill {m['kv_fill_mean']}; "
                   f"preemptions {m['num_preemptions']}."]
+        lines += [f"Time in engine.step() parts over the mix (s): {m.get('phase_s')} (execute "
+                  "launches asynchronously; sample waits for the GPU)."]
+    if s.get("1b_decode_sweep"):
+        lines += ["", "| decode batch | engine step ms | graph replay ms (padded size) |",
+                  "|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['engine_step_ms_p50']} | {r.get('graph_replay_ms_p50')} "
+                  f"({r.get('graph_size')}) |" for r in s["1b_decode_sweep"]["rows"]]
     if s.get("1b_hf"):
         h = s["1b_hf"]
         rows = ", ".join(f"b{r['batch']}: {r['tok_s']}" for r in h["batches"])
@@ -476,7 +572,13 @@ def markdown(d: dict) -> str:
         lines += ["", f"Prefix caching ({p['system_len']}-token system prompt, "
                   f"{p['conversations']} conversations x {p['turns']} turns): on "
                   f"{p['on_wall_s']} s, off {p['off_wall_s']} s -> {p['speedup']}x; identical "
-                  f"outputs {p['identical_outputs']}/{p['num_outputs']}."]
+                  f"outputs {p['identical_outputs']}/{p['num_outputs']} (bf16; mean matching "
+                  f"prefix {p.get('mean_matching_prefix')} of {p['output_len']} tokens)."]
+    if s.get("1b_prefix_fp32"):
+        f = s["1b_prefix_fp32"]
+        lines += [f"Same in float32 ({f['conversations']} conversations x {f['turns']} turns, "
+                  f"{f['system_len']}-token system prompt): identical outputs "
+                  f"{f['identical_outputs']}/{f['num_outputs']}."]
     lines += ["", "| ratio | value | target | met |", "|---|---|---|---|"]
     names = {"batch1_vs_roofline": ("1b_bf16_step_vs_roofline", "<= 1.5"),
              "mxfp4_vs_bf16_batch1": ("1b_mxfp4_speedup_vs_bf16_step", ">= 2.5"),
@@ -495,7 +597,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", default="llama-3.2-1b", help="comma list; first = the 1b role")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
-    p.add_argument("--sections", default="batch1,mx,mix,hf,prefix")
+    p.add_argument("--sections", default="batch1,mx,mix,sweep,prefix,hf")
+    p.add_argument("--sweep-batches", default="1,8,32,64,128,256,512")
     p.add_argument("--deadline-s", type=float, default=480)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
@@ -503,7 +606,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-gb", type=float, default=16.0)
     p.add_argument("--num-requests", type=int, default=512)
     p.add_argument("--batch1-tokens", type=int, default=256)
-    p.add_argument("--hf-batches", default="1,32,64,128,256")
+    p.add_argument("--hf-batches", default="1,32,64,128,256,512")
     p.add_argument("--hf-prompt-len", type=int, default=256)
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--system-len", type=int, default=2048)
@@ -512,10 +615,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turn-out", type=int, default=64)
     args = p.parse_args()
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
+    args.sweep_batches = [int(b) for b in args.sweep_batches.split(",")]
     if args.quick:
         args.__dict__.update(max_model_len=1024, max_num_seqs=16, kv_gb=0.05, num_requests=24,
                              batch1_tokens=12, hf_batches=[1, 4], hf_prompt_len=16,
-                             hf_new_tokens=4, system_len=64, conversations=4, turns=2, turn_out=4)
+                             hf_new_tokens=4, system_len=64, conversations=4, turns=2, turn_out=4,
+                             sweep_batches=[1, 4])
     return args
 
 
@@ -536,8 +641,11 @@ def main() -> None:
         mixed = report.run("1b_mix", mix_section, args, shape) if "mix" in sections else None
         llm = mixed[1] if mixed else None
         del mixed
+        if llm is not None and "sweep" in sections:
+            report.run("1b_decode_sweep", decode_sweep, args, llm)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)
+            report.run("1b_prefix_fp32", prefix_fp32_check, args, shape)
         if llm is not None and "hf" in sections:
             report.run("1b_hf", hf_section, args, shape, llm)
         del llm

@@ -160,7 +160,7 @@ class Engine:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             if not s.samples:
-                self._cache_blocks(request)
+                self._cache_blocks(request, s.start_position)
                 continue
             token, lp = next(sampled)
             num_text = len(request.output_text)
@@ -169,7 +169,7 @@ class Engine:
             check_stop(request, self.max_model_len, num_text)
             if request.finish_reason is not None and not isinstance(request.stop_reason, str):
                 self._flush_text(request)
-            self._cache_blocks(request)
+            self._cache_blocks(request, s.start_position)
             outputs.append(self._output(request, [token], self._text_delta(request),
                                         1 if lp is not None else 0))
             if request.finish_reason is not None:
@@ -193,7 +193,11 @@ class Engine:
         request.num_text_sent = end
         return delta
 
-    def _cache_blocks(self, request: Request) -> None:
+    def _cache_blocks(self, request: Request, num_computed_before: int) -> None:
+        """Hash and register the blocks this step filled (none in most decode steps)."""
+        if request.num_computed_tokens // self.kv.block_size \
+                == num_computed_before // self.kv.block_size:
+            return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
                             self.model_config.model_id)
         self.kv.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)

@@ -11,8 +11,19 @@ from torch import nn
 from mxserve.worker.model.config import RopeScaling
 
 
+def fused_layer_ops():
+    """kernels/layer_ops.py, one kernel per step on CUDA tensors. Imported only then: it imports
+    Triton, which CPU installs need not have. Its torch references compute what the CPU paths
+    below compute."""
+    from mxserve.kernels import layer_ops
+
+    return layer_ops
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back (as Hugging Face does)."""
+    """x / rms(x) * weight, normalized in float32 and cast back before the weight (Hugging Face's
+    order). Given `residual`, adds x to it in place first and normalizes the sum (one kernel on
+    CUDA: kernels/layer_ops.py)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
@@ -21,7 +32,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden]
+        if x.is_cuda:
+            ops = fused_layer_ops()
+            return ops.rms_norm(x, self.weight, self.eps) if residual is None else \
+                ops.add_rms_norm_(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -48,10 +66,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face's convention) from a precomputed cos/sin table.
+    """Rotate-half RoPE (Hugging Face's convention) from precomputed fp32 cos/sin tables.
 
-    `table(positions)` is looked up once per step; `forward` rotates queries and keys together
-    (they sit side by side in the fused qkv output) with it.
+    `forward(qk, positions)` rotates the queries and keys of every token in place; they sit side
+    by side in the fused qkv output, so one call (one kernel on CUDA) covers both.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -62,13 +80,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(device), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
 
-    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T] -> cos, sin [T, 1, D/2]
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def forward(qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # qk [T, Hq + Hkv, D] -> rotated, same shape and dtype
-        cos, sin = cos_sin
+    def forward(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # qk [T, Hq + Hkv, D] rotated in place; positions [T]
+        if qk.is_cuda:
+            return fused_layer_ops().apply_rotary_(qk, positions, self.cos, self.sin)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
         x1, x2 = qk.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qk.dtype)
+        return qk.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))

@@ -15,7 +15,7 @@ from torch import nn
 from mxserve.worker.attention import AttentionBackend
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig
-from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding
+from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding, fused_layer_ops
 from mxserve.worker.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -27,7 +27,7 @@ from mxserve.worker.model.parallel import (
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
-                 quant: str | None = None) -> None:
+                 rope: RotaryEmbedding, quant: str | None = None) -> None:
         super().__init__()
         if cfg.num_key_value_heads % tp.size:
             raise ModelLoadError(
@@ -39,15 +39,15 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.attention_bias, tp,
             dtype, device, quant)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant)
+        self.rope = rope  # the model's one table, shared by every layer
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
                 meta: object) -> torch.Tensor:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.forward(qkv[:, :num_qk_heads], cos_sin)  # [T, Hq + Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, num_qk_heads:]  # [T, Hkv, D]
+        self.rope(qkv[:, :num_qk_heads], positions)  # q and k rotated in place
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
         return self.o_proj(out)
 
@@ -62,22 +62,29 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if gate_up.is_cuda:  # one kernel (kernels/layer_ops.py)
+            return self.down_proj(fused_layer_ops().silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """x = x + attn(norm(x)); x = x + mlp(norm(x)), with the residual stream x kept apart and each
+    add folded into the next norm: forward(h, residual) takes the previous layer's output h and
+    the stream before it (residual updated in place) and returns this layer's (h, residual)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
-                 quant: str | None = None) -> None:
+                 rope: RotaryEmbedding, quant: str | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device, quant)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, rope, quant)
         self.mlp = LlamaMLP(cfg, tp, dtype, device, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x, cos_sin, kv_cache, attn, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, positions, kv_cache, attn, meta):
+        h = self.self_attn(self.input_layernorm(h, residual), positions, kv_cache, attn, meta)
+        return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,24 +107,24 @@ class LlamaForCausalLM(nn.Module):
             quant = model_element_format(cfg, tp.size, quantization)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype,
                                                    device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device, quant) for _ in range(cfg.num_hidden_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device, self.rope, quant)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(
             self.embed_tokens if cfg.tie_word_embeddings else None, cfg.vocab_size,
             cfg.hidden_size, tp, dtype, device)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                    cfg.rope_scaling, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
                 meta: object) -> torch.Tensor:
         # input_ids, positions [T] -> hidden states [T, hidden]
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rope.table(positions)  # once per step, shared by every layer
+        residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
+        h = torch.zeros_like(residual)  # "layer -1's output": the first add is a no-op
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, attn, meta)
-        return self.norm(x)
+            h, residual = layer(h, residual, positions, kv_cache, attn, meta)
+        return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [R, vocab]

@@ -1,0 +1,99 @@
+"""The decoder layer's fused kernels (kernels/layer_ops.py) under the Triton interpreter, against
+their torch references, and the references against the model's CPU paths (worker/model/layers.py).
+
+In-place kernels must change exactly their view; a NaN in any output fails.
+Tolerance: fp32 1e-6 relative (summation order); 16-bit: one ulp of the value (a rounding of an
+fp32 result that differs in its last bits may go the other way).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mxserve.kernels.layer_ops import (  # noqa: E402
+    add_rms_norm_,
+    add_rms_norm_torch_,
+    apply_rotary_,
+    apply_rotary_torch_,
+    rms_norm,
+    rms_norm_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
+from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any()
+    out, ref = out.float(), ref.float()
+    assert ((out - ref).abs() <= ULP[dtype] * ref.abs() + 1e-6).all(), (out - ref).abs().max()
+
+
+def rand(*shape, dtype, seed=0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (5, 96), (3, 200)])
+def test_rms_norm_and_fused_add_match_reference(dtype, num_tokens, hidden):
+    x = rand(num_tokens, hidden, dtype=dtype, seed=1)
+    weight = (1 + 0.1 * rand(hidden, dtype=torch.float32, seed=2)).to(dtype)
+    close(rms_norm(x, weight, 1e-5, backend="triton"), rms_norm_torch(x, weight, 1e-5), dtype)
+    residual = rand(num_tokens, hidden, dtype=dtype, seed=3)
+    res_kernel, res_ref = residual.clone(), residual.clone()
+    out = add_rms_norm_(x, res_kernel, weight, 1e-5, backend="triton")
+    ref = add_rms_norm_torch_(x, res_ref, weight, 1e-5)
+    assert torch.equal(res_kernel, res_ref) and torch.equal(res_ref, (residual + x))
+    close(out, ref, dtype)
+    # The model's CPU path computes the references' values, bit for bit.
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.data.copy_(weight)
+    res_cpu = residual.clone()
+    assert torch.equal(norm(x, res_cpu), ref) and torch.equal(res_cpu, res_ref)
+    assert torch.equal(norm(x), rms_norm_torch(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q, num_kv, head_dim", [(4, 2, 16), (6, 2, 64), (3, 3, 32)])
+def test_rotary_in_place_matches_reference_and_leaves_v_alone(dtype, num_q, num_kv, head_dim):
+    rope = RotaryEmbedding(head_dim, 128, 10000.0, None)
+    num_tokens = 7
+    qkv = rand(num_tokens, num_q + 2 * num_kv, head_dim, dtype=dtype, seed=4)
+    positions = torch.tensor([0, 5, 127, 3, 3, 64, 1])
+    kernel, ref = qkv.clone(), qkv.clone()
+    apply_rotary_(kernel[:, :num_q + num_kv], positions, rope.cos, rope.sin, backend="triton")
+    apply_rotary_torch_(ref[:, :num_q + num_kv], positions, rope.cos, rope.sin)
+    close(kernel, ref, dtype)
+    assert torch.equal(kernel[:, num_q + num_kv:], qkv[:, num_q + num_kv:])  # v untouched
+    assert torch.equal(kernel[0], qkv[0])  # position 0: the identity, exactly
+    cpu = qkv.clone()
+    rope(cpu[:, :num_q + num_kv], positions)
+    assert torch.equal(cpu, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, inter", [(1, 96), (4, 1500)])
+def test_silu_and_mul_matches_reference(dtype, num_tokens, inter):
+    x = rand(num_tokens, 2 * inter, dtype=dtype, seed=5) * 3
+    close(silu_and_mul(x, backend="triton"), silu_and_mul_torch(x), dtype)
+
+
+def test_bad_inputs_are_clear_errors():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm_(x, torch.zeros(3, 8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="last dim must be even"):
+        silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="apply_rotary_"):
+        apply_rotary_(torch.zeros(2, 2, 8), torch.zeros(2, dtype=torch.long),
+                      torch.zeros(4, 3), torch.zeros(4, 3))
