@@ -78,8 +78,9 @@ def _serve_parser(sub) -> None:
                         "(rediss:// for TLS); default: start a local redis-server")
     p.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once serving, ask this over gRPC, print the answer and shut down")
-    p.add_argument("--no-prefix-routing", action="store_true",
-                   help="route by load only (Serve's power of two choices); no Redis")
+    p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
+                   help="how the router picks a worker (default prefix: cached prefix minus "
+                        "load, via Redis; the others need no Redis)")
     for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int),
                        ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
@@ -187,8 +188,8 @@ def cmd_serve(args) -> int:
     if args.worker_gpus is not None:
         resources["num_gpus"] = args.worker_gpus
     routing = config.routing.model_dump()
-    if args.no_prefix_routing:
-        routing["prefix_aware"] = False
+    if args.routing:
+        routing["policy"] = args.routing
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
                             "worker_resources": Resources(**resources), "routing": routing})
     return serve_until_stopped(config, args.address, ask=args.ask)

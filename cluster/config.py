@@ -47,23 +47,25 @@ class Autoscaling(BaseModel):
 
 
 class Routing(BaseModel):
-    """How the router picks a worker (router/routing.py): longest cached prefix per the global
-    prefix index in Redis, minus a load penalty; Serve's power-of-two by load when off."""
+    """How the router picks a worker. "prefix" (router/routing.py): longest cached prefix per
+    the global prefix index in Redis, minus a load penalty. "power_of_two": Ray Serve's default,
+    the less loaded of two random workers. "round_robin": in turn (a baseline)."""
 
     model_config = ConfigDict(extra="forbid")
-    prefix_aware: bool = True
+    policy: Literal["prefix", "power_of_two", "round_robin"] = "prefix"
     prefix_weight: float = Field(1.0, ge=0)  # score per cached prompt token
     load_weight: float = Field(64.0, ge=0)  # score lost per running/waiting request
     kv_weight: float = Field(256.0, ge=0)  # score lost at a full KV pool
     lookup_timeout_s: float = Field(0.05, gt=0)  # slower index lookups fall back to load only
     retry_after_s: float = Field(1.0, ge=0)  # after an index failure, load only this long
+    recent_ttl_s: float = Field(10.0, ge=0)  # routed prompts' blocks count as held this long
     stats_period_s: float = Field(0.5, gt=0)  # how often Serve polls each worker's load
     heartbeat_s: float = Field(1.0, gt=0)  # worker heartbeat in the index
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is purged
 
     def policy_options(self) -> dict:
         return self.model_dump(include={"prefix_weight", "load_weight", "kv_weight",
-                                        "lookup_timeout_s", "retry_after_s"})
+                                        "lookup_timeout_s", "retry_after_s", "recent_ttl_s"})
 
     def publisher_options(self) -> dict:
         return self.model_dump(include={"heartbeat_s", "heartbeat_ttl_s"})
@@ -119,7 +121,7 @@ class ServeConfig(BaseModel):
 
     @property
     def uses_prefix_index(self) -> bool:
-        return self.routing.prefix_aware and self.redis_url is not None
+        return self.routing.policy == "prefix" and self.redis_url is not None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, **{"load_progress": False, **self.engine})

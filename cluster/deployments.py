@@ -31,6 +31,7 @@ from mxserve.worker.sampling_params import SamplingParams
 SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
 WORKER, ROUTER = "Worker", "Router"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
+ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 
 
 @serve.deployment(name=WORKER)
@@ -165,6 +166,9 @@ def build_app(config: ServeConfig) -> serve.Application:
             initial_replicas=max(a.min_workers, 1),
             target_ongoing_requests=a.target_ongoing_requests)
     index = None
+    if config.routing.policy == "round_robin":
+        worker_options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUND_ROBIN_CLASS)
     if config.uses_prefix_index:
         worker_options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_CLASS,

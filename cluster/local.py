@@ -88,7 +88,7 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
     from ray import serve
 
     redis = None
-    if config.routing.prefix_aware and config.redis_url is None:
+    if config.routing.policy == "prefix" and config.redis_url is None:
         if address:
             print("mxserve: no --redis-url given for the Ray cluster: routing by load only "
                   "(start Redis where every node can reach it for prefix-aware routing)",
@@ -109,7 +109,7 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
         raise
     endpoint = f"localhost:{config.grpc_port}"
     routing = (f"prefix-aware routing, index at {_redacted(config.redis_url)}"
-               if config.uses_prefix_index else "routing by load")
+               if config.uses_prefix_index else f"routing: {config.routing.policy}")
     print(f"mxserve: serving {config.served_model_name!r} with {config.num_workers} worker(s); "
           f"gRPC on {endpoint} (app {config.app_name!r}); {routing}", flush=True)
     if address:

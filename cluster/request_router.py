@@ -76,3 +76,21 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             return [], 0
         block_size = meta["block_size"]
         return block_hashes(pending.args[0], block_size, meta["model_id"]), block_size
+
+
+class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
+    """Each request to the next replica in turn (by replica id), the rest as fallbacks: the
+    baseline that bench/routing.py compares against."""
+
+    def initialize_state(self) -> None:
+        self._next = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        if not ordered:
+            return []
+        start = self._next % len(ordered)
+        self._next += 1
+        return [[r] for r in ordered[start:] + ordered[:start]]

@@ -11,6 +11,11 @@ prompt blocks each worker holds); num_ongoing (requests running or queued there)
 prefix wins until it is `prefix tokens / load_weight` requests busier than the others, and
 prompts that nobody holds go to the least loaded worker. Ties are broken at random.
 
+The index learns of a prefix only once a worker has computed it, so a burst of requests sharing a
+new prefix would scatter before the first one lands. The router therefore also remembers where it
+sent each prompt's blocks for `recent_ttl_s` and counts them as held there, whichever of the two
+says more.
+
 When the index cannot answer within `lookup_timeout_s` (Redis slow or down), the request is
 routed by load alone, power-of-two-choices style, and the index is left alone for
 `retry_after_s` before it is asked again; both are counted and logged. A stale or missing
@@ -23,6 +28,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,13 +44,15 @@ class RoutingConfig:
     kv_weight: float = 256.0  # score lost at a full KV pool, in proportion to the used fraction
     lookup_timeout_s: float = 0.05  # an index lookup slower than this falls back to load only
     retry_after_s: float = 1.0  # after an index failure, route by load this long
+    recent_ttl_s: float = 10.0  # how long a routed prompt's blocks count as held (0: off)
+    max_recent_blocks: int = 200_000  # memory bound of that record
 
     def __post_init__(self) -> None:
         for name in ("prefix_weight", "load_weight", "kv_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing {name} must be >= 0")
-        if self.lookup_timeout_s <= 0 or self.retry_after_s < 0:
-            raise ValueError("need lookup_timeout_s > 0 and retry_after_s >= 0")
+        if self.lookup_timeout_s <= 0 or self.retry_after_s < 0 or self.recent_ttl_s < 0:
+            raise ValueError("need lookup_timeout_s > 0, retry_after_s >= 0, recent_ttl_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ class PrefixRouter:
         self.on_lookup = on_lookup or (lambda outcome, latency_s: None)
         self._index_down_until = 0.0
         self._index_down = False
+        # block hash -> (replica id, expiry): where recently routed prompts' blocks went
+        self._recent: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     async def route(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int],
                     block_size: int) -> Decision:
@@ -86,8 +96,31 @@ class PrefixRouter:
         held = await self._lookup(list(block_hashes))
         if held is None:
             return Decision(self._two_choices(loads), "fallback", 0)
+        for replica_id, n in self._recently_sent(block_hashes).items():
+            held[replica_id] = max(held.get(replica_id, 0), n)
         order = self._by_score(loads, held, block_size)
+        self._remember(block_hashes, order[0])
         return Decision(order, "prefix", held.get(order[0], 0) * block_size)
+
+    def _recently_sent(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of the prompt that recent routing sent to one replica."""
+        now, replica_id, n = time.monotonic(), None, 0
+        for h in block_hashes:
+            entry = self._recent.get(h)
+            if entry is None or entry[1] < now or replica_id not in (None, entry[0]):
+                break
+            replica_id, n = entry[0], n + 1
+        return {replica_id: n} if replica_id is not None else {}
+
+    def _remember(self, block_hashes: Sequence[int], replica_id: str) -> None:
+        if not self.config.recent_ttl_s:
+            return
+        expiry = time.monotonic() + self.config.recent_ttl_s
+        for h in block_hashes:
+            self._recent[h] = (replica_id, expiry)
+            self._recent.move_to_end(h)
+        while len(self._recent) > self.config.max_recent_blocks:
+            self._recent.popitem(last=False)
 
     def _by_score(self, loads: Sequence[ReplicaLoad], held: dict[str, int],
                   block_size: int) -> list[str]:

@@ -60,7 +60,7 @@ def test_the_worker_holding_the_prefix_wins_until_it_is_much_busier(redis_server
 def test_unknown_prompts_go_to_the_least_loaded_and_ties_spread(redis_server):
     async def main():
         index = await index_with(redis_server)
-        router = PrefixRouter(index, rng=random.Random(0))
+        router = PrefixRouter(index, RoutingConfig(recent_ttl_s=0), rng=random.Random(0))
         other = block_hashes([7] * 64, BS, "m")
         d = await router.route(loads(a=3, b=1, c=2), other, BS)
         assert d.order == ["b", "c", "a"] and d.cached_tokens == 0
@@ -69,6 +69,25 @@ def test_unknown_prompts_go_to_the_least_loaded_and_ties_spread(redis_server):
         assert set(firsts) == {"a", "b", "c"} and min(firsts.values()) > 60
         kv = [ReplicaLoad("a", 0, 0.9), ReplicaLoad("b", 0, 0.1)]
         assert (await router.route(kv, other, BS)).order == ["b", "a"]
+        await index.close()
+    asyncio.run(main())
+
+
+def test_a_burst_sharing_a_new_prefix_follows_the_first_request(redis_server):
+    """Nothing in the index yet (the first request is still prefilling): the router's memory of
+    where it sent the prefix keeps the burst together, until load outweighs it or it expires."""
+    async def main():
+        index = await index_with(redis_server)
+        router = PrefixRouter(index, RoutingConfig(recent_ttl_s=0.2, kv_weight=0))
+        first = (await router.route(loads(a=0, b=0, c=0), HASHES, BS)).order[0]
+        busy = dict(a=0, b=0, c=0) | {first: 3}
+        d = await router.route(loads(**busy), HASHES[:40] + [1, 2], BS)  # shares 40 blocks
+        assert d.order[0] == first and d.cached_tokens == 640
+        busy[first] = 17  # 1024 tokens < 17 * 64: the others win now
+        assert (await router.route(loads(**busy), HASHES, BS)).order[0] != first
+        await asyncio.sleep(0.25)  # expired: the index (still empty) is all there is
+        d = await router.route(loads(a=1, b=1, c=1), HASHES, BS)
+        assert d.cached_tokens == 0
         await index.close()
     asyncio.run(main())
 

@@ -204,12 +204,16 @@ def test_serve_cli_builds_the_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(local, "serve_until_stopped",
-                        lambda config, address: seen.update(config=config, address=address) or 0)
+                        lambda config, address, ask: seen.update(config=config, address=address,
+                                                                  ask=ask) or 0)
     assert cli.main(["serve", "--num-workers", "2", "--grpc-port", "9001", "--worker-cpus", "0.5",
-                     "--max-num-seqs", "8", "--address", "auto"]) == 0
+                     "--max-num-seqs", "8", "--address", "auto", "--routing", "round_robin",
+                     "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?"]) == 0
     config = seen["config"]
     assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
     assert config.worker_resources.num_cpus == 0.5 and config.engine == {"max_num_seqs": 8}
+    assert config.routing.policy == "round_robin" and not config.uses_prefix_index
+    assert config.redis_url == "redis://:pw@redis:6379/0" and seen["ask"] == "hi?"
 
 
 def test_build_request_covers_each_prompt_kind():
@@ -236,3 +240,25 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.ray_actor_options["resources"] == {"big": 1}
     assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
     assert router.init_args[2:] == ("SmolLM2-135M-Instruct", None, "mxserve")
+    assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
+    assert worker._deployment_config.request_router_config.request_router_class.endswith(
+        "PowerOfTwoChoicesRequestRouter")
+
+
+def test_build_app_wires_prefix_routing_to_redis():
+    from mxserve.cluster.deployments import build_app
+
+    config = ServeConfig(redis_url="redis://127.0.0.1:7000/0", app_name="x",
+                         routing=dict(load_weight=10.0, stats_period_s=0.25))
+    worker = build_app(config)._bound_deployment.init_args[0]._bound_deployment
+    index = worker.init_args[2]
+    assert (index["url"], index["namespace"]) == ("redis://127.0.0.1:7000/0", "mxserve:x")
+    router_config = worker._deployment_config.request_router_config
+    assert router_config.request_router_class.endswith("PrefixAwareRequestRouter")
+    assert router_config.request_router_kwargs["load_weight"] == 10.0
+    assert router_config.request_routing_stats_period_s == 0.25
+    config = ServeConfig(redis_url="redis://127.0.0.1:7000/0", routing=dict(policy="round_robin"))
+    worker = build_app(config)._bound_deployment.init_args[0]._bound_deployment
+    assert worker.init_args[2] is None
+    assert worker._deployment_config.request_router_config.request_router_class.endswith(
+        "RoundRobinRequestRouter")
