@@ -160,9 +160,36 @@ def batch1_section(args, shape: str, bw: float, quant: str | None) -> dict:
                         enforce_eager=True)
     decode_batch1(args, eager, 16)
     res["eager_step_ms_p50"] = decode_batch1(args, eager, 64)["engine_step_ms_p50"]
+    if quant is None and torch.cuda.is_available():
+        res["eager_kernels_per_step"] = kernel_profile(eager.engine, 8)
     del eager
     free()
     return res
+
+
+def kernel_profile(engine, num_steps: int) -> dict:
+    """GPU time per eager batch-1 decode step by kernel (torch.profiler): where the step's time
+    goes beyond reading the weights. The graph runs the same kernels (attention: more splits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model_config.vocab_size
+    engine.add_request([(2000 + i) % vocab for i in range(200)],
+                       SamplingParams(max_tokens=num_steps + 2, **GREEDY))
+    engine.step()  # the prefill
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / num_steps,
+                         "us_per_step": round(us / num_steps, 1)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"total_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "num_kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:20]}
 
 
 def _capture_s(llm) -> float | None:
