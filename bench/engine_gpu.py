@@ -572,15 +572,18 @@ def markdown(d: dict) -> str:
             lines.append(f"| {key} | {r['roofline_ms']} | {r.get('graph_replay_ms_p50')} | "
                          f"{r['engine_step_ms_p50']} | {r.get('eager_step_ms_p50')} | "
                          f"{r.get('engine_step_vs_roofline')} |")
-    if s.get("1b_mix"):
-        m = s["1b_mix"]
-        lines += ["", f"Mix (1B bf16, {m['num_requests']} requests at once, {m['output_tokens']} "
-                  f"output tokens): {m['output_tok_s']} output tok/s ({m['total_tok_s']} incl. "
-                  f"prompts); TTFT p50/p99 {m['ttft_ms_p50']}/{m['ttft_ms_p99']} ms; TPOT p50/p99 "
-                  f"{m['tpot_ms_p50']}/{m['tpot_ms_p99']} ms; KV pool occupancy peak "
-                  f"{m['kv_occupancy_peak']}, mean while requests queued "
-                  f"{m['kv_occupancy_mean_while_queued']}; block fill {m['kv_fill_mean']}; "
-                  f"preemptions {m['num_preemptions']}."]
+    for key in ("1b_mix", "8b_mix"):
+        if not s.get(key):
+            continue
+        m = s[key]
+        lines += ["", (
+            f"Mix ({key[:2].upper()} bf16, {m['num_requests']} requests at once, "
+            f"{m['output_tokens']} output tokens): {m['output_tok_s']} output tok/s "
+            f"({m['total_tok_s']} incl. prompts); TTFT p50/p99 {m['ttft_ms_p50']}/"
+            f"{m['ttft_ms_p99']} ms; TPOT p50/p99 {m['tpot_ms_p50']}/{m['tpot_ms_p99']} ms; "
+            f"KV pool occupancy peak {m['kv_occupancy_peak']}, mean while requests queued "
+            f"{m['kv_occupancy_mean_while_queued']}; block fill {m['kv_fill_mean']}; "
+            f"preemptions {m['num_preemptions']}.")]
         lines += [f"Time in engine.step() parts over the mix (s): {m.get('phase_s')} (execute "
                   "launches asynchronously; sample waits for the GPU)."]
     if s.get("1b_decode_sweep"):
@@ -594,6 +597,10 @@ def markdown(d: dict) -> str:
         lines += ["", f"HF generate (same weights, {h['prompt_len']}-token prompts, "
                   f"{h['new_tokens']} new): {rows} tok/s; greedy matching prefix vs ours (of 32): "
                   f"{h['greedy_matching_prefix']}."]
+        if s.get("1b_mix"):
+            ratios = ", ".join(f"b{r['batch']}: {s['1b_mix']['output_tok_s'] / r['tok_s']:.1f}x"
+                               for r in h["batches"])
+            lines.append(f"Our mix output tok/s over HF's at each batch size: {ratios}.")
     if s.get("1b_prefix"):
         p = s["1b_prefix"]
         lines += ["", f"Prefix caching ({p['system_len']}-token system prompt, "
@@ -624,7 +631,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", default="llama-3.2-1b", help="comma list; first = the 1b role")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
-    p.add_argument("--sections", default="batch1,mx,mix,sweep,prefix,hf")
+    p.add_argument("--sections", default="batch1,mx,mix,sweep,prefix,hf,mix8b")
     p.add_argument("--sweep-batches", default="1,8,32,64,128,256,512")
     p.add_argument("--deadline-s", type=float, default=480)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -664,6 +671,10 @@ def main() -> None:
         if "mx" in sections:
             report.run(f"{role}_mxfp4_batch1", batch1_section, args, shape, bw, "mxfp4")
         if role != "1b":
+            if "mix8b" in sections:
+                mixed = report.run(f"{role}_mix", mix_section, args, shape)
+                del mixed
+                free()
             continue
         mixed = report.run("1b_mix", mix_section, args, shape) if "mix" in sections else None
         llm = mixed[1] if mixed else None

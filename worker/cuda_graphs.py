@@ -18,6 +18,7 @@ the kernel's last split takes whatever remains, so any length is computed exactl
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -122,10 +123,11 @@ class DecodeGraphs:
         seq_lens = np.zeros(size, dtype=np.int32)
         seq_lens[:batch] = positions
         seq_lens[:batch] += 1
-        width = max(len(s.block_table) for s in sched)
+        lengths = np.array([len(s.block_table) for s in sched])
+        width = int(lengths.max())
         tables = np.zeros((batch, width), dtype=np.int32)  # beyond a request's length: unread
-        for i, s in enumerate(sched):
-            tables[i, :len(s.block_table)] = s.block_table
+        tables[np.arange(width) < lengths[:, None]] = list(
+            itertools.chain.from_iterable(s.block_table for s in sched))  # row by row
         self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
         self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.block_tables[:batch, :width].copy_(torch.from_numpy(tables), non_blocking=True)
