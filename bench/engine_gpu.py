@@ -497,7 +497,7 @@ def environment(args) -> dict:
     return {"device": dev, "date": now,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": triton.__version__, "transformers": transformers.__version__,
-                         "cuda": torch.version.cuda, "mxserve_commit": commit},
+                         "cuda": torch.version.cuda, "git_head_where_run": commit},
             "command": " ".join(["python", "bench/engine_gpu.py", *sys.argv[1:]])}
 
 
