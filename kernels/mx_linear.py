@@ -542,7 +542,11 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
 
-_PREFILL = (128, 128, 64, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+# BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages. Not 3 stages: with Triton 3.6 on the H200,
+# (128, 128, 64, 8, 3) returns garbage (inf, ~3e38) for e2m1 weights with a bias from M ~ 1024
+# rows on, while every other tile tried is exact; 2 stages is as fast over the four formats
+# (bench/results/kernels_gpu.prefill_config.json).
+_PREFILL = (128, 128, 64, 8, 2)
 
 
 def _launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
