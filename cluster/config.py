@@ -38,6 +38,9 @@ class Autoscaling(BaseModel):
     min_workers: int = Field(1, ge=0)
     max_workers: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(16.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)  # load must stay high this long to add a worker
+    downscale_delay_s: float = Field(600.0, ge=0)  # and low this long to remove one
+    look_back_period_s: float = Field(30.0, gt=0)  # window the load is averaged over
 
     @model_validator(mode="after")
     def _check(self) -> Autoscaling:

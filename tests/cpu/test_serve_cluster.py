@@ -276,6 +276,42 @@ def test_more_than_the_queue_limit_is_resource_exhausted(served):
         serve.delete(small.app_name)
 
 
+def test_autoscaling_adds_a_worker_under_load_and_removes_it_after(served):
+    from ray import serve
+
+    from mxserve.cluster.config import Autoscaling
+
+    auto = served.deploy(app_name="auto", worker_resources=Resources(num_cpus=0.25,
+                                                                     resources={"spare": 1}),
+                         autoscaling=Autoscaling(min_workers=1, max_workers=2,
+                                                 target_ongoing_requests=2, upscale_delay_s=0.5,
+                                                 downscale_delay_s=2, look_back_period_s=1))
+    try:
+        with served.client("auto") as client:
+            assert len(client.health().workers) == 1
+            stop = time.monotonic() + 60
+
+            def load():  # keep about 8 requests in flight until the second worker answers
+                with served.client("auto") as c:
+                    while time.monotonic() < stop:
+                        c.generate("w9 w10", max_tokens=400, ignore_eos=True)
+
+            with ThreadPoolExecutor(8) as pool:
+                busy = [pool.submit(load) for _ in range(8)]
+                while len(client.health().workers) < 2:
+                    assert time.monotonic() < stop, "no second worker under load"
+                    time.sleep(0.5)
+                stop = 0  # let the load threads finish their last request
+                for f in busy:
+                    f.result(timeout=60)
+            deadline = time.monotonic() + 60
+            while len(client.health().workers) > 1:  # idle: back to min_workers
+                assert time.monotonic() < deadline, "still 2 workers when idle"
+                time.sleep(0.5)
+    finally:
+        serve.delete(auto.app_name)
+
+
 @pytest.mark.slow
 def test_smollm2_cluster_answers_paris_through_the_cli_client(served, capsys):
     from ray import serve
