@@ -109,7 +109,8 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
         raise
     endpoint = f"localhost:{config.grpc_port}"
     routing = (f"prefix-aware routing, index at {_redacted(config.redis_url)}"
-               if config.uses_prefix_index else f"routing: {config.routing.policy}")
+               if config.uses_prefix_index else "routing by load (no prefix index)"
+               if config.routing.policy == "prefix" else f"routing: {config.routing.policy}")
     print(f"mxserve: serving {config.served_model_name!r} with {config.num_workers} worker(s); "
           f"gRPC on {endpoint} (app {config.app_name!r}); {routing}", flush=True)
     if address:
