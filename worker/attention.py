@@ -109,15 +109,16 @@ class TorchAttention(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k[meta.slot_mapping] = k
-        flat_v[meta.slot_mapping] = v
+        flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
+        flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = _decode(q[:nd], flat_k, flat_v, meta.decode_slots, meta.decode_mask)
         for first, qlen, ctx, mask in meta.prefill_spans:
             q_span = q[first:first + qlen]
-            out[first:first + qlen] = _prefill(q_span, flat_k[ctx], flat_v[ctx], mask)
+            out[first:first + qlen] = _prefill(q_span, flat_k.index_select(0, ctx),
+                                               flat_v.index_select(0, ctx), mask)
         return out.flatten(1)
 
 
@@ -127,10 +128,15 @@ def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads = flat_k.shape[1]
     qg = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = flat_v[slots].transpose(1, 2)
+    keys = _gather(flat_k, slots).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(flat_v, slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
     return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat [num_slots, Hkv, D] at slots [B, L] -> [B, L, Hkv, D]."""
+    return flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -45,6 +45,9 @@ class EngineConfig:
     # CUDA: pure-decode steps replay CUDA graphs captured at start (worker/cuda_graphs.py);
     # True runs every step eagerly. No effect on CPU.
     enforce_eager: bool = False
+    # CPU, bf16: multiply with oneDNN's blocked copies of the linear weights (same numbers,
+    # faster; worker/model/parallel.py `pack_for_cpu`). False keeps plain torch.matmul.
+    pack_cpu_weights: bool = True
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")

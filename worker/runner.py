@@ -12,7 +12,13 @@ from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM
-from mxserve.worker.model.parallel import TPGroup
+from mxserve.worker.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    can_pack_for_cpu,
+)
 from mxserve.worker.scheduler import StepPlan
 
 
@@ -67,6 +73,11 @@ class ModelRunner:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(weights)
+        if self.config.pack_cpu_weights and can_pack_for_cpu(self.dtype, self.device):
+            for module in self.model.modules():
+                if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead) \
+                        and not getattr(module, "quant", None):
+                    module.pack_for_cpu()
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture the decode CUDA graphs (cuda_graphs.py) when on CUDA with the Triton backend

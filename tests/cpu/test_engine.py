@@ -183,3 +183,22 @@ def test_request_outgrowing_the_pool_stops_at_length_instead_of_livelocking(ckpt
     assert [len(o.token_ids) for o in outs] == [54, 44]
     assert all(o.finish_reason == "length" for o in outs)
     assert _all_blocks_free(llm)
+
+
+def test_packed_cpu_weights_give_the_same_numbers(ckpt):
+    """bf16 on CPU multiplies with oneDNN's blocked copies of the weights (pack_cpu_weights):
+    a faster layout of the same numbers, so logits and greedy tokens equal the plain path."""
+    from mxserve.worker.model.parallel import ColumnParallelLinear, can_pack_for_cpu
+
+    if not can_pack_for_cpu(torch.bfloat16, "cpu"):
+        pytest.skip("this CPU's oneDNN has no native bf16")
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13]]
+    outs = {}
+    for pack in (True, False):
+        llm = LLM(model=ckpt, dtype="bfloat16", pack_cpu_weights=pack, load_progress=False)
+        linears = [m for m in llm.engine.runner.model.modules()
+                   if isinstance(m, ColumnParallelLinear)]
+        assert all((m.packed is not None) == pack for m in linears)
+        outs[pack] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]
