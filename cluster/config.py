@@ -59,6 +59,7 @@ class Routing(BaseModel):
     prefix_weight: float = Field(1.0, ge=0)  # score per cached prompt token
     load_weight: float = Field(64.0, ge=0)  # score lost per running/waiting request
     kv_weight: float = Field(256.0, ge=0)  # score lost at a full KV pool
+    cache_weight: float = Field(128.0, ge=0)  # score lost by the worker caching the most blocks
     lookup_timeout_s: float = Field(0.05, gt=0)  # slower index lookups fall back to load only
     retry_after_s: float = Field(1.0, ge=0)  # after an index failure, load only this long
     recent_ttl_s: float = Field(10.0, ge=0)  # routed prompts' blocks count as held this long
@@ -67,7 +68,7 @@ class Routing(BaseModel):
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is purged
 
     def policy_options(self) -> dict:
-        return self.model_dump(include={"prefix_weight", "load_weight", "kv_weight",
+        return self.model_dump(include={"prefix_weight", "load_weight", "kv_weight", "cache_weight",
                                         "lookup_timeout_s", "retry_after_s", "recent_ttl_s"})
 
     def publisher_options(self) -> dict:

@@ -79,8 +79,9 @@ return left
 """
 
 # ARGV: ns, hash_0, hash_1, ... (a prompt's chained block hashes, in order).
-# Returns {worker, n, worker, n, ...}: n = how many leading blocks the worker holds. Walks
-# from the root and stops at the first block that no worker still in the run holds.
+# Returns {{worker, n, ...}, {worker, size, ...}}: n = how many leading blocks the worker holds
+# (the walk starts at the root and stops at the first block no worker still in the run holds);
+# size = how many blocks it holds in all, for every worker in the index.
 _LOOKUP = """
 local ns, counts, alive = ARGV[1], {}, nil
 for i = 2, #ARGV do
@@ -103,8 +104,17 @@ for w, n in pairs(counts) do
   out[#out + 1] = w
   out[#out + 1] = n
 end
-return out
+local sizes = {}
+for _, w in ipairs(redis.call('SMEMBERS', ns .. ':workers')) do
+  sizes[#sizes + 1] = w
+  sizes[#sizes + 1] = redis.call('SCARD', ns .. ':w:' .. w)
+end
+return {out, sizes}
 """
+
+
+def _pairs(flat: list) -> dict[str, int]:
+    return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def block_key_part(block_hash: int) -> str:
@@ -175,10 +185,14 @@ class PrefixIndex:
     # ---- routers -----------------------------------------------------------------------------
     async def lookup(self, block_hashes: list[int]) -> dict[str, int]:
         """For each worker holding the first block: how many leading blocks it holds."""
-        if not block_hashes:
-            return {}
-        flat = await self._lookup(args=[self.ns, *map(block_key_part, block_hashes)])
-        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return (await self.lookup_with_sizes(block_hashes))[0]
+
+    async def lookup_with_sizes(self, block_hashes: list[int]
+                                ) -> tuple[dict[str, int], dict[str, int]]:
+        """`lookup`'s answer, and how many blocks each worker in the index holds in all; one
+        round trip."""
+        held, sizes = await self._lookup(args=[self.ns, *map(block_key_part, block_hashes)])
+        return _pairs(held), _pairs(sizes)
 
     # ---- inspection (tests, operators) ----------------------------------------------------
     async def workers(self) -> set[str]:

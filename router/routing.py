@@ -4,12 +4,15 @@
 Each candidate worker is scored, in prompt tokens:
 
     score = prefix_weight * cached_prompt_tokens - load_weight * num_ongoing - kv_weight * kv_usage
+            - cache_weight * cached_blocks / most_cached_blocks
 
 cached_prompt_tokens comes from the global prefix index (one Redis round trip: the leading
 prompt blocks each worker holds); num_ongoing (requests running or queued there) and kv_usage
 (fraction of its KV pool in use) from the workers' load reports. So a worker that holds the
 prefix wins until it is `prefix tokens / load_weight` requests busier than the others, and
-prompts that nobody holds go to the least loaded worker. Ties are broken at random.
+prompts that nobody holds go to the least loaded worker and, among equals, to the one whose
+cache holds the least (cached_blocks, from the index, over the largest such count): new
+prefixes spread over the workers' caches instead of piling onto one. Ties are broken at random.
 
 The index learns of a prefix only once a worker has computed it, so a burst of requests sharing a
 new prefix would scatter before the first one lands. The router therefore also remembers where it
@@ -42,13 +45,14 @@ class RoutingConfig:
     prefix_weight: float = 1.0  # score per prompt token the worker already holds
     load_weight: float = 64.0  # score lost per request running or waiting on the worker
     kv_weight: float = 256.0  # score lost at a full KV pool, in proportion to the used fraction
+    cache_weight: float = 128.0  # score lost by the worker caching the most blocks (others: less)
     lookup_timeout_s: float = 0.05  # an index lookup slower than this falls back to load only
     retry_after_s: float = 1.0  # after an index failure, route by load this long
     recent_ttl_s: float = 10.0  # how long a routed prompt's blocks count as held (0: off)
     max_recent_blocks: int = 200_000  # memory bound of that record
 
     def __post_init__(self) -> None:
-        for name in ("prefix_weight", "load_weight", "kv_weight"):
+        for name in ("prefix_weight", "load_weight", "kv_weight", "cache_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing {name} must be >= 0")
         if self.lookup_timeout_s <= 0 or self.retry_after_s < 0 or self.recent_ttl_s < 0:
@@ -93,12 +97,13 @@ class PrefixRouter:
             return Decision([], "load", 0)
         if self.index is None or not block_hashes:
             return Decision(self._by_score(loads, {}, block_size), "load", 0)
-        held = await self._lookup(list(block_hashes))
-        if held is None:
+        answer = await self._lookup(list(block_hashes))
+        if answer is None:
             return Decision(self._two_choices(loads), "fallback", 0)
+        held, sizes = answer
         for replica_id, n in self._recently_sent(block_hashes).items():
             held[replica_id] = max(held.get(replica_id, 0), n)
-        order = self._by_score(loads, held, block_size)
+        order = self._by_score(loads, held, block_size, sizes)
         self._remember(block_hashes, order[0])
         return Decision(order, "prefix", held.get(order[0], 0) * block_size)
 
@@ -122,13 +127,15 @@ class PrefixRouter:
         while len(self._recent) > self.config.max_recent_blocks:
             self._recent.popitem(last=False)
 
-    def _by_score(self, loads: Sequence[ReplicaLoad], held: dict[str, int],
-                  block_size: int) -> list[str]:
-        c = self.config
+    def _by_score(self, loads: Sequence[ReplicaLoad], held: dict[str, int], block_size: int,
+                  sizes: dict[str, int] | None = None) -> list[str]:
+        c, sizes = self.config, sizes or {}
+        most = max([sizes.get(load.replica_id, 0) for load in loads] + [1])
 
         def score(load: ReplicaLoad) -> float:
             return (c.prefix_weight * held.get(load.replica_id, 0) * block_size
-                    - c.load_weight * load.num_ongoing - c.kv_weight * load.kv_usage)
+                    - c.load_weight * load.num_ongoing - c.kv_weight * load.kv_usage
+                    - c.cache_weight * sizes.get(load.replica_id, 0) / most)
 
         ranked = sorted(loads, key=lambda load: (-score(load), self.rng.random()))
         return [load.replica_id for load in ranked]
@@ -140,15 +147,17 @@ class PrefixRouter:
         first = sorted(shuffled[:2], key=lambda load: (load.num_ongoing, load.kv_usage))
         return [load.replica_id for load in first + shuffled[2:]]
 
-    async def _lookup(self, block_hashes: list[int]) -> dict[str, int] | None:
-        """Blocks held per worker, or None when the index is down, slow or backing off."""
+    async def _lookup(self, block_hashes: list[int]
+                      ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """(leading blocks held, blocks cached in all) per worker, or None when the index is
+        down, slow or backing off."""
         now = time.monotonic()
         if now < self._index_down_until:
             self.on_lookup("skipped", None)
             return None
         try:
-            held = await asyncio.wait_for(self.index.lookup(block_hashes),
-                                          self.config.lookup_timeout_s)
+            answer = await asyncio.wait_for(self.index.lookup_with_sizes(block_hashes),
+                                            self.config.lookup_timeout_s)
         except Exception as e:  # timeout, connection refused, Redis errors
             self.on_lookup("error", time.monotonic() - now)
             self._index_down_until = time.monotonic() + self.config.retry_after_s
@@ -161,4 +170,4 @@ class PrefixRouter:
         if self._index_down:
             logger.warning("prefix index is back: prefix-aware routing resumed")
             self._index_down = False
-        return held
+        return answer

@@ -39,6 +39,7 @@ def test_apply_and_lookup_count_leading_blocks_per_worker(redis_server):
         assert await index.apply("b", 7, 0, H[:2], [], reset=True)
         assert await index.apply("c", 3, 0, [H[0], H[2]], [], reset=True)  # a hole at H[1]
         assert await index.lookup(H[:5]) == {"a": 4, "b": 2, "c": 1}
+        assert await index.lookup_with_sizes(H[5:6]) == ({}, {"a": 4, "b": 2, "c": 2})
         assert await index.lookup(H[1:5]) == {"a": 3, "b": 1}  # no one holds a prefix of it
         assert await index.lookup([H[5], H[0]]) == {}  # the walk stops at the first block
         assert await index.apply("a", 1, 1, [], [H[1]])
@@ -102,7 +103,8 @@ def test_lookup_is_one_round_trip(redis_server):
         calls = {k: after[k]["calls"] - before.get(k, {}).get("calls", 0) for k in after}
         assert calls.pop("cmdstat_evalsha") == 5
         # Besides the INFO calls here, only the script's own HKEYS ran: no other round trips.
-        assert {k for k, v in calls.items() if v} <= {"cmdstat_info", "cmdstat_hkeys"}
+        assert {k for k, v in calls.items() if v} <= {"cmdstat_info", "cmdstat_hkeys",
+                                                       "cmdstat_smembers", "cmdstat_scard"}
         await index.close()
     run(main())
 

@@ -73,6 +73,19 @@ def test_unknown_prompts_go_to_the_least_loaded_and_ties_spread(redis_server):
     asyncio.run(main())
 
 
+def test_new_prefixes_go_to_the_emptiest_cache_among_equally_loaded(redis_server):
+    async def main():
+        index = await index_with(redis_server, a=64, b=8)
+        router = PrefixRouter(index, RoutingConfig(recent_ttl_s=0), rng=random.Random(0))
+        new = block_hashes([9] * 64, BS, "m")
+        assert (await router.route(loads(a=0, b=0, c=0), new, BS)).order == ["c", "b", "a"]
+        # load counts too: three queued requests (3 x 64) cost more than the fullest cache (128)
+        d = await router.route(loads(a=0, b=0, c=3), new, BS)
+        assert d.order == ["b", "a", "c"]
+        await index.close()
+    asyncio.run(main())
+
+
 def test_a_burst_sharing_a_new_prefix_follows_the_first_request(redis_server):
     """Nothing in the index yet (the first request is still prefilling): the router's memory of
     where it sent the prefix keeps the burst together, until load outweighs it or it expires."""
