@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -81,14 +80,9 @@ def workload(args, tokenizer) -> list[tuple[float, int, list[int]]]:
 
 
 # ---- the cluster -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def base_config(args, redis_url: str):
     from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.redis_server import free_port
 
     return ServeConfig(
         num_workers=args.workers, redis_url=redis_url, grpc_port=free_port(),

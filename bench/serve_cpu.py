@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -110,14 +109,10 @@ def start_server():
 
     from mxserve.cluster.config import Resources, ServeConfig
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
+    from mxserve.cluster.redis_server import free_port
 
     for key, value in SERVE_ENV.items():  # as `mxserve serve` starts its local Ray
         os.environ.setdefault(key, value)
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     config = ServeConfig(engine=ENGINE, grpc_port=free_port(), http_port=free_port(),
                          worker_resources=Resources(num_cpus=1),

@@ -129,6 +129,8 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         self._check_prefix(table, prefix_block_ids)
         num_new = self._blocks_for(num_tokens) - len(table) - len(prefix_block_ids)
+        if num_new <= 0 and not prefix_block_ids:
+            return True  # its blocks hold these tokens already (most decode steps)
         num_hits_evictable = sum(b in self._evictable for b in prefix_block_ids)
         if num_new > self.num_free_blocks - num_hits_evictable:
             return False

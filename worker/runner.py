@@ -75,8 +75,7 @@ class ModelRunner:
         self.model.load_weights(weights)
         if self.config.pack_cpu_weights and can_pack_for_cpu(self.dtype, self.device):
             for module in self.model.modules():
-                if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead) \
-                        and not getattr(module, "quant", None):
+                if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
                     module.pack_for_cpu()
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:

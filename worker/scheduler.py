@@ -123,8 +123,6 @@ class Scheduler:
         """Make room for `num_new` more tokens, preempting later requests; False if `request`
         itself had to be preempted."""
         total = request.num_computed_tokens + num_new
-        if total <= len(self.kv.get_block_ids(request.request_id)) * self.kv.block_size:
-            return True  # its blocks hold these tokens already (most decode steps)
         while not self.kv.allocate(request.request_id, total):
             victim = self.running[-1]
             self._preempt(victim, plan)

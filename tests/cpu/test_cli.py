@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from mxserve.cluster.redis_server import free_port
+
 CLI = [sys.executable, "-m", "mxserve.cluster.cli"]
 
 
@@ -25,19 +27,13 @@ def test_chat_streams_answers_and_quits_on_empty_line():
     assert "Paris" in done.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_ask_is_the_main_job_and_cleans_up():
     """The README's main command: a local Ray cluster with a local redis-server serves SmolLM2,
     one real gRPC request gets "Paris", and everything (Ray, Redis) is gone afterwards."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([*CLI, "serve", "--ask", "What is the capital of France?",
-                           "--grpc-port", str(_free_port()), "--http-port", str(_free_port()),
+                           "--grpc-port", str(free_port()), "--http-port", str(free_port()),
                            "--num-threads", "1"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,18 +21,13 @@ import ray
 from mxserve import LLM, SamplingParams
 from mxserve.cluster.client import Client
 from mxserve.cluster.config import Resources, ServeConfig
+from mxserve.cluster.redis_server import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 MB = 2**20
 ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -95,7 +89,7 @@ def served(tiny_checkpoint, monkeypatch_env, redis_server):
         model=model, app_name="tiny", num_workers=2, engine=ENGINE, max_queued_requests=16,
         worker_resources=Resources(num_cpus=0.5, resources={"worker_node": 1}),
         router_resources=Resources(num_cpus=0.25, resources={"router_node": 1}),
-        grpc_port=_free_port(), http_port=_free_port(), proxy_location="HeadOnly",
+        grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
         redis_url=redis_server.url, routing=dict(retry_after_s=0.5))
     try:
         deploy(config)

@@ -110,10 +110,11 @@ class ColumnParallelLinear(nn.Module):
             self.weight.finish_loading()
 
     def pack_for_cpu(self) -> None:
-        """After loading (float weights, `can_pack_for_cpu`): multiply with oneDNN's blocked copy
-        of the weight and free the dense one."""
-        self.packed = _pack(self.weight)
-        self.weight.data = self.weight.data.new_empty(0)
+        """After loading (`can_pack_for_cpu`): multiply with oneDNN's blocked copy of the weight
+        and free the dense one. MX weights stay as they are."""
+        if not self.quant:
+            self.packed = _pack(self.weight)
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant:
