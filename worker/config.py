@@ -48,6 +48,11 @@ class EngineConfig:
     # CPU, bf16: multiply with oneDNN's blocked copies of the linear weights (same numbers,
     # faster; worker/model/parallel.py `pack_for_cpu`). False keeps plain torch.matmul.
     pack_cpu_weights: bool = True
+    # CPU, bf16, packed: the decoder linears also get a 4-bit copy (worker/model/int4.py) that
+    # steps of up to 4 tokens multiply with (a quarter of the bytes to stream). None: only for a
+    # GGUF whose linears are 4-bit already (Q4_0 / Q4_1: their own grid, kept), as llama.cpp
+    # and vLLM serve such files; True: any checkpoint (lossy for 16-bit ones); False: never.
+    cpu_int4: bool | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")

@@ -235,7 +235,7 @@ def build_engine(config: EngineConfig) -> Engine:
         checkpoint = open_checkpoint(config.model)
     model_config = checkpoint.config
     runner = ModelRunner(model_config, config)
-    runner.load_weights(checkpoint.weights(progress=config.load_progress))
+    runner.load_weights(checkpoint.weights(progress=config.load_progress), checkpoint.linear_bits)
     if runner.quantization and not checkpoint.quantization:  # quantized while loading
         # Different numerics, different KV: keep prefix-cache hashes apart from the original's.
         model_config = dataclasses.replace(

@@ -71,12 +71,16 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     linear_bits: int | None = None) -> None:
+        """linear_bits: the checkpoint's (`Checkpoint.linear_bits`), for `config.cpu_int4`."""
         self.model.load_weights(weights)
         if self.config.pack_cpu_weights and can_pack_for_cpu(self.dtype, self.device):
+            int4 = self.config.cpu_int4
+            int4 = linear_bits == 4 if int4 is None else int4
             for module in self.model.modules():
                 if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-                    module.pack_for_cpu()
+                    module.pack_for_cpu(int4=int4)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
         """Capture the decode CUDA graphs (cuda_graphs.py) when on CUDA with the Triton backend

@@ -60,6 +60,10 @@ class Checkpoint:
     # Anything with tensors() -> (HF name, tensor): safetensors, GGUF, or dummy.py's random ones.
     source: _SafetensorsSource | _GGUFSource | DummySource = field(repr=False)
     quantization: str | None = None  # an MX checkpoint's format ("mxfp4", ...), else None
+    # A GGUF's decoder linears as stored: the most bits per weight of their types (4 for Q4_0 /
+    # Q4_1, 8 for Q8_0, 16 for F16); None for float or MX checkpoints. The CPU engine keeps 4-bit
+    # ones 4-bit (`EngineConfig.cpu_int4`).
+    linear_bits: int | None = None
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) once for each of `expected_tensor_names(config)`, lazily, in
@@ -336,7 +340,19 @@ def _open_gguf(path: str) -> Checkpoint:
     for name in expected_tensor_names(config):
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor for {name} is missing")
-    return Checkpoint(config, Tokenizer.from_gguf(reader), {}, path, _GGUFSource(config, tensors))
+    return Checkpoint(config, Tokenizer.from_gguf(reader), {}, path, _GGUFSource(config, tensors),
+                      linear_bits=_gguf_linear_bits(tensors))
+
+
+# bits per weight of the GGUF types, codes only (block scales and minimums not counted)
+_GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6,
+              "Q8_0": 8, "Q8_K": 8, "BF16": 16, "F16": 16, "F32": 32}
+
+
+def _gguf_linear_bits(tensors: dict[str, gguf.ReaderTensor]) -> int:
+    """The most bits per weight among the decoder layers' projection weights (unknown: 32)."""
+    return max(_GGUF_BITS.get(t.tensor_type.name, 32) for name, t in tensors.items()
+               if name.startswith("model.layers.") and name.endswith("_proj.weight"))
 
 
 def _gguf_to_hf_name(name: str, path: str) -> str:

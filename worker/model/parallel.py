@@ -16,6 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mxserve.worker.model.int4 import INT4_MAX_ROWS, Int4Weight, int4_linear, int4_supported
+from mxserve.worker.model.int4 import quantize_int4 as _quantize_int4
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -62,8 +65,11 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor,
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, int4: Int4Weight | None,
                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ b) from the packed copies: int4 for a few rows (int4.py), else oneDNN bf16."""
+    if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        return int4_linear(x, int4, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -89,6 +95,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None  # pack_for_cpu
+        self.int4: Int4Weight | None = None  # pack_for_cpu(int4=True)
 
     def _rows(self, shard_index: int) -> slice:
         start = sum(self.local_sizes[:shard_index])
@@ -109,18 +116,21 @@ class ColumnParallelLinear(nn.Module):
         if self.quant:
             self.weight.finish_loading()
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, int4: bool = False) -> None:
         """After loading (`can_pack_for_cpu`): multiply with oneDNN's blocked copy of the weight
-        and free the dense one. MX weights stay as they are."""
+        and free the dense one; `int4` adds a 4-bit copy for small batches (int4.py). MX
+        weights stay as they are."""
         if not self.quant:
             self.packed = _pack(self.weight)
+            if int4 and int4_supported(self.weight):
+                self.int4 = _quantize_int4(self.weight)
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant:
             return self.weight(x, self.bias)
         if self.packed is not None:
-            return _packed_linear(x, self.packed, self.bias)
+            return _packed_linear(x, self.packed, self.int4, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -136,6 +146,7 @@ class RowParallelLinear(nn.Module):
         self.quant = quant
         self.weight = _weight(out_features, in_features // tp.size, dtype, device, quant)
         self.packed: torch.Tensor | None = None  # pack_for_cpu
+        self.int4: Int4Weight | None = None
 
     def load(self, weight: torch.Tensor) -> None:
         if self.quant:
@@ -152,7 +163,7 @@ class RowParallelLinear(nn.Module):
         if self.quant:
             y = self.weight(x)
         elif self.packed is not None:
-            y = _packed_linear(x, self.packed, None)
+            y = _packed_linear(x, self.packed, self.int4, None)
         else:
             y = F.linear(x, self.weight)
         return self.tp.all_reduce(y)
@@ -213,14 +224,15 @@ class ParallelLMHead(nn.Module):
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(self.tp.shard(weight, 0))
 
-    def pack_for_cpu(self) -> None:
-        """As the linears' (tied: a packed copy; the embedding keeps its dense weight)."""
+    def pack_for_cpu(self, int4: bool = False) -> None:
+        """As the linears' (tied: a packed copy; the embedding keeps its dense weight). Never
+        int4: a GGUF's embedding is 8-bit or more, and 4 bits would lose that."""
         self.packed = _pack(self.embedding.weight if self.tied else self.weight)
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.tp.all_gather_last_dim(_packed_linear(hidden, self.packed, None))
+            return self.tp.all_gather_last_dim(_packed_linear(hidden, self.packed, None, None))
         weight = self.embedding.weight if self.tied else self.weight
         return self.tp.all_gather_last_dim(F.linear(hidden, weight))
