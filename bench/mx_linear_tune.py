@@ -22,17 +22,15 @@ from mxserve.kernels.mx_linear import _launch_decode, _launch_prefill, mx_linear
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 # name -> _launch_decode overrides
 DECODE = {
-    "fma8x512": dict(config=(8, 512, 4, 3), use_dot=False),
-    "fma8x512pf": dict(config=(8, 512, 4, 1), use_dot=False, prefetch=True),
-    "fma16x256pf": dict(config=(16, 256, 4, 1), use_dot=False, prefetch=True),
-    "fma8x256pf": dict(config=(8, 256, 4, 1), use_dot=False, prefetch=True),
-    "fma8x512w8pf": dict(config=(8, 512, 8, 1), use_dot=False, prefetch=True),
-    "dot32x128s4": dict(config=(32, 128, 4, 4), use_dot=True),
-    "dot64x256": dict(config=(64, 256, 4, 3), use_dot=True),
-    "dot32x256pf": dict(config=(32, 256, 4, 1), use_dot=True, prefetch=True),
-    "dot64x128pf": dict(config=(64, 128, 4, 1), use_dot=True, prefetch=True),
-    "dot16x256pf": dict(config=(16, 256, 4, 1), use_dot=True, prefetch=True),
-    "dot32x128s4pps8": dict(config=(32, 128, 4, 4), use_dot=True, programs_per_sm=8),
+    "fma8x512pf": dict(config=(8, 512, 4, 1), use_dot=False, prefetch=True, tc=False),
+    "tc64": dict(config=(64, 4, 1), tc=True),
+    "tc64s2": dict(config=(64, 4, 1), tc=True, steps=2),
+    "tc64pps8": dict(config=(64, 4, 1), tc=True, programs_per_sm=8),
+    "tc64s2pps8": dict(config=(64, 4, 1), tc=True, steps=2, programs_per_sm=8),
+    "tc128w8": dict(config=(128, 8, 1), tc=True),
+    "tc128w8s2": dict(config=(128, 8, 1), tc=True, steps=2),
+    "tc32": dict(config=(32, 4, 1), tc=True),
+    "tc64pps2": dict(config=(64, 4, 1), tc=True, programs_per_sm=2),
 }
 PREFILL = {
     "fused64x128x64": (64, 128, 64, 4, 3),
@@ -71,11 +69,11 @@ def main() -> None:
     for si, (n, k) in enumerate(SHAPES):
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
         w_bf16 = w.to(torch.bfloat16)
-        fmts = ["e2m1", "e2m3"]
+        fmts = ["e2m1", "e2m3", "e3m2"]
         qs = {f: quantize_mx(w, f) for f in fmts}
         mx = {f: prepare_mx_weight(q) for f, q in qs.items()}
         deq = {f: dequantize_mx(q, torch.float32) for f, q in qs.items()}
-        for m in [1, 4, 16] + args.prefill_ms:
+        for m in [1, 4, 16] + [m for m in args.prefill_ms if m]:
             if not left():
                 break
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -86,9 +84,8 @@ def main() -> None:
                 ref = x.float() @ deq[f].T
                 if m <= 16:
                     names = [v for v in DECODE if m == 1 or not v.startswith("fma")]
-                    if f != "e2m1":
-                        names = [v for v in names if v in ("fma8x512", "fma8x512pf", "dot32x128s4",
-                                                           "dot32x256pf")]
+                    if f == "e3m2":
+                        names = [v for v in names if v in ("tc64", "tc64s2")]
                     for v in names:
                         if not left():
                             break

@@ -1,7 +1,7 @@
 """Weight-only MX linear: y = x @ dequantize(w).T + bias, activations fp32/bf16/fp16.
 
 Weights live in the kernels' layout (`prepare_mx_weight`, once, at load): int32 word planes
-[P, N, K // E], each word group holding E consecutive elements of a row (see _PLANES), so every
+[P, N, K // E], each word group holding E elements of a row (spread over k, see _PLANES); every
 weight load is a contiguous 16-byte vector. One tile builder (`_weight_tile`) turns words into
 values by bit placement: the code's sign, exponent and mantissa bits are moved straight into a
 bf16 (or fp32) bit pattern, and one multiply by 2^(scale - bias) fixes the exponent bias and
@@ -9,12 +9,17 @@ applies the E8M0 scale at once (an element with exponent 0 lands on a subnormal 
 which that multiply scales exactly). Where a block's 2^(scale - bias) would overflow the target
 (scale bytes above 127 + bias, checked at prepare) a second multiply splits it ("fold" off).
 
-- decode (M <= 16): memory bound. Grid (N tiles, K splits); the next tile's words are loaded
-  before the current one is decoded. M = 1 uses fp32 FMAs on a [BLOCK_N, BLOCK_K] tile (no
-  tensor cores, no padding), M >= 2 dequantizes the tile to x's dtype (bf16x2 words straight
-  from the codes) and feeds tl.dot with BLOCK_M = 16 (rows past M masked). Split-K partials are
-  reduced in the same launch: the last program of a tile to finish (an atomic counter) sums them
-  in fixed order (deterministic), adds the bias, writes y and re-arms the counter.
+- decode (M <= 16), bf16 x, K a multiple of E * 16, not e4m3: `_mx_linear_decode_tc_kernel`,
+  tensor cores for every M (x padded to 16 rows): per step one spread group of words (see
+  _PLANES) is decoded pair by pair (bf16x2 bits, one mul.rn.bf16x2 for the scale) in the
+  registers that hold it and joined into wgmma's register operand without data exchange.
+- decode otherwise (other x dtypes, e4m3, short K; the default on CPU): grid (N tiles, K
+  splits); the next tile's words are loaded before the current one is decoded. M = 1 uses
+  fp32 FMAs on a [BLOCK_N, BLOCK_K] tile (no tensor cores, no padding), M >= 2 dequantizes the
+  tile to x's dtype and feeds tl.dot with BLOCK_M = 16 (rows past M masked). Both decode
+  kernels reduce split-K partials in the same launch: the last program of a tile to finish (an
+  atomic counter) sums them in fixed order (deterministic), adds the bias, writes y and re-arms
+  the counter.
 - prefill (M > 16): on a GPU with 16-bit x the weight is dequantized once per call to x's dtype
   (one pass, `dequantize_linear_weight`) and cuBLAS runs the product: on the H200 that beat the
   fused kernel from M = 256 up and is within 10% at M = 64 (bench/results/kernels_gpu.tune*).
@@ -47,7 +52,22 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 #   FP8 (E 8, P 2):  code at plane u // 2, bit 8 (u % 2) + 16h
 #   FP6 (E 16, P 3): code >> 2 (sign, top 3 magnitude bits) at plane u // 4, bit 4 (u % 4) + 16h;
 #                    code & 3 at plane 2, bit 16h + 8 (u // 4) + 2 (u % 4)
+# Spread groups: word groups come in groups of S (a power of 2 <= 16, the largest with
+# K % (E * S) == 0), and inside a group the element pairs are spread over k: pair u of group
+# member jj holds k = E*S*t + 2*S*u + 2*jj + h (t: the group). S = 1 is plain k order. With
+# S = 16 a tile of S words decodes pair u of every word into 32 consecutive k of one scale block,
+# so a [BLOCK_N, E*S] tile in natural k order is a join / permute of the per-pair tiles with no
+# data movement between threads, and each pair needs one scale per row (_spread_tile).
 _PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
+MAX_GROUP = 16
+
+
+def _group_words(e: int, k: int) -> int:
+    """S of a weight with K = k (see _PLANES)."""
+    s = MAX_GROUP
+    while k % (e * s):
+        s //= 2
+    return s
 
 
 def _fields(bits: int, e: int) -> list[tuple[int, int, int, int]]:
@@ -73,6 +93,7 @@ class MXLinearWeight:
     shape: tuple[int, int]  # (N, K)
     fold: bool  # every scale byte <= 127 + bias (or 255): 2^(scale - bias) fits the target
     counters: torch.Tensor  # int32 [>= N // 8]
+    group: int = 1  # S, word groups per spread group (see _PLANES)
 
 
 def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
@@ -83,16 +104,26 @@ def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
     f = get_format(w.fmt)
     n, k = w.shape
     e, p = _PLANES[f.bits]
-    codes = _unpack_codes(w.data, f).view(n, k // e, e)
+    group = _group_words(e, k)
+    codes = _spread(_unpack_codes(w.data, f), e, group).view(n, k // e, e)
     planes = torch.zeros(p, n, k // e, dtype=torch.int64, device=codes.device)
     for i in range(e):
         for plane, bit, width, shift in _fields(f.bits, i):
             planes[plane] |= ((codes[..., i] >> shift) & (2**width - 1)) << bit
     planes = planes.to(torch.int32)  # wraps bit 31
-    s = w.scales
+    s = w.scales.clone()  # contiguous and aligned: the decode kernel reads 4 bytes at once
     fold = bool(((s <= 127 + f.bias) | (s == 255)).all()) if s.numel() else True
     counters = torch.zeros(triton.cdiv(n, 8), dtype=torch.int32, device=codes.device)
-    return MXLinearWeight(planes, s.contiguous(), w.fmt, (n, k), fold, counters)
+    return MXLinearWeight(planes, s, w.fmt, (n, k), fold, counters, group)
+
+
+def _spread(codes: torch.Tensor, e: int, group: int, inverse: bool = False) -> torch.Tensor:
+    """[N, K] codes in natural k order -> element order of the word groups (see _PLANES)."""
+    n, k = codes.shape
+    natural = (n, k // (e * group), e // 2, group, 2)  # [N, t, u, jj, h]
+    stored = (n, k // (e * group), group, e // 2, 2)  # [N, t, jj, u, h]
+    src = codes.reshape(stored if inverse else natural)
+    return src.permute(0, 1, 3, 2, 4).reshape(n, k)
 
 
 def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
@@ -105,7 +136,7 @@ def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
     for i in range(e):
         for plane, bit, width, shift in _fields(f.bits, i):
             codes[..., i] |= ((planes[plane] >> bit) & (2**width - 1)) << shift
-    return _pack_codes(codes.view(n, k), f)
+    return _pack_codes(_spread(codes.view(n, k), e, w.group, inverse=True), f)
 
 
 def _as_linear_weight(w: MXTensor | MXLinearWeight) -> MXLinearWeight:
@@ -207,10 +238,10 @@ def _pair(w0, w1, w2, f1, f2, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
 
 
 @triton.jit
-def _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
-                 stride_sn, E: tl.constexpr, P: tl.constexpr, G: tl.constexpr):
+def _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
+                 P: tl.constexpr, G: tl.constexpr):
     """Words [BLOCK_N, G] of word groups j0..j0+G of rows offs_n < N (0 elsewhere; num_words =
-    K // E), and their scale bytes as int32."""
+    K // E)."""
     j = j0 + tl.arange(0, G)
     mask = (offs_n[:, None] < N) & (j[None, :] < num_words)
     ptrs = planes_ptr + offs_n[:, None] * stride_wn + j[None, :]
@@ -221,83 +252,106 @@ def _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
         w1 = tl.load(ptrs + stride_plane, mask=mask, other=0)
     if P > 2:
         w2 = tl.load(ptrs + 2 * stride_plane, mask=mask, other=0)
-    s = tl.load(scales_ptr + offs_n[:, None] * stride_sn + (j >> (2 if E == 8 else 1))[None, :],
-                mask=mask, other=127).to(tl.int32)
-    return w0, w1, w2, s
+    return w0, w1, w2
 
 
 @triton.jit
-def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
-    """[..., 8] with [..., t] = c_t (each join appends the next less significant index bit)."""
-    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+def _pair_scales(scales_ptr, offs_n, j0, N, num_words, stride_sn, U: tl.constexpr,
+                 E: tl.constexpr, S: tl.constexpr, G: tl.constexpr):
+    """int32 scale bytes [BLOCK_N, G] of pair U of word groups j0..j0+G (see _PLANES: one block
+    per pair and spread group)."""
+    j = j0 + tl.arange(0, G)
+    blk = (E * S * (j // S) + 2 * S * U) // 32
+    mask = (offs_n[:, None] < N) & (j[None, :] < num_words)
+    return tl.load(scales_ptr + offs_n[:, None] * stride_sn + blk[None, :], mask=mask,
+                   other=127).to(tl.int32)
 
 
 @triton.jit
 def _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
                  stride_sn, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
-                 E: tl.constexpr, P: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
+                 F: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Dequantized w[offs_n, E*j0 : E*j0 + BLOCK_K] [BLOCK_N, BLOCK_K] in bf16 (F = 7) or fp32
     (F = 23); 0 outside N, K. (Word index j0, not k: Triton then sees its divisibility and
-    issues 16-byte loads.)"""
-    w0, w1, w2, s = _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words,
-                                 stride_plane, stride_wn, stride_sn, E, P, BLOCK_K // E)
-    return _build_tile(w0, w1, w2, s, EBITS, MBITS, NAN_CODE, E, FOLD, F, BLOCK_N, BLOCK_K)
+    issues 16-byte loads.) BLOCK_K is a multiple of E * S."""
+    w0, w1, w2 = _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn, P,
+                              BLOCK_K // E)
+    return _build_tile(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, EBITS, MBITS,
+                       NAN_CODE, E, S, FOLD, F, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _build_tile(w0, w1, w2, s, EBITS: tl.constexpr, MBITS: tl.constexpr,
-                NAN_CODE: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] tile of loaded words and scale bytes (_load_groups), natural k
-    order."""
+def _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, U: tl.constexpr,
+                  EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
+                  E: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr):
+    """[BLOCK_N, G, 2]: elements 2U and 2U + 1 of each word group, dequantized."""
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    s = _pair_scales(scales_ptr, offs_n, j0, N, num_words, stride_sn, U, E, S, w0.shape[1])
     f1, f2 = _scale_factors(s, F, BIAS, FOLD)
-    if F == 7 and NAN_CODE < 0:  # bf16x2 pairs: [..., E // 2, 2], element 2u + h at [u, h]
-        l0, h0 = _pair(w0, w1, w2, f1, f2, 0, EBITS, MBITS, E, FOLD)
-        l1, h1 = _pair(w0, w1, w2, f1, f2, 1, EBITS, MBITS, E, FOLD)
-        l2, h2 = _pair(w0, w1, w2, f1, f2, 2, EBITS, MBITS, E, FOLD)
-        l3, h3 = _pair(w0, w1, w2, f1, f2, 3, EBITS, MBITS, E, FOLD)
-        if E == 8:
-            w = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)),
-                        tl.join(tl.join(h0, h2), tl.join(h1, h3)))
-        else:
-            l4, h4 = _pair(w0, w1, w2, f1, f2, 4, EBITS, MBITS, E, FOLD)
-            l5, h5 = _pair(w0, w1, w2, f1, f2, 5, EBITS, MBITS, E, FOLD)
-            l6, h6 = _pair(w0, w1, w2, f1, f2, 6, EBITS, MBITS, E, FOLD)
-            l7, h7 = _pair(w0, w1, w2, f1, f2, 7, EBITS, MBITS, E, FOLD)
-            w = tl.join(_interleave8(l0, l1, l2, l3, l4, l5, l6, l7),
-                        _interleave8(h0, h1, h2, h3, h4, h5, h6, h7))
-    elif E == 8:
-        w = _interleave8(
-            _element(w0, w1, w2, f1, f2, 0, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 1, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 2, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 3, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 4, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 5, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 6, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 7, EBITS, MBITS, NAN_CODE, E, FOLD, F))
-    else:  # [..., 8, 2]: element 2i + b at [i, b]
-        w = tl.join(_interleave8(
-            _element(w0, w1, w2, f1, f2, 0, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 2, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 4, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 6, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 8, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 10, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 12, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 14, EBITS, MBITS, NAN_CODE, E, FOLD, F)), _interleave8(
-            _element(w0, w1, w2, f1, f2, 1, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 3, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 5, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 7, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 9, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 11, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 13, EBITS, MBITS, NAN_CODE, E, FOLD, F),
-            _element(w0, w1, w2, f1, f2, 15, EBITS, MBITS, NAN_CODE, E, FOLD, F)))
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, G, ...E] -> natural k order
+    if F == 7 and NAN_CODE < 0:  # one bf16x2 bit pattern for both
+        lo, hi = _pair(w0, w1, w2, f1, f2, U, EBITS, MBITS, E, FOLD)
+    else:
+        lo = _element(w0, w1, w2, f1, f2, 2 * U, EBITS, MBITS, NAN_CODE, E, FOLD, F)
+        hi = _element(w0, w1, w2, f1, f2, 2 * U + 1, EBITS, MBITS, NAN_CODE, E, FOLD, F)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _spread_tile4(p0, p1, p2, p3, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pairs u = 0..3 [BLOCK_N, G, 2] (element 2u + h of word j at [j, h]) -> [BLOCK_N, BLOCK_K]
+    in natural k order: k = 8*S*t + 2*S*u + 2*jj + h for word j = S*t + jj (see _PLANES)."""
+    w = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, h, u & 1, u >> 1]
+    if BLOCK_K == 8 * S:  # one group (no size-1 dim: Triton then keeps the tile in registers)
+        w = tl.reshape(tl.permute(w, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
+    else:
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // (8 * S), S, 2, 2, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
+    return w
+
+
+@triton.jit
+def _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """_spread_tile4 for 8 pairs (E = 16)."""
+    w = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)),
+                tl.join(tl.join(p4, p5), tl.join(p6, p7)))  # [BN, G, h, u0, u1, u2]
+    if BLOCK_K == 16 * S:
+        w = tl.reshape(tl.permute(w, (0, 5, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
+    else:
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K // (16 * S), S, 2, 2, 2, 2))
+        w = tl.reshape(tl.permute(w, (0, 1, 6, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
+    return w
+
+
+@triton.jit
+def _build_tile(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn,
+                EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
+                E: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, F: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of loaded words (_load_groups), natural k order; the scale
+    bytes are read here, one per pair."""
+    p0 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 0, EBITS,
+                       MBITS, NAN_CODE, E, S, FOLD, F)
+    p1 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 1, EBITS,
+                       MBITS, NAN_CODE, E, S, FOLD, F)
+    p2 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 2, EBITS,
+                       MBITS, NAN_CODE, E, S, FOLD, F)
+    p3 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 3, EBITS,
+                       MBITS, NAN_CODE, E, S, FOLD, F)
+    if E == 8:  # (if / else, not an early return: Triton compiles what follows a return)
+        w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
+    else:
+        p4 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 4,
+                           EBITS, MBITS, NAN_CODE, E, S, FOLD, F)
+        p5 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 5,
+                           EBITS, MBITS, NAN_CODE, E, S, FOLD, F)
+        p6 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 6,
+                           EBITS, MBITS, NAN_CODE, E, S, FOLD, F)
+        p7 = _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, 7,
+                           EBITS, MBITS, NAN_CODE, E, S, FOLD, F)
+        w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
+    return w
 
 
 @triton.jit
@@ -334,7 +388,7 @@ def _mx_linear_decode_kernel(
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
     # element format and layout (see _PLANES, _scale_factors)
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, FOLD: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
     # tiling. USE_DOT: tensor cores on a dequantized tile in x's dtype (bf16 bits straight from
     # the codes when WBF16), BLOCK_M 16; else BLOCK_M 1 and fp32 FMAs. PREFETCH: load the next
     # tile's words before decoding this one (more bytes in flight)
@@ -354,19 +408,18 @@ def _mx_linear_decode_kernel(
     else:  # BLOCK_M == 1: fp32 products, summed over k at the end
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:  # the next tile's words are loaded before this one is used
-        n0, n1, n2, ns = _load_groups(planes_ptr, scales_ptr, offs_n, j_lo,
-                                      tl.where(j_lo < j_hi, N, 0), num_words, stride_plane,
-                                      stride_wn, stride_sn, E, P, G)
+        n0, n1, n2 = _load_groups(planes_ptr, offs_n, j_lo, tl.where(j_lo < j_hi, N, 0),
+                                  num_words, stride_plane, stride_wn, P, G)
     for j0 in range(j_lo, j_hi, G):
         if PREFETCH:
-            w0, w1, w2, sc = n0, n1, n2, ns
-            n0, n1, n2, ns = _load_groups(planes_ptr, scales_ptr, offs_n, j0 + G,
-                                          tl.where(j0 + G < j_hi, N, 0), num_words,
-                                          stride_plane, stride_wn, stride_sn, E, P, G)
+            w0, w1, w2 = n0, n1, n2
+            n0, n1, n2 = _load_groups(planes_ptr, offs_n, j0 + G, tl.where(j0 + G < j_hi, N, 0),
+                                      num_words, stride_plane, stride_wn, P, G)
         else:
-            w0, w1, w2, sc = _load_groups(planes_ptr, scales_ptr, offs_n, j0, N, num_words,
-                                          stride_plane, stride_wn, stride_sn, E, P, G)
-        w = _build_tile(w0, w1, w2, sc, EBITS, MBITS, NAN_CODE, E, FOLD, F, BLOCK_N, BLOCK_K)
+            w0, w1, w2 = _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane,
+                                      stride_wn, P, G)
+        w = _build_tile(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, EBITS, MBITS,
+                        NAN_CODE, E, S, FOLD, F, BLOCK_N, BLOCK_K)
         offs_k = j0 * E + tl.arange(0, BLOCK_K)
         if USE_DOT:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
@@ -377,12 +430,146 @@ def _mx_linear_decode_kernel(
             acc2 += w * _to_f32(x, INTERP_BF16)[None, :]
     if not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    _finish_decode(acc, offs_m, offs_n, pid_k, pid_m * tl.num_programs(0) + pid_n, M, N,
+                   split_k, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, stride_ps,
+                   SPLIT, HAS_BIAS, INTERP_BF16)
+
+
+@triton.jit
+def _bf16x2_mul(bits, f, INTERP: tl.constexpr):
+    """(lo, hi) bf16 halves of the bf16x2 product bits * f (int32 bit patterns, f the same in
+    both halves): one mul.rn.bf16x2 on a GPU; the interpreter (no inline asm) multiplies each
+    half exactly in fp32 (the products are exact bf16 values)."""
+    if INTERP:
+        fl = (f << 16).to(tl.float32, bitcast=True)
+        lo = (bits << 16).to(tl.float32, bitcast=True) * fl
+        hi = (bits & -65536).to(tl.float32, bitcast=True) * fl
+        lo = (lo.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (hi.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }", "=h,=h,r,r",
+            [bits, f], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+             E: tl.constexpr, FOLD: tl.constexpr, INTERP: tl.constexpr):
+    """[BLOCK_N, S, 2] bf16: pair U of each word group; sw [BLOCK_N] int32 holds the scale
+    bytes of pairs 4 (U // 4) .. 4 (U // 4) + 3 (one block each, see _PLANES)."""
+    BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    s = ((sw >> (8 * (U % 4))) & 0xFF)[:, None]
+    f1 = tl.where(s == 255, 0x7FC0, (s + (127 - BIAS)) << 7)  # 2^(s - bias), see _scale_factors
+    bits = _placed_bits(w0, w1, w2, 2 * U, EBITS, MBITS, -1, E, 7, True)
+    if FOLD:
+        lo, hi = _bf16x2_mul(bits, f1 * 65537, INTERP)
+    else:  # 2^(127 - bias) then 2^(s - 127)
+        f2 = tl.where(s == 255, 0x7FC0, tl.where(s == 0, 1 << 6, s << 7))
+        lo, hi = _bf16x2_mul(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
+        lo, hi = _bf16x2_mul(_bf16x2_bits(lo, hi), f2 * 65537, INTERP)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _bf16x2_bits(lo, hi):
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | \
+        (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _tc_step(acc, w0, w1, w2, sw_ptrs, x_ptr, offs_n, offs_m, j0, j_hi, N, M, stride_xm,
+             EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
+             BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """acc + w @ x.T over the spread group of word groups j0..j0+16 (nothing past j_hi)."""
+    S: tl.constexpr = 16
+    BLOCK_K: tl.constexpr = E * S
+    live = (offs_n < N) & (offs_n * 0 + j0 < j_hi)
+    blk = (E * j0) // 128  # int32 word of the group's first scale byte
+    sa = tl.load(sw_ptrs + blk, mask=live, other=0x7F7F7F7F)
+    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, INTERP_BF16)
+    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, INTERP_BF16)
+    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, INTERP_BF16)
+    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, INTERP_BF16)
+    if E == 8:
+        w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
+    else:
+        sb = tl.load(sw_ptrs + blk + 1, mask=live, other=0x7F7F7F7F)
+        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, INTERP_BF16)
+        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, INTERP_BF16)
+        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, INTERP_BF16)
+        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, INTERP_BF16)
+        w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
+    offs_k = j0 * E + tl.arange(0, BLOCK_K)
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                 mask=(offs_m[None, :] < M) & (offs_k[:, None] < E * j_hi),
+                 other=0.0)  # [BLOCK_K, 16]
+    if INTERP_BF16:
+        acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, xt, acc)
+    return acc
+
+
+@triton.jit
+def _mx_linear_decode_tc_kernel(
+    # pointers: x [M, K] bf16; weight planes [P, N, K // E] int32 in spread groups of 16,
+    # scales [N, K // 32] (4-byte aligned rows); bias, out, partials, counters as in
+    # _mx_linear_decode_kernel
+    x_ptr, planes_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    # sizes; num_words = K // E; words_per_split is a multiple of 16
+    M, N, K, num_words, split_k, words_per_split,
+    # strides
+    stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
+    # element format (no NaN codes: not e4m3)
+    EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
+    FOLD: tl.constexpr,
+    # tiling; STEPS: spread groups whose words are loaded before the first is decoded
+    BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    """Decode (M <= 16) on tensor cores: per step one spread group (16 word groups, E * 16 k)
+    of BLOCK_N rows; each pair's [BLOCK_N, 16, 2] tile is decoded in the registers that hold
+    its words and the tiles are joined into the dot's left operand with no data exchange
+    between threads (_spread_tile4/8). acc = w @ x.T [BLOCK_N, 16] in fp32 (rows of x past M
+    are zero). INTERP_BF16: the Triton interpreter, which has no inline asm and whose bf16
+    tl.dot is wrong: the same bf16 weights, multiplied in fp32."""
+    S: tl.constexpr = 16
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    j_lo = pid_k * words_per_split
+    j_hi = tl.minimum(j_lo + words_per_split, num_words)
+    sw_ptrs = (scales_ptr + offs_n * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for j0 in range(j_lo, j_hi, STEPS * S):  # STEPS groups' words are loaded up front
+        a0, a1, a2 = _load_groups(planes_ptr, offs_n, j0, N, j_hi, stride_plane, stride_wn, P, S)
+        if STEPS == 2:
+            b0, b1, b2 = _load_groups(planes_ptr, offs_n, j0 + S, N, j_hi, stride_plane,
+                                      stride_wn, P, S)
+        acc = _tc_step(acc, a0, a1, a2, sw_ptrs, x_ptr, offs_n, offs_m, j0, j_hi, N, M,
+                       stride_xm, EBITS, MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
+        if STEPS == 2:
+            acc = _tc_step(acc, b0, b1, b2, sw_ptrs, x_ptr, offs_n, offs_m, j0 + S, j_hi, N, M,
+                           stride_xm, EBITS, MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
+    _finish_decode(tl.trans(acc), offs_m, offs_n, pid_k, pid_n, M, N, split_k, bias_ptr, out_ptr,
+                   partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT, HAS_BIAS, INTERP_BF16)
+
+
+@triton.jit
+def _finish_decode(acc, offs_m, offs_n, pid_k, tile, M, N, split_k, bias_ptr, out_ptr,
+                   partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """Write acc [BLOCK_M, BLOCK_N] (+ bias) to out, or, with SPLIT, this split's partial; the
+    last split of a tile to finish (an atomic counter) sums the partials in fixed order
+    (deterministic), adds the bias, writes out and re-arms the counter."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    BLOCK_N: tl.constexpr = acc.shape[1]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT:
         tile_ptrs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + pid_k * stride_ps + tile_ptrs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == split_k - 1:  # the last split of this tile: sum in fixed order
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -415,7 +602,8 @@ def _mx_linear_prefill_kernel(
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om,
     # element format; DOT_SCALED_FMT: "" or tl.dot_scaled's name for the weight format
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, FOLD: tl.constexpr, PACK: tl.constexpr, DOT_SCALED_FMT: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, PACK: tl.constexpr,
+    DOT_SCALED_FMT: tl.constexpr,
     X_FMT: tl.constexpr,
     # tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -438,7 +626,7 @@ def _mx_linear_prefill_kernel(
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if DOT_SCALED_FMT == "":
             w = _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
-                             stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, FOLD,
+                             stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S, FOLD,
                              7 if WBF16 else 23, BLOCK_N, BLOCK_K)
             acc = _dot_w_xt(w, x, acc, INTERP_BF16)
         else:  # packed codes [BLOCK_K // PACK, BLOCK_N] and raw scales [BLOCK_N, BLOCK_K // 32]
@@ -465,7 +653,7 @@ def _mx_linear_dequant_kernel(
     N, K, num_words, stride_plane, stride_wn, stride_sn, stride_on,
     # element format and layout
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, FOLD: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
     # tiling
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WBF16: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -474,7 +662,7 @@ def _mx_linear_dequant_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     w = _weight_tile(planes_ptr, scales_ptr, offs_n, tl.program_id(1) * (BLOCK_K // E), N,
                      num_words, stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P,
-                     FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K)
+                     S, FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     v = w if WBF16 else _cast_out(w, out_ptr.dtype.element_ty, INTERP_BF16)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], v,
@@ -487,7 +675,7 @@ def _format_args(w: MXLinearWeight) -> dict:
     f = get_format(w.fmt)
     e, p = _PLANES[f.bits]
     return dict(EBITS=f.ebits, MBITS=f.mbits, NAN_CODE=0x7F if w.fmt == "e4m3" else -1, E=e, P=p,
-                FOLD=w.fold)
+                S=w.group, FOLD=w.fold)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -501,12 +689,60 @@ _DECODE_FMA = (8, 512, 4, 1)
 _DECODE_DOT = (32, 256, 4, 1)
 _DECODE_TARGET_PROGRAMS_PER_SM = 4
 _DECODE_PREFETCH = True
+# the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
+_DECODE_TC = (64, 4, 1)
+_DECODE_TC_PROGRAMS_PER_SM = {8: 4, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/kernels_gpu.tune3)
+_DECODE_TC_STEPS = 1
+
+
+def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
+    """The tensor-core decode kernel applies: bf16 x, spread groups of 16, no NaN codes."""
+    return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3"
+
+
+def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None,
+                      steps=None):
+    (m, k), n = x2.shape, w.shape[0]
+    on_gpu = x2.is_cuda
+    block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
+    e, _ = _PLANES[get_format(w.fmt).bits]
+    tiles = triton.cdiv(n, block_n)
+    groups = k // (e * MAX_GROUP)
+    if split_k is None:
+        want = (programs_per_sm or _DECODE_TC_PROGRAMS_PER_SM[e]) * _num_sms(x2.device)
+        split_k = max(1, min(want // tiles, groups))
+    split_k = triton.cdiv(groups, triton.cdiv(groups, max(1, min(split_k, groups))))
+    words_per_split = triton.cdiv(groups, split_k) * MAX_GROUP
+    interp_bf16 = interpreted_bf16(x2.dtype, x2)
+    counters = w.counters
+    if split_k > 1 and counters.numel() < tiles:
+        counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device) \
+        if split_k > 1 else out2
+    f = get_format(w.fmt)
+    _mx_linear_decode_tc_kernel[(tiles, split_k)](
+        x2, w.planes, w.scales, bias if bias is not None else w.scales, out2, partial, counters,
+        m, n, k, k // e, split_k, words_per_split, x2.stride(0), w.planes.stride(0),
+        w.planes.stride(1), w.scales.stride(0), out2.stride(0),
+        partial.stride(0) if split_k > 1 else 0,
+        EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold, BLOCK_N=block_n,
+        STEPS=steps or _DECODE_TC_STEPS, SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
+        **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
 
 def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
-                   prefetch=None):
-    """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm: overrides of
-    the tuned choices (bench/)."""
+                   prefetch=None, tc=None, steps=None):
+    """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
+    tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
+    (bench/)."""
+    if tc is None:
+        tc = x2.is_cuda and _tc_ok(x2, w)
+    if tc:
+        if not _tc_ok(x2, w):
+            raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
+                             "E * 16 and no e4m3")
+        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, steps)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     use_dot = m > 1 if use_dot is None else use_dot or m > 1
@@ -519,7 +755,8 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
     if split_k is None:  # enough programs in flight to hide the memory latency
         want = (programs_per_sm or _DECODE_TARGET_PROGRAMS_PER_SM) * _num_sms(x2.device)
         split_k = max(1, min(want // tiles, triton.cdiv(k, block_k)))
-    block_k = min(block_k, max(2 * e, triton.next_power_of_2(triton.cdiv(k, split_k))))
+    block_k = max(e * w.group, min(block_k, max(2 * e, triton.next_power_of_2(
+        triton.cdiv(k, split_k)))))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     words_per_split = k_per_split // e
@@ -555,6 +792,9 @@ def _launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
     block_m, block_n, block_k, num_warps, num_stages = config or (
         _PREFILL if on_gpu else (32, 32, 64, 4, 1))
     f = get_format(w.fmt)
+    if _PLANES[f.bits][0] * w.group > block_k:  # whole spread groups; x's smem tile must fit
+        block_k = _PLANES[f.bits][0] * w.group
+        block_m = min(block_m, 64)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     planes = _canonical_data(w) if use_dot_scaled else w.planes  # bytes [N, K // PACK]
     interp_bf16 = interpreted_bf16(x2.dtype, x2)
@@ -579,6 +819,7 @@ def dequantize_linear_weight(w: MXTensor | MXLinearWeight, dtype: torch.dtype,
         return dequantize_mx_torch(MXTensor(_canonical_data(w), w.scales, w.fmt, (n, k)), dtype)
     out = torch.empty(n, k, dtype=dtype, device=w.planes.device)
     block_n, block_k = (32, 256) if w.planes.is_cuda else (16, 64)
+    block_k = max(block_k, _PLANES[get_format(w.fmt).bits][0] * w.group)
     interp_bf16 = interpreted_bf16(dtype, out)
     _mx_linear_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w.planes, w.scales, out, n, k, k // _PLANES[get_format(w.fmt).bits][0],

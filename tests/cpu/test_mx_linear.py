@@ -130,9 +130,14 @@ def test_prepare_rearranges_words_and_back():
         assert isinstance(p, MXLinearWeight) and p.fold
         assert p.planes.shape == shape and p.planes.dtype == torch.int32
         assert torch.equal(_canonical_data(p), w.data)  # the layout is a permutation of bits
-    # FP4: element 2u + h of a word group at bit 4u + 16h of its word
+    # FP4, K = 32 (spread groups of S = 4 words): pair u of word jj holds k = 8u + 2jj + h, its
+    # element h at bit 4u + 16h of the word
     w = quantize_mx(torch.tensor([[0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5] * 4]), "e2m1")
-    assert prepare_mx_weight(w).planes[0, 0, 0].item() == 0x9642_7531 - 2**32
+    p = prepare_mx_weight(w)
+    assert p.group == 4 and p.planes[0, 0, 0].item() == 0x2222_1111
+    assert p.planes[0, 0, 1].item() == 0x4444_3333
+    assert p.planes[0, 0, 3].item() == 0x9999_7777 - 2**32
+    assert prepare_mx_weight(quantize_mx(torch.randn(2, 256), "e2m3")).group == 16
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -207,6 +212,30 @@ def test_dot_scaled_needs_fp4_or_fp8_and_16_bit_x():
     w = quantize_mx(torch.randn(8, 64), "e2m1")
     with pytest.raises(ValueError, match="dot_scaled"):
         mx_linear(torch.randn(20, 64), w, backend="triton", path="prefill", use_dot_scaled=True)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2"])
+@pytest.mark.parametrize("m, k, split_k, steps, fold", [(1, 256, None, 1, True),
+                                                       (3, 768, 2, 2, True),
+                                                       (16, 512, 1, 1, False)])
+def test_decode_tensor_core_kernel(fmt, m, k, split_k, steps, fold):
+    """The tensor-core decode kernel (bf16 x, spread groups of 16) under the interpreter: the
+    pure-Triton stand-in for its inline asm, split-K with a partial last step, scale bytes above
+    127 + bias (no fold), byte 0, and a NaN scale."""
+    gen = seeded(fmt, m, k, "tc")
+    x, w, bias = make_case(fmt, torch.bfloat16, m, 24, k, True, gen)
+    if not fold:
+        w.scales.copy_(torch.randint(100, 140, w.scales.shape, generator=gen, dtype=torch.uint8))
+        w.scales[0, 0] = 0
+        w.scales[1, :] = 150
+    p = prepare_mx_weight(w)
+    assert p.group == 16 and p.fold == fold
+    out = torch.full((m, 24), math.nan, dtype=torch.bfloat16)
+    _launch_decode(x, p, out, bias, split_k, tc=True, steps=steps)
+    assert_close_to_ref(out, x, w, bias)
+    w.scales[5, 1] = 255
+    _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, tc=True, steps=steps)
+    assert out[:, 5].isnan().all() and not out[:, :5].isnan().any()
 
 
 @pytest.mark.parametrize("fmt", FMTS)
