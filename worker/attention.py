@@ -50,12 +50,50 @@ class AttentionBackend(ABC):
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, padded to the longest: one gather and one SDPA."""
+
+    rows: torch.Tensor  # [n] their indices among the step's decodes
+    slots: torch.Tensor  # [n, max_context] slots of each context (padding: slot 0)
+    mask: torch.Tensor | None  # [n, 1, 1, max_context] True = attend; None: no padding
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots of each decode context
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True = attend
-    prefill_spans: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    decode_groups: list[DecodeGroup]
+    # (first token, query_len, context slots [end], mask [query_len, end] or None when the chunk
+    # starts the request: plain causal) per prefill chunk
+    prefill_spans: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+
+
+# Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
+# group costs one more gather + SDPA call, about as much as this many padded (request, token)
+# pairs on the project's 2-core CPU (bench/results/engine_cpu.md).
+GROUP_COST_TOKENS = 1024
+
+
+def group_by_length(lengths: list[int], group_cost: int | None = None) -> list[list[int]]:
+    """Indices of `lengths` split into groups of consecutive sorted lengths minimizing
+    sum(group size x its longest length) + group_cost (default GROUP_COST_TOKENS) per group (an
+    O(n^2) dynamic program)."""
+    group_cost = GROUP_COST_TOKENS if group_cost is None else group_cost
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the j shortest in groups
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + group_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
     # per prefill request: (first token index, query_len, context slots [ctx], causal mask [q, ctx])
 
 
@@ -85,22 +123,31 @@ class TorchAttention(AttentionBackend):
         ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
         new_slots = [slots[i, start:end] for i, (start, end)
                      in enumerate(zip(batch.start_positions, ends))]
-        decode_slots = decode_mask = None
-        if nd:
-            width = max(ends[:nd])
-            decode_slots = slots[:nd, :width]
-            lens = torch.tensor(ends[:nd], device=dev)
-            decode_mask = (torch.arange(width, device=dev)[None, :] < lens[:, None])[:, None, None]
+        groups = [self._decode_group(slots, ends, rows, dev)
+                  for rows in group_by_length(ends[:nd])]
         spans, first = [], nd
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]
-            q_pos = torch.arange(end - qlen, end, device=dev)
-            mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
+            mask = None
+            if qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
+                q_pos = torch.arange(end - qlen, end, device=dev)
+                mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
             spans.append((first, qlen, slots[i, :end], mask))
             first += qlen
-        return TorchAttentionMetadata(
-            slot_mapping=torch.cat(new_slots), num_decode_tokens=nd, decode_slots=decode_slots,
-            decode_mask=decode_mask, prefill_spans=spans)
+        return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
+                                      decode_groups=groups, prefill_spans=spans)
+
+    @staticmethod
+    def _decode_group(slots: torch.Tensor, ends: list[int], rows: list[int],
+                      dev: torch.device) -> DecodeGroup:
+        lens = [ends[r] for r in rows]
+        width = max(lens)
+        index = torch.tensor(rows, device=dev)
+        mask = None
+        if min(lens) < width:
+            lens_t = torch.tensor(lens, device=dev)
+            mask = (torch.arange(width, device=dev)[None, :] < lens_t[:, None])[:, None, None]
+        return DecodeGroup(index, slots.index_select(0, index)[:, :width], mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,9 +159,9 @@ class TorchAttention(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
         flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = _decode(q[:nd], flat_k, flat_v, meta.decode_slots, meta.decode_mask)
+        for g in meta.decode_groups:
+            out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), flat_k, flat_v,
+                                               g.slots, g.mask))
         for first, qlen, ctx, mask in meta.prefill_spans:
             q_span = q[first:first + qlen]
             out[first:first + qlen] = _prefill(q_span, flat_k.index_select(0, ctx),
@@ -140,11 +187,13 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor) -> torch.Tensor:
-    # q [n, Hq, D]; keys/values [L, Hkv, D]; mask [n, L] (causal, offset by the cached prefix)
+             mask: torch.Tensor | None) -> torch.Tensor:
+    # q [n, Hq, D]; keys/values [L, Hkv, D]; mask [n, L] (causal, offset by the cached prefix),
+    # None when n == L (plain causal)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)  # [1, Hq, n, D]
+        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+        enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1)
 
 

@@ -75,6 +75,7 @@ def test_rotary_in_place_matches_reference_and_leaves_v_alone(dtype, num_q, num_
     assert torch.equal(kernel[:, num_q + num_kv:], qkv[:, num_q + num_kv:])  # v untouched
     assert torch.equal(kernel[0], qkv[0])  # position 0: the identity, exactly
     cpu = qkv.clone()
+    rope.prepare(positions)
     rope(cpu[:, :num_q + num_kv], positions)
     assert torch.equal(cpu, ref)
 

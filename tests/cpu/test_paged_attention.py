@@ -34,11 +34,13 @@ from mxserve.kernels.paged_attention import (  # noqa: E402
     write_kv_cache,
     write_kv_cache_torch,
 )
+from mxserve.worker import attention as attention_module  # noqa: E402
 from mxserve.worker.attention import (  # noqa: E402
     ATTENTION_BACKENDS,
     AttentionBatch,
     TorchAttention,
     get_attention_backend,
+    group_by_length,
 )
 from mxserve.worker.attention_triton import TritonAttention  # noqa: E402
 
@@ -197,8 +199,18 @@ def attention_batch(gen, block_size=4, num_blocks=40):
                           num_decodes=3, block_size=block_size, device=torch.device("cpu"))
 
 
+def test_decodes_are_grouped_by_length_where_padding_costs_more_than_a_call():
+    assert group_by_length([7, 500, 9, 480, 8], group_cost=100) == [[0, 4, 2], [3, 1]]
+    assert group_by_length([7, 500, 9, 480, 8], group_cost=10**6) == [[0, 4, 2, 3, 1]]
+    assert group_by_length([5, 5, 300], group_cost=0) == [[0, 1], [2]]
+    assert group_by_length([], group_cost=0) == []
+
+
+@pytest.mark.parametrize("group_cost", [None, 0])  # default (one group here), one per length
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_matches_torch_backend(dtype):
+def test_triton_backend_matches_torch_backend(dtype, group_cost, monkeypatch):
+    if group_cost is not None:
+        monkeypatch.setattr(attention_module, "GROUP_COST_TOKENS", group_cost)
     gen = seeded("backend", dtype)
     batch = attention_batch(gen)
     num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)

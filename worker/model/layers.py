@@ -79,11 +79,23 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", angles.cos().to(device), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
+        # CPU: this forward's tables for all layers (`prepare`): cos [T, 1, D], signed sin
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, positions: torch.Tensor) -> None:
+        """Gather the tables of this forward's positions [T] once (CPU; the layers share this
+        module). Call at the start of every model forward, before the layers."""
+        if not positions.is_cuda:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            self._tables = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
 
     def forward(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # qk [T, Hq + Hkv, D] rotated in place; positions [T]
+        # qk [T, Hq + Hkv, D] rotated in place; positions [T] (the ones given to `prepare`)
         if qk.is_cuda:
             return fused_layer_ops().apply_rotary_(qk, positions, self.cos, self.sin)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
-        x1, x2 = qk.float().chunk(2, dim=-1)
-        return qk.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        cos, signed_sin = self._tables
+        x = qk.float()
+        x1, x2 = x.chunk(2, dim=-1)
+        # [x2, x1] * [-sin, sin] + [x1, x2] * cos = [x1 cos - x2 sin, x2 cos + x1 sin], rounded
+        # as kernels/layer_ops.py's reference rounds it
+        return qk.copy_(torch.cat((x2, x1), dim=-1).mul_(signed_sin).add_(x.mul_(cos)))

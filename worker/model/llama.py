@@ -120,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
                 meta: object) -> torch.Tensor:
         # input_ids, positions [T] -> hidden states [T, hidden]
+        self.rope.prepare(positions)
         residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
         h = torch.zeros_like(residual)  # "layer -1's output": the first add is a no-op
         for layer, kv_cache in zip(self.layers, kv_caches):
