@@ -54,8 +54,9 @@ class DecodeGroup:
     """Decodes of similar context length, padded to the longest: one gather and one SDPA."""
 
     rows: torch.Tensor  # [n] their indices among the step's decodes
-    slots: torch.Tensor  # [n, max_context] slots of each context (padding: slot 0)
-    mask: torch.Tensor | None  # [n, 1, 1, max_context] True = attend; None: no padding
+    blocks: torch.Tensor  # [n, max_blocks] block ids of each context (padding: block 0)
+    width: int  # the longest context: positions 0 .. width - 1 are gathered
+    mask: torch.Tensor | None  # [n, 1, 1, width] True = attend; None: no padding
 
 
 @dataclass
@@ -63,9 +64,9 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int
     decode_groups: list[DecodeGroup]
-    # (first token, query_len, context slots [end], mask [query_len, end] or None when the chunk
-    # starts the request: plain causal) per prefill chunk
-    prefill_spans: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    # (first token, query_len, context blocks [ceil(end / block_size)], end, mask [query_len,
+    # end] or None when the chunk starts the request: plain causal) per prefill chunk
+    prefill_spans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]
 
 
 # Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
@@ -119,11 +120,12 @@ class TorchAttention(AttentionBackend):
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         dev, nd = batch.device, batch.num_decodes
-        slots = slot_table(_padded(batch.block_tables, dev), batch.block_size)  # [R, L]
+        tables = _padded(batch.block_tables, dev)  # [R, max_blocks]
+        slots = slot_table(tables, batch.block_size)  # [R, L]
         ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
         new_slots = [slots[i, start:end] for i, (start, end)
                      in enumerate(zip(batch.start_positions, ends))]
-        groups = [self._decode_group(slots, ends, rows, dev)
+        groups = [self._decode_group(tables, ends, rows, batch.block_size, dev)
                   for rows in group_by_length(ends[:nd])]
         spans, first = [], nd
         for i in range(nd, len(ends)):
@@ -132,13 +134,13 @@ class TorchAttention(AttentionBackend):
             if qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
                 q_pos = torch.arange(end - qlen, end, device=dev)
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
-            spans.append((first, qlen, slots[i, :end], mask))
+            spans.append((first, qlen, tables[i, :-(-end // batch.block_size)], end, mask))
             first += qlen
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
                                       decode_groups=groups, prefill_spans=spans)
 
     @staticmethod
-    def _decode_group(slots: torch.Tensor, ends: list[int], rows: list[int],
+    def _decode_group(tables: torch.Tensor, ends: list[int], rows: list[int], block_size: int,
                       dev: torch.device) -> DecodeGroup:
         lens = [ends[r] for r in rows]
         width = max(lens)
@@ -147,7 +149,8 @@ class TorchAttention(AttentionBackend):
         if min(lens) < width:
             lens_t = torch.tensor(lens, device=dev)
             mask = (torch.arange(width, device=dev)[None, :] < lens_t[:, None])[:, None, None]
-        return DecodeGroup(index, slots.index_select(0, index)[:, :width], mask)
+        blocks = tables.index_select(0, index)[:, :-(-width // block_size)]
+        return DecodeGroup(index, blocks, width, mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -160,30 +163,34 @@ class TorchAttention(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
         for g in meta.decode_groups:
-            out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), flat_k, flat_v,
-                                               g.slots, g.mask))
-        for first, qlen, ctx, mask in meta.prefill_spans:
-            q_span = q[first:first + qlen]
-            out[first:first + qlen] = _prefill(q_span, flat_k.index_select(0, ctx),
-                                               flat_v.index_select(0, ctx), mask)
+            keys = _gather(k_cache, g.blocks)[:, :g.width]  # [n, width, Hkv, D]
+            values = _gather(v_cache, g.blocks)[:, :g.width]
+            out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), keys, values, g.mask))
+        for first, qlen, blocks, end, mask in meta.prefill_spans:
+            keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
+            out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)
         return out.flatten(1)
 
 
-def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
-            slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # q [B, Hq, D] -> [B, Hkv, G, D]: the G query heads sharing a KV head attend together.
+def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    # q [B, Hq, D] -> [B, Hkv, G, D]: the G query heads sharing a KV head attend together;
+    # keys/values [B, L, Hkv, D]; mask [B, 1, 1, L]
     num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads = flat_k.shape[1]
+    num_kv_heads = keys.shape[2]
     qg = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = _gather(flat_k, slots).transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather(flat_v, slots).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask)  # [B, Hkv, G, D]
     return out.reshape(num_reqs, num_heads, head_dim)
 
 
-def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """flat [num_slots, Hkv, D] at slots [B, L] -> [B, L, Hkv, D]."""
-    return flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] at block ids [...] -> [..., n * block_size, Hkv,
+    D]: whole blocks are copied (index_select of 16-token rows, far fewer and longer than
+    token rows), so each context comes out in position order."""
+    *lead, n = blocks.shape
+    out = cache.index_select(0, blocks.flatten())  # [prod(lead) * n, block_size, Hkv, D]
+    return out.view(*lead, n * cache.shape[1], *cache.shape[2:])
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
