@@ -57,6 +57,18 @@ class DecodeGroup:
     blocks: torch.Tensor  # [n, max_blocks] block ids of each context (padding: block 0)
     width: int  # the longest context: positions 0 .. width - 1 are gathered
     mask: torch.Tensor | None  # [n, 1, 1, width] True = attend; None: no padding
+    # Copies skipped where possible: rows first..end-1 in order are slices of q and out, and
+    # one request whose blocks are consecutive ids is a view of the cache (no gather).
+    row_range: tuple[int, int] | None = None
+    first_block: int | None = None
+
+    def context(self, cache: torch.Tensor) -> torch.Tensor:
+        """[n, width, Hkv, D] keys or values of the group from one layer's cache."""
+        if self.first_block is None:
+            return _gather(cache, self.blocks)[:, :self.width]
+        num_blocks = self.blocks.shape[1]
+        view = cache[self.first_block:self.first_block + num_blocks]
+        return view.view(1, -1, *cache.shape[2:])[:, :self.width]
 
 
 @dataclass
@@ -150,7 +162,13 @@ class TorchAttention(AttentionBackend):
             lens_t = torch.tensor(lens, device=dev)
             mask = (torch.arange(width, device=dev)[None, :] < lens_t[:, None])[:, None, None]
         blocks = tables.index_select(0, index)[:, :-(-width // block_size)]
-        return DecodeGroup(index, blocks, width, mask)
+        in_order = rows == list(range(rows[0], rows[0] + len(rows)))
+        first_block = None
+        if len(rows) == 1:
+            ids = blocks[0].tolist()
+            first_block = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+        return DecodeGroup(index, blocks, width, mask,
+                           (rows[0], rows[0] + len(rows)) if in_order else None, first_block)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -163,9 +181,13 @@ class TorchAttention(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
         for g in meta.decode_groups:
-            keys = _gather(k_cache, g.blocks)[:, :g.width]  # [n, width, Hkv, D]
-            values = _gather(v_cache, g.blocks)[:, :g.width]
-            out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), keys, values, g.mask))
+            keys, values = g.context(k_cache), g.context(v_cache)  # [n, width, Hkv, D]
+            if g.row_range:
+                first, end = g.row_range
+                out[first:end] = _decode(q[first:end], keys, values, g.mask)
+            else:
+                out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), keys, values,
+                                                   g.mask))
         for first, qlen, blocks, end, mask in meta.prefill_spans:
             keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
             out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)

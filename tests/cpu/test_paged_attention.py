@@ -187,9 +187,10 @@ def test_write_kv_cache_bit_exact(dtype, slot_dtype):
     assert torch.equal(want[0][5, 3], k[3]) and torch.equal(want[1][0, 0], v[4])
 
 
-def attention_batch(gen, block_size=4, num_blocks=40):
+def attention_batch(gen, block_size=4, num_blocks=40, consecutive=False):
     query_lens, starts = [1, 1, 1, 6, 3], [6, 17, 0, 0, 11]  # three decodes, then two chunks
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    ids = (list(range(num_blocks)) if consecutive
+           else torch.randperm(num_blocks, generator=gen).tolist())
     tables = []
     for n, s in zip(query_lens, starts):
         count = math.ceil((n + s) / block_size)
@@ -206,13 +207,18 @@ def test_decodes_are_grouped_by_length_where_padding_costs_more_than_a_call():
     assert group_by_length([], group_cost=0) == []
 
 
-@pytest.mark.parametrize("group_cost", [None, 0])  # default (one group here), one per length
+# group_cost: default (one group here) or 0 (one group per length); consecutive block ids let a
+# one-request group read its context as a view of the cache instead of a gather
+@pytest.mark.parametrize("group_cost, consecutive", [(None, False), (0, False), (0, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_matches_torch_backend(dtype, group_cost, monkeypatch):
+def test_triton_backend_matches_torch_backend(dtype, group_cost, consecutive, monkeypatch):
     if group_cost is not None:
         monkeypatch.setattr(attention_module, "GROUP_COST_TOKENS", group_cost)
     gen = seeded("backend", dtype)
-    batch = attention_batch(gen)
+    batch = attention_batch(gen, consecutive=consecutive)
+    groups = TorchAttention().build_metadata(batch).decode_groups
+    views = [g for g in groups if g.first_block is not None and g.blocks.shape[1] > 1]
+    assert bool(views) == consecutive
     num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)
     caches = [torch.randn(40, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
               for _ in range(2)]
