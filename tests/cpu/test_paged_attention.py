@@ -217,8 +217,8 @@ def test_triton_backend_matches_torch_backend(dtype, group_cost, consecutive, mo
     gen = seeded("backend", dtype)
     batch = attention_batch(gen, consecutive=consecutive)
     groups = TorchAttention().build_metadata(batch).decode_groups
-    views = [g for g in groups if g.first_block is not None and g.blocks.shape[1] > 1]
-    assert bool(views) == consecutive
+    if consecutive:  # (random ids may happen to be consecutive too)
+        assert any(g.first_block is not None and g.blocks.shape[1] > 1 for g in groups)
     num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)
     caches = [torch.randn(40, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
               for _ in range(2)]
