@@ -30,7 +30,11 @@ from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.loader import open_checkpoint
 
 VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2", "floor"),
-            "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil")}
+            "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil"),
+            # the CPU engine's weights: bf16-rounded (dense path) and its 4-bit copy
+            # (worker/model/int4.py, re-quantized from the bf16 weights), for --variants
+            "bf16": ("bf16", None), "cpu_int4": ("int4", None)}
+DEFAULT_VARIANTS = "full,mxfp6_e2m3,mxfp6_e3m2,mxfp4_e2m1,mxfp4_e2m1_ceil"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -54,6 +58,12 @@ def mx_round_trip(name: str, w: torch.Tensor, variant) -> torch.Tensor:
     if variant is None or not any(f".{p}." in name for p in LINEARS):
         return w
     fmt, mode = variant
+    if fmt == "bf16":
+        return w.bfloat16().float()
+    if fmt == "int4":
+        from mxserve.worker.model.int4 import dequantize_int4_torch
+
+        return dequantize_int4_torch(w.bfloat16())
     return dequantize_mx(quantize_mx(w.float(), fmt, scale_mode=mode), torch.float32)
 
 
@@ -91,16 +101,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--out", default="bench/results/mx_quality.json")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list; first: base")
     args = parser.parse_args()
     checkpoint = open_checkpoint(None)
     ids = kjv_tokens(checkpoint.tokenizer, args.tokens)
     rows = {}
-    for name, variant in VARIANTS.items():
+    for name in args.variants.split(","):
         start = time.time()
-        rows[name] = {"perplexity": perplexity(build_model(checkpoint, variant), ids, args.window)}
+        model = build_model(checkpoint, VARIANTS[name])
+        rows[name] = {"perplexity": perplexity(model, ids, args.window)}
         rows[name]["seconds"] = round(time.time() - start, 1)
         print(name, rows[name], flush=True)
-    base = rows["full"]["perplexity"]
+    base = next(iter(rows.values()))["perplexity"]
     for row in rows.values():
         row["vs_full"] = row["perplexity"] / base
     result = {"bench": "mx_quality", "model": checkpoint.config.model_id,
@@ -108,7 +120,8 @@ def main() -> None:
               "date": datetime.date.today().isoformat(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "command": "python bench/mx_quality.py "
-                         f"--tokens {args.tokens} --window {args.window}",
+                         f"--tokens {args.tokens} --window {args.window} "
+                         f"--variants {args.variants} --out {args.out}",
               "num_tokens": len(ids), "window": args.window, "results": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
