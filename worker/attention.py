@@ -128,7 +128,9 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 class TorchAttention(AttentionBackend):
-    """Plain-torch reference backend (CPU and tests): gathers each context, then SDPA."""
+    """Plain-torch backend (CPU and tests): gathers each context's blocks, then SDPA. Decodes go
+    in groups of similar length (`group_by_length`), one padded SDPA per group; each prefill
+    chunk is one SDPA."""
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         dev, nd = batch.device, batch.num_decodes
