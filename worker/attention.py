@@ -107,7 +107,6 @@ def group_by_length(lengths: list[int], group_cost: int | None = None) -> list[l
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
-    # per prefill request: (first token index, query_len, context slots [ctx], causal mask [q, ctx])
 
 
 def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
