@@ -38,7 +38,10 @@ class Int4Weight:
 
     packed: torch.Tensor  # uint8 [N, K // 2], the kernel's packing of q
     scales_zeros: torch.Tensor  # bf16 [K // 32, N, 2]: (scale, zero) per group
-    shape: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.scales_zeros.shape[0] * GROUP_SIZE
 
 
 def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +61,7 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     """Quantize a dense [N, K] weight (`int4_supported`) to int4 groups of 32."""
     q, scales_zeros = _quantize(weight)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return Int4Weight(packed, scales_zeros, tuple(weight.shape))
+    return Int4Weight(packed, scales_zeros)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,8 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mxserve.worker.model.int4 import INT4_MAX_ROWS, Int4Weight, int4_linear, int4_supported
-from mxserve.worker.model.int4 import quantize_int4 as _quantize_int4
+from mxserve.worker.model.int4 import (
+    INT4_MAX_ROWS,
+    Int4Weight,
+    int4_linear,
+    int4_supported,
+    quantize_int4,
+)
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class ColumnParallelLinear(nn.Module):
         if not self.quant:
             self.packed = _pack(self.weight)
             if int4 and int4_supported(self.weight):
-                self.int4 = _quantize_int4(self.weight)
+                self.int4 = quantize_int4(self.weight)
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
