@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mxserve.kernels import cpu_attention
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -75,7 +77,9 @@ class DecodeGroup:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # TorchAttention: SDPA per group of similar lengths
+    # CPUAttention instead: int32 block tables [num_decodes, max_blocks] and seq_lens [num_decodes]
+    decode_index: tuple[torch.Tensor, torch.Tensor] | None
     # (first token, query_len, context blocks [ceil(end / block_size)], end, mask [query_len,
     # end] or None when the chunk starts the request: plain causal) per prefill chunk
     prefill_spans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]
@@ -131,6 +135,8 @@ class TorchAttention(AttentionBackend):
     in groups of similar length (`group_by_length`), one padded SDPA per group; each prefill
     chunk is one SDPA."""
 
+    grouped_decodes = True  # False: CPUAttention's one kernel call over the paged cache
+
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         dev, nd = batch.device, batch.num_decodes
         tables = _padded(batch.block_tables, dev)  # [R, max_blocks]
@@ -138,8 +144,12 @@ class TorchAttention(AttentionBackend):
         ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
         new_slots = [slots[i, start:end] for i, (start, end)
                      in enumerate(zip(batch.start_positions, ends))]
-        groups = [self._decode_group(tables, ends, rows, batch.block_size, dev)
-                  for rows in group_by_length(ends[:nd])]
+        groups, index = [], None
+        if self.grouped_decodes:
+            groups = [self._decode_group(tables, ends, rows, batch.block_size, dev)
+                      for rows in group_by_length(ends[:nd])]
+        elif nd:
+            index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
         spans, first = [], nd
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]
@@ -150,7 +160,8 @@ class TorchAttention(AttentionBackend):
             spans.append((first, qlen, tables[i, :-(-end // batch.block_size)], end, mask))
             first += qlen
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
-                                      decode_groups=groups, prefill_spans=spans)
+                                      decode_groups=groups, decode_index=index,
+                                      prefill_spans=spans)
 
     @staticmethod
     def _decode_group(tables: torch.Tensor, ends: list[int], rows: list[int], block_size: int,
@@ -181,6 +192,15 @@ class TorchAttention(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
         flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
+        self._decodes(q, k_cache, v_cache, meta, out)
+        for first, qlen, blocks, end, mask in meta.prefill_spans:
+            keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
+            out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)
+        return out.flatten(1)
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """out[:num_decode_tokens] = the decodes' attention, group by group."""
         for g in meta.decode_groups:
             keys, values = g.context(k_cache), g.context(v_cache)  # [n, width, Hkv, D]
             if g.row_range:
@@ -189,10 +209,22 @@ class TorchAttention(AttentionBackend):
             else:
                 out.index_copy_(0, g.rows, _decode(q.index_select(0, g.rows), keys, values,
                                                    g.mask))
-        for first, qlen, blocks, end, mask in meta.prefill_spans:
-            keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
-            out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)
-        return out.flatten(1)
+
+
+class CPUAttention(TorchAttention):
+    """TorchAttention with the decodes in one call of the C kernel of kernels/cpu_attention.py,
+    which reads the paged cache in place (no gathered copies, no per-group SDPA). Prefill chunks
+    as TorchAttention. Serves float32/bfloat16 caches; `cpu_attention.available` says whether
+    this machine can build the kernel for a model's shape (the runner checks before choosing it).
+    """
+
+    grouped_decodes = False
+
+    def _decodes(self, q, k_cache, v_cache, meta, out) -> None:
+        if meta.num_decode_tokens:  # shapes and dtypes were checked when the runner chose us
+            nd = meta.num_decode_tokens
+            cpu_attention._run(q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd],
+                               q.shape[-1] ** -0.5)
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -227,7 +259,8 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0].transpose(0, 1)
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention,
+                                                          "cpu": CPUAttention}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

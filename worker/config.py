@@ -32,7 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
-    attention_backend: str = "auto"  # "torch" (reference) or, on CUDA, "triton"
+    attention_backend: str = "auto"  # "torch" (reference), "cpu" (C decode kernel), "triton"
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
     load_progress: bool = True
     # MX weights for the decoder linears (q/k/v/o, gate/up/down), quantized while loading a

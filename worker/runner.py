@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mxserve.kernels import cpu_attention
 from mxserve.worker.attention import AttentionBatch, get_attention_backend
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import ModelLoadError
@@ -63,13 +64,28 @@ class ModelRunner:
         self.quantization = _quantization(config)
         self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device,
                                       self.quantization)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.attn = get_attention_backend(backend)
+        self.attn = get_attention_backend(self._attention_backend_name())
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
+
+    def _attention_backend_name(self) -> str:
+        """config.attention_backend; "auto": Triton on CUDA, else the CPU kernel where this
+        machine builds it for the model's dtype and shape, else plain torch."""
+        name = self.config.attention_backend
+        if name == "auto" and self.device.type == "cuda":
+            return "triton"
+        mc, tp = self.model_config, self.tp.size
+        shape = (mc.num_attention_heads // tp, mc.num_key_value_heads // tp, mc.head_dim,
+                 self.config.block_size)
+        cpu_ok = self.device.type == "cpu" and cpu_attention.available(self.dtype, *shape)
+        if name == "cpu" and not cpu_ok:
+            raise ValueError(f"attention_backend 'cpu' needs a CPU float32/bfloat16 model with "
+                             f"head_dim a multiple of 16 and a C compiler; got {self.device} "
+                             f"{self.dtype}, (Hq, Hkv, head_dim, block_size) = {shape}")
+        if name != "auto":
+            return name
+        return "cpu" if cpu_ok else "torch"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      linear_bits: int | None = None) -> None:

@@ -48,14 +48,24 @@ def test_prefix_cache_hit_gives_same_tokens_as_miss(ckpt):
     assert _all_blocks_free(llm)
 
 
-def test_preemption_under_tiny_pool_finishes_every_request_with_same_tokens(ckpt):
+# "torch": every token's attention, decode or a preempted request's recompute, runs the same
+# SDPA arithmetic, so the tokens must match exactly. "cpu": decodes run the C kernel and a
+# recompute runs SDPA, which differ in the last bits; this tiny random model's logits are
+# nearly flat (near-ties), so there only the requests never preempted must match exactly.
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_preemption_under_tiny_pool_finishes_every_request_with_same_tokens(ckpt, backend):
     prompts = _prompts(8)
-    roomy = LLM(model=ckpt, load_progress=False).generate(prompts, GREEDY)
+    opts = dict(attention_backend=backend, load_progress=False)
+    roomy = LLM(model=ckpt, **opts).generate(prompts, GREEDY)
     # 12 blocks of 16 tokens cannot hold 8 requests of up to 84 tokens at once.
-    tight = LLM(model=ckpt, num_kv_blocks=12, max_num_batched_tokens=64, load_progress=False)
+    tight = LLM(model=ckpt, num_kv_blocks=12, max_num_batched_tokens=64, **opts)
     outputs = tight.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
-    assert sum(r.num_preemptions for r in _seen_requests(tight)) > 0
+    preempted = {r.request_id for r in _seen_requests(tight) if r.num_preemptions}
+    assert preempted and all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+    for got, want in zip(outputs, roomy):
+        if backend == "torch" or got.request_id not in preempted:
+            assert got.token_ids == want.token_ids
+    assert len(preempted) < len(prompts)  # some requests are compared in both modes
     assert _all_blocks_free(tight)
 
 

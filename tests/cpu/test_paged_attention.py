@@ -38,6 +38,7 @@ from mxserve.worker import attention as attention_module  # noqa: E402
 from mxserve.worker.attention import (  # noqa: E402
     ATTENTION_BACKENDS,
     AttentionBatch,
+    CPUAttention,
     TorchAttention,
     get_attention_backend,
     group_by_length,
@@ -211,7 +212,8 @@ def test_decodes_are_grouped_by_length_where_padding_costs_more_than_a_call():
 # one-request group read its context as a view of the cache instead of a gather
 @pytest.mark.parametrize("group_cost, consecutive", [(None, False), (0, False), (0, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_matches_torch_backend(dtype, group_cost, consecutive, monkeypatch):
+def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecutive,
+                                                     monkeypatch):
     if group_cost is not None:
         monkeypatch.setattr(attention_module, "GROUP_COST_TOKENS", group_cost)
     gen = seeded("backend", dtype)
@@ -225,19 +227,22 @@ def test_triton_backend_matches_torch_backend(dtype, group_cost, consecutive, mo
     qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
     results = []
-    for backend in (TorchAttention(), get_attention_backend("triton")):
+    backends = [TorchAttention(), get_attention_backend("triton"), get_attention_backend("cpu")]
+    for backend in backends:
         k_cache, v_cache = (c.clone() for c in caches)
         out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(batch))
         results.append((out, k_cache, v_cache))
-    (want, *want_caches), (got, *got_caches) = results
-    assert got.shape == (tokens, num_heads * head_dim) and got.dtype == dtype
+    (want, *want_caches), *others = results
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got, want, **tol)
-    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    for got, *got_caches in others:  # Triton, then the C decode kernel (CPUAttention)
+        assert got.shape == (tokens, num_heads * head_dim) and got.dtype == dtype
+        torch.testing.assert_close(got, want, **tol)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
 
 
 def test_registry():
     assert ATTENTION_BACKENDS["triton"] is TritonAttention
+    assert ATTENTION_BACKENDS["cpu"] is CPUAttention
 
 
 def test_rejects_bad_inputs():
