@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxserve.kernels import cpu_attention
+from mxserve.kernels import cpu_attention, cpu_linear
 from mxserve.worker.attention import AttentionBatch, get_attention_backend
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import ModelLoadError
@@ -91,6 +91,8 @@ class ModelRunner:
                      linear_bits: int | None = None) -> None:
         """linear_bits: the checkpoint's (`Checkpoint.linear_bits`), for `config.cpu_int4`."""
         self.model.load_weights(weights)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_linear.available():
+            self.model.lm_head.use_float32_logits()  # whether or not the rest is packed
         if self.config.pack_cpu_weights and can_pack_for_cpu(self.dtype, self.device):
             int4 = self.config.cpu_int4
             int4 = linear_bits == 4 if int4 is None else int4

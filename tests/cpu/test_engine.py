@@ -48,24 +48,35 @@ def test_prefix_cache_hit_gives_same_tokens_as_miss(ckpt):
     assert _all_blocks_free(llm)
 
 
-# "torch": every token's attention, decode or a preempted request's recompute, runs the same
-# SDPA arithmetic, so the tokens must match exactly. "cpu": decodes run the C kernel and a
-# recompute runs SDPA, which differ in the last bits; this tiny random model's logits are
-# nearly flat (near-ties), so there only the requests never preempted must match exactly.
+# Recomputing a preempted request runs its tokens as one prefill instead of one decode each, so
+# the arithmetic differs in the last bits (GEMM blocking by row count; CPUAttention's C decode vs
+# SDPA). This tiny random model's logits are nearly flat, so greedy may part at a near-tie. In
+# float32 (bf16 activations would round those bits up to ~1e-2 in the logits) every request must
+# match the roomy run exactly or part only where the roomy run's top two candidates were within
+# TIE of each other, and most must match exactly.
+TIE = 1e-3
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_preemption_under_tiny_pool_finishes_every_request_with_same_tokens(ckpt, backend):
     prompts = _prompts(8)
-    opts = dict(attention_backend=backend, load_progress=False)
-    roomy = LLM(model=ckpt, **opts).generate(prompts, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    opts = dict(attention_backend=backend, dtype="float32", load_progress=False)
+    roomy = LLM(model=ckpt, **opts).generate(prompts, params)
     # 12 blocks of 16 tokens cannot hold 8 requests of up to 84 tokens at once.
     tight = LLM(model=ckpt, num_kv_blocks=12, max_num_batched_tokens=64, **opts)
-    outputs = tight.generate(prompts, GREEDY)
-    preempted = {r.request_id for r in _seen_requests(tight) if r.num_preemptions}
-    assert preempted and all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+    outputs = tight.generate(prompts, params)
+    assert sum(r.num_preemptions for r in _seen_requests(tight)) > 0
+    assert all(len(o.token_ids) == params.max_tokens for o in outputs)
+    exact = 0
     for got, want in zip(outputs, roomy):
-        if backend == "torch" or got.request_id not in preempted:
-            assert got.token_ids == want.token_ids
-    assert len(preempted) < len(prompts)  # some requests are compared in both modes
+        if got.token_ids == want.token_ids:
+            exact += 1
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b)
+        top = want.logprobs[j]  # the roomy run's two best at the parting step
+        assert got.token_ids[j] in top and top[want.token_ids[j]] - top[got.token_ids[j]] < TIE
+    assert exact > len(prompts) // 2
     assert _all_blocks_free(tight)
 
 

@@ -8,16 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxserve.kernels import cpu_layer_ops
 from mxserve.worker.model.config import RopeScaling
 
 
-def fused_layer_ops():
-    """kernels/layer_ops.py, one kernel per step on CUDA tensors. Imported only then: it imports
-    Triton, which CPU installs need not have. Its torch references compute what the CPU paths
-    below compute."""
-    from mxserve.kernels import layer_ops
+def fused_layer_ops(x: torch.Tensor):
+    """The module of one-kernel layer ops for x's device and dtype, or None (then the plain-torch
+    paths below, which compute what the kernels' references compute): kernels/layer_ops.py
+    (Triton) on CUDA, imported only then as CPU installs need not have Triton; on the CPU
+    kernels/cpu_layer_ops.py (C) for float32/bfloat16 where it builds."""
+    if x.is_cuda:
+        from mxserve.kernels import layer_ops
 
-    return layer_ops
+        return layer_ops
+    return cpu_layer_ops if cpu_layer_ops.available(x.dtype) else None
 
 
 class RMSNorm(nn.Module):
@@ -34,8 +38,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
-        if x.is_cuda:
-            ops = fused_layer_ops()
+        ops = fused_layer_ops(x)
+        if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps) if residual is None else \
                 ops.add_rms_norm_(x, residual, self.weight, self.eps)
         if residual is not None:
@@ -83,16 +87,18 @@ class RotaryEmbedding(nn.Module):
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, positions: torch.Tensor) -> None:
-        """Gather the tables of this forward's positions [T] once (CPU; the layers share this
-        module). Call at the start of every model forward, before the layers."""
-        if not positions.is_cuda:
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-            self._tables = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+        """Start of a model forward: the plain-torch path gathers this forward's tables once,
+        at its first layer, for all layers (they share this module). Call before the layers."""
+        self._tables = None
 
     def forward(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # qk [T, Hq + Hkv, D] rotated in place; positions [T] (the ones given to `prepare`)
-        if qk.is_cuda:
-            return fused_layer_ops().apply_rotary_(qk, positions, self.cos, self.sin)
+        ops = fused_layer_ops(qk)
+        if ops is not None:
+            return ops.apply_rotary_(qk, positions, self.cos, self.sin)
+        if self._tables is None:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            self._tables = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
         cos, signed_sin = self._tables
         x = qk.float()
         x1, x2 = x.chunk(2, dim=-1)

@@ -63,8 +63,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if gate_up.is_cuda:  # one kernel (kernels/layer_ops.py)
-            return self.down_proj(fused_layer_ops().silu_and_mul(gate_up))
+        ops = fused_layer_ops(gate_up)  # one kernel (kernels/layer_ops.py, cpu_layer_ops.py)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

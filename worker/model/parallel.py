@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mxserve.kernels import cpu_linear
 from mxserve.worker.model.int4 import (
     INT4_MAX_ROWS,
     Int4Weight,
@@ -224,19 +225,36 @@ class ParallelLMHead(nn.Module):
         if embedding is None:
             self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden_size,
                                                    dtype=dtype, device=device), requires_grad=False)
-        self.packed: torch.Tensor | None = None  # pack_for_cpu
+        self.packed: torch.Tensor | None = None  # pack_for_cpu: oneDNN's layout, or
+        self.pairs: torch.Tensor | None = None  # cpu_linear.py's (float32 logits)
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(self.tp.shard(weight, 0))
 
+    def use_float32_logits(self) -> None:
+        """CPU bf16 with AVX512-BF16 (`cpu_linear.available()`): multiply with kernels/
+        cpu_linear.py's packed pairs, which give float32 logits (bf16 logits tie near-equal top
+        tokens). Tied: the embedding keeps its dense weight."""
+        weight = self.embedding.weight if self.tied else self.weight
+        self.vocab_local = weight.shape[0]
+        self.pairs = cpu_linear.pack_pairs(weight)
+        if not self.tied:
+            self.weight.data = self.weight.data.new_empty(0)
+
     def pack_for_cpu(self, int4: bool = False) -> None:
-        """As the linears' (tied: a packed copy; the embedding keeps its dense weight). Never
-        int4: a GGUF's embedding is 8-bit or more, and 4 bits would lose that."""
+        """As the linears' (tied: a packed copy; the embedding keeps its dense weight), unless
+        `use_float32_logits` took over. Never int4: a GGUF's embedding is 8-bit or more, and 4
+        bits would lose that."""
+        if self.pairs is not None:
+            return
         self.packed = _pack(self.embedding.weight if self.tied else self.weight)
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None:  # [T, vocab / tp] float32
+            logits = cpu_linear.linear_f32(hidden, self.pairs, self.vocab_local)
+            return self.tp.all_gather_last_dim(logits)
         if self.packed is not None:
             return self.tp.all_gather_last_dim(_packed_linear(hidden, self.packed, None, None))
         weight = self.embedding.weight if self.tied else self.weight
