@@ -45,8 +45,8 @@ def build(name: str, source: str, defines: dict[str, int] | None = None) -> ctyp
                                  check=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([source, version, _cpu_flags(), *flags]).encode())
         cache = os.environ.get("MXSERVE_CACHE_DIR", os.path.expanduser("~/.cache/mxserve"))
-        tag = "_".join(f"{k.lower()}{v}" for k, v in (defines or {}).items())
-        path = os.path.join(cache, f"{name}_{tag}_{key.hexdigest()[:16]}.so")
+        tag = "".join(f"_{k.lower()}{v}" for k, v in (defines or {}).items())
+        path = os.path.join(cache, f"{name}{tag}_{key.hexdigest()[:16]}.so")
         if not os.path.exists(path):
             os.makedirs(cache, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
