@@ -1,11 +1,17 @@
-"""MX weight-only linear on the GPU vs cuBLAS bf16, correctness checked inside (issue: MX kernels).
+"""The issue's GPU kernels vs their library baselines, correctness checked inside (issue: MX
+kernels). Two sections, side by side in one run each:
 
-For each weight shape (N, K) and batch M, times `torch.nn.functional.linear` on bf16 weights and
-`mx_linear` on MXFP4 (e2m1) and MXFP6 (e2m3, e3m2) weights of the same matrix, side by side in one
-run, and reports the speed-up and the weight bandwidth each reaches. Every timed variant is first
-checked against its reference (||y - ref|| / ||ref||, with ref = x @ dequantized(w) in fp32).
+- linear: for each weight shape (N, K) and batch M, `torch.nn.functional.linear` on bf16 weights
+  vs `mx_linear` on MXFP4 (e2m1) and MXFP6 (e2m3, e3m2) weights of the same matrix: speed-up and
+  weight bandwidth. Every timed variant is first checked against its reference (||y - ref|| /
+  ||ref||, with ref = x @ dequantized(w) in fp32).
+- attention: paged decode attention (32 query / 8 KV heads, head dim 128, page 16, bf16) over
+  shuffled pages vs SDPA on the same K/V held contiguously (the faster of its GQA and
+  expanded-heads forms), at batch 64 x 4096 and 1 x 32768 tokens; max error vs fp32 SDPA, time,
+  K/V bandwidth, and the ratio to SDPA.
 
-    python bench/kernels_gpu.py --out bench/results/kernels_gpu.json
+    python bench/kernels_gpu.py --out bench/results/kernels_gpu.json            # both sections
+    python bench/kernels_gpu.py --sections attention --out bench/results/kernels_gpu.attention.json
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import triton.testing
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import mx_linear, prepare_mx_weight
+from mxserve.kernels.paged_attention import paged_decode_attention
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]  # (N, K)
 MS = [1, 2, 4, 8, 16, 64, 256, 2048]
 FORMATS = ["e2m1", "e2m3", "e3m2"]
 BITS = {"e2m1": 4.25, "e2m3": 6.25, "e3m2": 6.25, "bf16": 16}
+ATTN_SHAPES = [(64, 4096), (1, 32768)]  # (batch, tokens); targets: >= 0.9x SDPA's bandwidth at
+HQ, HKV, HEAD_DIM, PAGE = 32, 8, 128, 16  # the first; the second's 1.5x is not physical (README)
 
 
 def bench_ms(fn) -> float:
@@ -67,6 +76,53 @@ def run_shape(n: int, k: int, ms: list[int], gen: torch.Generator) -> list[dict]
     return rows
 
 
+def run_attention(batch: int, seq_len: int, gen: torch.Generator) -> dict:
+    pages = batch * seq_len // PAGE
+    shape = (pages + 1, PAGE, HKV, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    tables = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    pos = torch.arange(seq_len, device="cuda")
+    slots = tables[:, pos // PAGE].long(), pos % PAGE
+    k4 = k_cache[slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+    v4 = v_cache[slots].transpose(1, 2).contiguous()
+    q = torch.randn(batch, HQ, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    ref = F.scaled_dot_product_attention(q[:, :, None].float(), k4.float(), v4.float(),
+                                         enable_gqa=True)[:, :, 0]
+    out = torch.full_like(q, float("nan"))
+    args = (q, k_cache, v_cache, tables, lens)
+    paged_decode_attention(*args, out=out, max_seq_len=seq_len)
+    row = {"batch": batch, "tokens": seq_len, "paged_err": (out.float() - ref).abs().max().item()}
+    row["paged_ms"] = bench_ms(lambda: paged_decode_attention(*args, out=out,
+                                                              max_seq_len=seq_len))
+    ke, ve = k4.repeat_interleave(HQ // HKV, 1), v4.repeat_interleave(HQ // HKV, 1)
+    row["sdpa_gqa_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
+        q[:, :, None], k4, v4, enable_gqa=True))
+    row["sdpa_expanded_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
+        q[:, :, None], ke, ve))
+    row["sdpa_ms"] = min(row["sdpa_gqa_ms"], row["sdpa_expanded_ms"])
+    kv_bytes = 2 * k4.numel() * 2
+    for name in ("paged", "sdpa"):
+        row[f"{name}_TBps"] = kv_bytes / (row[f"{name}_ms"] * 1e-3) / 1e12
+    row["paged_vs_sdpa"] = row["sdpa_ms"] / row["paged_ms"]
+    print(f"attention {batch}x{seq_len}: paged {row['paged_ms'] * 1e3:.1f}us "
+          f"({row['paged_TBps']:.2f} TB/s, err {row['paged_err']:.1e}), SDPA "
+          f"{row['sdpa_ms'] * 1e3:.1f}us ({row['sdpa_TBps']:.2f} TB/s): "
+          f"{row['paged_vs_sdpa']:.2f}x", flush=True)
+    return row  # (its tensors go with this frame; main empties the cache between shapes)
+
+
+def attention_markdown(rows: list[dict]) -> str:
+    text = "| batch x tokens | paged us (TB/s) | SDPA us (TB/s) | paged vs SDPA | max err |\n"
+    text += "|---|---|---|---|---|\n"
+    for r in rows:
+        text += (f"| {r['batch']}x{r['tokens']} | {r['paged_ms'] * 1e3:.1f} "
+                 f"({r['paged_TBps']:.2f}) | {r['sdpa_ms'] * 1e3:.1f} ({r['sdpa_TBps']:.2f}) | "
+                 f"{r['paged_vs_sdpa']:.2f}x | {r['paged_err']:.1e} |\n")
+    return text
+
+
 def _line(r: dict) -> str:
     cells = [f"{r['N']:>5}x{r['K']:<5} M={r['M']:<4} bf16 {r['bf16_ms'] * 1e3:8.1f}us"]
     for f in FORMATS:
@@ -95,25 +151,39 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/kernels_gpu.json")
+    parser.add_argument("--sections", default="linear,attention")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    sections = args.sections.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = SHAPES[:1] if args.quick else SHAPES
-    rows = [r for n, k in shapes for r in run_shape(n, k, MS, gen)]
+    rows = [r for n, k in shapes for r in run_shape(n, k, MS, gen)] \
+        if "linear" in sections else []
+    attention = []
+    for batch, tokens in ATTN_SHAPES if "attention" in sections else []:
+        attention.append(run_attention(batch, tokens, gen))
+        torch.cuda.empty_cache()
+    command = "python bench/kernels_gpu.py" + (
+        f" --sections {args.sections}" if args.sections != "linear,attention" else "")
     result = {
-        "bench": "kernels_gpu/mx_linear",
+        "bench": "kernels_gpu",
         "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "triton": triton.__version__, "cuda": torch.version.cuda},
-        "commit": _commit(), "command": "python bench/kernels_gpu.py",
-        "copy_TBps": copy_bandwidth(), "rows": rows,
+        "commit": _commit(), "command": command,
+        "copy_TBps": copy_bandwidth(), "rows": rows, "attention": attention,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    text = f"On {result['device']} ({result['date']}), copy {result['copy_TBps']:.2f} TB/s\n\n"
+    if rows:
+        text += "MX linear vs cuBLAS bf16\n\n" + markdown(rows) + "\n"
+    if attention:
+        text += "Paged decode attention vs SDPA (contiguous K/V)\n\n" + \
+            attention_markdown(attention)
     with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write(f"MX linear vs cuBLAS bf16 on {result['device']} ({result['date']}), "
-                f"copy {result['copy_TBps']:.2f} TB/s\n\n" + markdown(rows))
-    print(markdown(rows))
+        f.write(text)
+    print(text)
 
 
 def _commit() -> str:

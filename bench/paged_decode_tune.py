@@ -62,7 +62,7 @@ def run_config(case: dict, seq_len: int, block_n: int, warps: int, stages: int,
 
     def splits(num_seqs, num_kv_heads, max_seq_len, device):
         programs, target = num_seqs * num_kv_heads, per_sm * pa._num_sms(device)
-        if programs >= target:
+        if programs >= target:  # (the kernel now splits only below 2 an SM; see _decode_splits)
             return 1
         return max(1, min(triton.cdiv(target, programs),
                           triton.cdiv(max_seq_len, pa.MIN_SPLIT_TOKENS), pa.MAX_SPLITS))
@@ -108,7 +108,7 @@ def main() -> None:
 
     best = max(ok, key=score)
     current = next(r for r in ok if (r["BLOCK_N"], r["num_warps"], r["num_stages"],
-                                     r["programs_per_sm"]) == (64, 4, 3, 2))
+                                     r["programs_per_sm"]) == (64, 4, 3, 2))  # before the sweep
     result = dict(
         bench="paged_decode_tune", device=torch.cuda.get_device_name(),
         date=datetime.date.today().isoformat(),
