@@ -75,6 +75,8 @@ class ModelRunner:
         name = self.config.attention_backend
         if name == "auto" and self.device.type == "cuda":
             return "triton"
+        if name not in ("auto", "cpu"):
+            return name
         mc, tp = self.model_config, self.tp.size
         shape = (mc.num_attention_heads // tp, mc.num_key_value_heads // tp, mc.head_dim,
                  self.config.block_size)
@@ -83,8 +85,6 @@ class ModelRunner:
             raise ValueError(f"attention_backend 'cpu' needs a CPU float32/bfloat16 model with "
                              f"head_dim a multiple of 16 and a C compiler; got {self.device} "
                              f"{self.dtype}, (Hq, Hkv, head_dim, block_size) = {shape}")
-        if name != "auto":
-            return name
         return "cpu" if cpu_ok else "torch"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
