@@ -61,25 +61,13 @@ static inline __attribute__((always_inline)) void tile(
 
 int ready(void) { return 1; }
 
-#define CASES(R, C) \
-    switch (M - m0 < R ? M - m0 : R) { \
-    case 1: tile(xm, ldx, 1, C, w, K, om, ldo); break; \
-    case 2: tile(xm, ldx, 2, C, w, K, om, ldo); break; \
-    case 3: tile(xm, ldx, 3, C, w, K, om, ldo); break; \
-    case 4: tile(xm, ldx, 4, C, w, K, om, ldo); break; \
-    case 5: tile(xm, ldx, 5 <= R ? 5 : 1, C, w, K, om, ldo); break; \
-    case 6: tile(xm, ldx, 6 <= R ? 6 : 1, C, w, K, om, ldo); break; \
-    case 7: tile(xm, ldx, 7 <= R ? 7 : 1, C, w, K, om, ldo); break; \
-    case 8: tile(xm, ldx, 8 <= R ? 8 : 1, C, w, K, om, ldo); break; \
-    case 9: tile(xm, ldx, 9 <= R ? 9 : 1, C, w, K, om, ldo); break; \
-    case 10: tile(xm, ldx, 10 <= R ? 10 : 1, C, w, K, om, ldo); break; \
-    case 11: tile(xm, ldx, 11 <= R ? 11 : 1, C, w, K, om, ldo); break; \
-    case 12: tile(xm, ldx, 12 <= R ? 12 : 1, C, w, K, om, ldo); break; \
-    case 13: tile(xm, ldx, 13 <= R ? 13 : 1, C, w, K, om, ldo); break; \
-    case 14: tile(xm, ldx, 14 <= R ? 14 : 1, C, w, K, om, ldo); break; \
-    case 15: tile(xm, ldx, 15 <= R ? 15 : 1, C, w, K, om, ldo); break; \
-    case 16: tile(xm, ldx, 16 <= R ? 16 : 1, C, w, K, om, ldo); break; \
-    }
+/* rows m0 .. of the block: a literal row count per case (R rows at most), so tile() inlines with
+   constant M and C */
+#define CASE(V, R, C) case V: tile(xm, ldx, V <= R ? V : 1, C, w, K, om, ldo); break;
+#define CASES(R, C) switch (M - m0 < R ? M - m0 : R) { \
+    CASE(1, R, C) CASE(2, R, C) CASE(3, R, C) CASE(4, R, C) CASE(5, R, C) CASE(6, R, C) \
+    CASE(7, R, C) CASE(8, R, C) CASE(9, R, C) CASE(10, R, C) CASE(11, R, C) CASE(12, R, C) \
+    CASE(13, R, C) CASE(14, R, C) CASE(15, R, C) CASE(16, R, C) }
 
 /* x [M, K] bf16 (row stride ldx), w packed pairs for N channels (N % 32 == 0), out [M, N] fp32
    (row stride ldo). Up to 4 rows: tasks of 16 channels, all rows at once; more rows: tasks of
