@@ -138,12 +138,18 @@ class TorchAttention(AttentionBackend):
     grouped_decodes = True  # False: CPUAttention's one kernel call over the paged cache
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
-        dev, nd = batch.device, batch.num_decodes
+        dev, nd, bs = batch.device, batch.num_decodes, batch.block_size
         tables = _padded(batch.block_tables, dev)  # [R, max_blocks]
-        slots = slot_table(tables, batch.block_size)  # [R, L]
         ends = [start + q for start, q in zip(batch.start_positions, batch.query_lens)]
-        new_slots = [slots[i, start:end] for i, (start, end)
-                     in enumerate(zip(batch.start_positions, ends))]
+        # new tokens' slots: a decode's from its table in Python (one int; hundreds of decodes
+        # would be hundreds of tensor slices), a prefill chunk's as a slice of its slot row
+        decode_slots = [t[(e - 1) // bs] * bs + (e - 1) % bs
+                        for t, e in zip(batch.block_tables[:nd], ends[:nd])]
+        new_slots = [torch.tensor(decode_slots, dtype=torch.long, device=dev)]
+        if nd < len(ends):
+            slots = slot_table(tables[nd:], bs)  # [R - nd, L]
+            new_slots += [slots[i, start:end] for i, (start, end)
+                          in enumerate(zip(batch.start_positions[nd:], ends[nd:]))]
         groups, index = [], None
         if self.grouped_decodes:
             groups = [self._decode_group(tables, ends, rows, batch.block_size, dev)
