@@ -76,13 +76,15 @@ def run_shape(n: int, k: int, ms: list[int], gen: torch.Generator) -> list[dict]
     return rows
 
 
-def run_attention(batch: int, seq_len: int, gen: torch.Generator) -> dict:
+def attention_case(batch: int, seq_len: int, gen: torch.Generator) -> dict:
+    """K/V over shuffled pages, the same K/V contiguous for SDPA (the faster of its GQA and
+    expanded-heads forms, timed here), q, the fp32 reference output (also for
+    bench/paged_decode_tune.py)."""
     pages = batch * seq_len // PAGE
     shape = (pages + 1, PAGE, HKV, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
     v_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
     tables = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
-    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     pos = torch.arange(seq_len, device="cuda")
     slots = tables[:, pos // PAGE].long(), pos % PAGE
     k4 = k_cache[slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
@@ -90,21 +92,28 @@ def run_attention(batch: int, seq_len: int, gen: torch.Generator) -> dict:
     q = torch.randn(batch, HQ, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     ref = F.scaled_dot_product_attention(q[:, :, None].float(), k4.float(), v4.float(),
                                          enable_gqa=True)[:, :, 0]
-    out = torch.full_like(q, float("nan"))
-    args = (q, k_cache, v_cache, tables, lens)
+    ke, ve = k4.repeat_interleave(HQ // HKV, 1), v4.repeat_interleave(HQ // HKV, 1)
+    sdpa_gqa = bench_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], k4, v4,
+                                                               enable_gqa=True))
+    sdpa_expanded = bench_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], ke, ve))
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    return dict(args=(q, k_cache, v_cache, tables, lens), ref=ref, sdpa_gqa_ms=sdpa_gqa,
+                sdpa_expanded_ms=sdpa_expanded, sdpa_ms=min(sdpa_gqa, sdpa_expanded),
+                kv_bytes=2 * k4.numel() * 2)
+
+
+def run_attention(batch: int, seq_len: int, gen: torch.Generator) -> dict:
+    case = attention_case(batch, seq_len, gen)
+    args = case["args"]
+    out = torch.full_like(args[0], float("nan"))
     paged_decode_attention(*args, out=out, max_seq_len=seq_len)
-    row = {"batch": batch, "tokens": seq_len, "paged_err": (out.float() - ref).abs().max().item()}
+    row = {"batch": batch, "tokens": seq_len,
+           "paged_err": (out.float() - case["ref"]).abs().max().item()}
     row["paged_ms"] = bench_ms(lambda: paged_decode_attention(*args, out=out,
                                                               max_seq_len=seq_len))
-    ke, ve = k4.repeat_interleave(HQ // HKV, 1), v4.repeat_interleave(HQ // HKV, 1)
-    row["sdpa_gqa_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
-        q[:, :, None], k4, v4, enable_gqa=True))
-    row["sdpa_expanded_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
-        q[:, :, None], ke, ve))
-    row["sdpa_ms"] = min(row["sdpa_gqa_ms"], row["sdpa_expanded_ms"])
-    kv_bytes = 2 * k4.numel() * 2
+    row.update({k: case[k] for k in ("sdpa_gqa_ms", "sdpa_expanded_ms", "sdpa_ms")})
     for name in ("paged", "sdpa"):
-        row[f"{name}_TBps"] = kv_bytes / (row[f"{name}_ms"] * 1e-3) / 1e12
+        row[f"{name}_TBps"] = case["kv_bytes"] / (row[f"{name}_ms"] * 1e-3) / 1e12
     row["paged_vs_sdpa"] = row["sdpa_ms"] / row["paged_ms"]
     print(f"attention {batch}x{seq_len}: paged {row['paged_ms'] * 1e3:.1f}us "
           f"({row['paged_TBps']:.2f} TB/s, err {row['paged_err']:.1e}), SDPA "

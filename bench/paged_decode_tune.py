@@ -17,41 +17,13 @@ import math
 import platform
 
 import torch
-import torch.nn.functional as F
 import triton
-import triton.testing
+from kernels_gpu import ATTN_SHAPES as SHAPES  # (batch, tokens); this script's directory
+from kernels_gpu import attention_case, bench_ms
 
 from mxserve.kernels import paged_attention as pa
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-SHAPES = [(64, 4096), (1, 32768)]  # (batch, tokens)
 BLOCK_NS, WARPS, STAGES, PROGRAMS_PER_SM = [32, 64, 128], [2, 4, 8], [2, 3, 4], [1, 2, 4, 8]
-
-
-def bench_ms(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
-def make_case(batch: int, seq_len: int, gen: torch.Generator) -> dict:
-    """Paged K/V over shuffled pages, the same K/V contiguous [B, Hkv, L, D], q, and SDPA's ms."""
-    pages = batch * seq_len // PAGE
-    k_cache = torch.randn(pages + 1, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
-    v_cache = torch.randn(pages + 1, PAGE, HKV, D, device="cuda", generator=gen).bfloat16()
-    tables = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
-    pos = torch.arange(seq_len, device="cuda")
-    slots = tables[:, pos // PAGE].long(), pos % PAGE
-    k4 = k_cache[slots].transpose(1, 2).contiguous()
-    v4 = v_cache[slots].transpose(1, 2).contiguous()
-    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
-    ref = F.scaled_dot_product_attention(q[:, :, None].float(), k4.float(), v4.float(),
-                                         enable_gqa=True)[:, :, 0]
-    ke, ve = k4.repeat_interleave(HQ // HKV, 1), v4.repeat_interleave(HQ // HKV, 1)
-    sdpa = min(bench_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], k4, v4,
-                                                               enable_gqa=True)),
-               bench_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], ke, ve)))
-    return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, q=q, ref=ref, sdpa_ms=sdpa,
-                lens=torch.full((batch,), seq_len, dtype=torch.int32, device="cuda"),
-                kv_bytes=2 * k4.numel() * 2)
 
 
 def run_config(case: dict, seq_len: int, block_n: int, warps: int, stages: int,
@@ -68,8 +40,8 @@ def run_config(case: dict, seq_len: int, block_n: int, warps: int, stages: int,
                           triton.cdiv(max_seq_len, pa.MIN_SPLIT_TOKENS), pa.MAX_SPLITS))
 
     pa._tiles, pa._decode_splits = tiles, splits
-    out = torch.full_like(case["q"], float("nan"))
-    args = (case["q"], case["k_cache"], case["v_cache"], case["tables"], case["lens"])
+    args = case["args"]
+    out = torch.full_like(args[0], float("nan"))
     try:
         pa.paged_decode_attention(*args, out=out, max_seq_len=seq_len)
         err = (out.float() - case["ref"]).abs().max().item()
@@ -92,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/paged_decode_tune.json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = {shape: make_case(*shape, gen) for shape in SHAPES}
+    cases = {shape: attention_case(*shape, gen) for shape in SHAPES}
     rows = []
     for block_n, warps, stages, per_sm in itertools.product(BLOCK_NS, WARPS, STAGES,
                                                             PROGRAMS_PER_SM):

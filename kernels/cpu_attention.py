@@ -364,12 +364,14 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             f"{head_dim}, {block_size}")
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     scale = head_dim ** -0.5 if scale is None else scale
-    _run(q, k_cache, v_cache, block_tables, seq_lens, out, scale)
+    paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out, scale)
     return out
 
 
-def _run(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float) -> None:
-    """The kernel call, unchecked: for callers that built valid arguments (CPUAttention)."""
+def paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out,
+                                         scale: float) -> None:
+    """paged_decode_attention_cpu into `out` without its checks: for a caller that validated the
+    shapes once (CPUAttention, chosen by the runner after `available`) and calls every layer."""
     (num_seqs, num_heads, head_dim), (_, block_size, num_kv_heads, _) = q.shape, k_cache.shape
     # whole requests per task when there are enough of them for the threads, else one KV head
     heads_per_task = num_kv_heads if num_seqs >= 2 * torch.get_num_threads() else 1

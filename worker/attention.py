@@ -152,7 +152,7 @@ class TorchAttention(AttentionBackend):
                           in enumerate(zip(batch.start_positions[nd:], ends[nd:]))]
         groups, index = [], None
         if self.grouped_decodes:
-            groups = [self._decode_group(tables, ends, rows, batch.block_size, dev)
+            groups = [self._decode_group(tables, ends, rows, bs, dev)
                       for rows in group_by_length(ends[:nd])]
         elif nd:
             index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
@@ -163,7 +163,7 @@ class TorchAttention(AttentionBackend):
             if qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
                 q_pos = torch.arange(end - qlen, end, device=dev)
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
-            spans.append((first, qlen, tables[i, :-(-end // batch.block_size)], end, mask))
+            spans.append((first, qlen, tables[i, :-(-end // bs)], end, mask))
             first += qlen
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
                                       decode_groups=groups, decode_index=index,
@@ -229,8 +229,8 @@ class CPUAttention(TorchAttention):
     def _decodes(self, q, k_cache, v_cache, meta, out) -> None:
         if meta.num_decode_tokens:  # shapes and dtypes were checked when the runner chose us
             nd = meta.num_decode_tokens
-            cpu_attention._run(q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd],
-                               q.shape[-1] ** -0.5)
+            cpu_attention.paged_decode_attention_cpu_unchecked(
+                q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd], q.shape[-1] ** -0.5)
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
