@@ -24,11 +24,11 @@ SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 DECODE = {
     "fma8x512pf": dict(config=(8, 512, 4, 1), use_dot=False, prefetch=True, tc=False),
     "tc64": dict(config=(64, 4, 1), tc=True),
-    "tc64s2": dict(config=(64, 4, 1), tc=True, steps=2),
+    "tc64pf": dict(config=(64, 4, 1), tc=True, prefetch=True),
     "tc64pps8": dict(config=(64, 4, 1), tc=True, programs_per_sm=8),
-    "tc64s2pps8": dict(config=(64, 4, 1), tc=True, steps=2, programs_per_sm=8),
+    "tc64pfpps8": dict(config=(64, 4, 1), tc=True, prefetch=True, programs_per_sm=8),
     "tc128w8": dict(config=(128, 8, 1), tc=True),
-    "tc128w8s2": dict(config=(128, 8, 1), tc=True, steps=2),
+    "tc128w8pf": dict(config=(128, 8, 1), tc=True, prefetch=True),
     "tc32": dict(config=(32, 4, 1), tc=True),
     "tc64pps2": dict(config=(64, 4, 1), tc=True, programs_per_sm=2),
 }
@@ -85,7 +85,7 @@ def main() -> None:
                 if m <= 16:
                     names = [v for v in DECODE if m == 1 or not v.startswith("fma")]
                     if f == "e3m2":
-                        names = [v for v in names if v in ("tc64", "tc64s2")]
+                        names = [v for v in names if v in ("tc64", "tc64pf")]
                     for v in names:
                         if not left():
                             break

@@ -478,15 +478,26 @@ def _bf16x2_bits(lo, hi):
 
 
 @triton.jit
-def _tc_step(acc, w0, w1, w2, sw_ptrs, x_ptr, offs_n, offs_m, j0, j_hi, N, M, stride_xm,
-             EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
-             BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """acc + w @ x.T over the spread group of word groups j0..j0+16 (nothing past j_hi)."""
-    S: tl.constexpr = 16
-    BLOCK_K: tl.constexpr = E * S
+def _tc_scales(sw_ptrs, offs_n, j0, j_hi, N, E: tl.constexpr):
+    """The scale words (4 bytes each, [BLOCK_N]) of the spread group at word group j0: pairs
+    0..3 and (E = 16) 4..7."""
     live = (offs_n < N) & (offs_n * 0 + j0 < j_hi)
     blk = (E * j0) // 128  # int32 word of the group's first scale byte
     sa = tl.load(sw_ptrs + blk, mask=live, other=0x7F7F7F7F)
+    sb = sa
+    if E == 16:
+        sb = tl.load(sw_ptrs + blk + 1, mask=live, other=0x7F7F7F7F)
+    return sa, sb
+
+
+@triton.jit
+def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, j_hi, M, stride_xm,
+             EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
+             BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """acc + w @ x.T over the spread group of word groups j0..j0+16 (nothing past j_hi); sa, sb
+    its scale words (_tc_scales)."""
+    S: tl.constexpr = 16
+    BLOCK_K: tl.constexpr = E * S
     p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, INTERP_BF16)
     p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, INTERP_BF16)
     p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, INTERP_BF16)
@@ -494,7 +505,6 @@ def _tc_step(acc, w0, w1, w2, sw_ptrs, x_ptr, offs_n, offs_m, j0, j_hi, N, M, st
     if E == 8:
         w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
     else:
-        sb = tl.load(sw_ptrs + blk + 1, mask=live, other=0x7F7F7F7F)
         p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, INTERP_BF16)
         p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, INTERP_BF16)
         p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, INTERP_BF16)
@@ -524,8 +534,9 @@ def _mx_linear_decode_tc_kernel(
     # element format (no NaN codes: not e4m3)
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
     FOLD: tl.constexpr,
-    # tiling; STEPS: spread groups whose words are loaded before the first is decoded
-    BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    # tiling; PREFETCH: the next spread group's words and scales are loaded before this one is
+    # decoded (more bytes in flight)
+    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
     """Decode (M <= 16) on tensor cores: per step one spread group (16 word groups, E * 16 k)
@@ -542,16 +553,22 @@ def _mx_linear_decode_tc_kernel(
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
     sw_ptrs = (scales_ptr + offs_n * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for j0 in range(j_lo, j_hi, STEPS * S):  # STEPS groups' words are loaded up front
-        a0, a1, a2 = _load_groups(planes_ptr, offs_n, j0, N, j_hi, stride_plane, stride_wn, P, S)
-        if STEPS == 2:
-            b0, b1, b2 = _load_groups(planes_ptr, offs_n, j0 + S, N, j_hi, stride_plane,
+    if PREFETCH:
+        n0, n1, n2 = _load_groups(planes_ptr, offs_n, j_lo, N, j_hi, stride_plane, stride_wn, P,
+                                  S)
+        na, nb = _tc_scales(sw_ptrs, offs_n, j_lo, j_hi, N, E)
+    for j0 in range(j_lo, j_hi, S):
+        if PREFETCH:
+            a0, a1, a2, sa, sb = n0, n1, n2, na, nb
+            n0, n1, n2 = _load_groups(planes_ptr, offs_n, j0 + S, N, j_hi, stride_plane,
                                       stride_wn, P, S)
-        acc = _tc_step(acc, a0, a1, a2, sw_ptrs, x_ptr, offs_n, offs_m, j0, j_hi, N, M,
-                       stride_xm, EBITS, MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
-        if STEPS == 2:
-            acc = _tc_step(acc, b0, b1, b2, sw_ptrs, x_ptr, offs_n, offs_m, j0 + S, j_hi, N, M,
-                           stride_xm, EBITS, MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
+            na, nb = _tc_scales(sw_ptrs, offs_n, j0 + S, j_hi, N, E)
+        else:
+            a0, a1, a2 = _load_groups(planes_ptr, offs_n, j0, N, j_hi, stride_plane, stride_wn,
+                                      P, S)
+            sa, sb = _tc_scales(sw_ptrs, offs_n, j0, j_hi, N, E)
+        acc = _tc_step(acc, a0, a1, a2, sa, sb, x_ptr, offs_m, j0, j_hi, M, stride_xm, EBITS,
+                       MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
     _finish_decode(tl.trans(acc), offs_m, offs_n, pid_k, pid_n, M, N, split_k, bias_ptr, out_ptr,
                    partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT, HAS_BIAS, INTERP_BF16)
 
@@ -692,7 +709,7 @@ _DECODE_PREFETCH = True
 # the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
 _DECODE_TC = (64, 4, 1)
 _DECODE_TC_PROGRAMS_PER_SM = {8: 4, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/kernels_gpu.tune3)
-_DECODE_TC_STEPS = 1
+_DECODE_TC_PREFETCH = False
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
@@ -701,7 +718,7 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
 
 
 def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None,
-                      steps=None):
+                      prefetch=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
@@ -726,13 +743,13 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold, BLOCK_N=block_n,
-        STEPS=steps or _DECODE_TC_STEPS, SPLIT=split_k > 1,
+        PREFETCH=_DECODE_TC_PREFETCH if prefetch is None else prefetch, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
 
 def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
-                   prefetch=None, tc=None, steps=None):
+                   prefetch=None, tc=None):
     """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
     tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
     (bench/)."""
@@ -742,7 +759,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         if not _tc_ok(x2, w):
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
                              "E * 16 and no e4m3")
-        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, steps)
+        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, prefetch)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     use_dot = m > 1 if use_dot is None else use_dot or m > 1

@@ -215,13 +215,13 @@ def test_dot_scaled_needs_fp4_or_fp8_and_16_bit_x():
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2"])
-@pytest.mark.parametrize("m, k, split_k, steps, fold", [(1, 256, None, 1, True),
-                                                       (3, 768, 2, 2, True),
-                                                       (16, 512, 1, 1, False)])
-def test_decode_tensor_core_kernel(fmt, m, k, split_k, steps, fold):
+@pytest.mark.parametrize("m, k, split_k, prefetch, fold", [(1, 256, None, False, True),
+                                                          (3, 768, 2, True, True),
+                                                          (16, 512, 1, True, False)])
+def test_decode_tensor_core_kernel(fmt, m, k, split_k, prefetch, fold):
     """The tensor-core decode kernel (bf16 x, spread groups of 16) under the interpreter: the
-    pure-Triton stand-in for its inline asm, split-K with a partial last step, scale bytes above
-    127 + bias (no fold), byte 0, and a NaN scale."""
+    pure-Triton stand-in for its inline asm, split-K with a partial last step, the PREFETCH
+    variant, scale bytes above 127 + bias (no fold), byte 0, and a NaN scale."""
     gen = seeded(fmt, m, k, "tc")
     x, w, bias = make_case(fmt, torch.bfloat16, m, 24, k, True, gen)
     if not fold:
@@ -231,10 +231,10 @@ def test_decode_tensor_core_kernel(fmt, m, k, split_k, steps, fold):
     p = prepare_mx_weight(w)
     assert p.group == 16 and p.fold == fold
     out = torch.full((m, 24), math.nan, dtype=torch.bfloat16)
-    _launch_decode(x, p, out, bias, split_k, tc=True, steps=steps)
+    _launch_decode(x, p, out, bias, split_k, tc=True, prefetch=prefetch)
     assert_close_to_ref(out, x, w, bias)
     w.scales[5, 1] = 255
-    _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, tc=True, steps=steps)
+    _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, tc=True, prefetch=prefetch)
     assert out[:, 5].isnan().all() and not out[:, :5].isnan().any()
 
 

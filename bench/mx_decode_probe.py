@@ -1,0 +1,154 @@
+"""Why is the MX tensor-core decode (M <= 16) short of the weight bandwidth? One GPU call.
+
+For the issue's three linear shapes, MXFP4 (e2m1) and MXFP6 (e2m3), M = 1 and 16:
+- cuBLAS bf16 (`F.linear`), the baseline of issue 3's targets;
+- the tensor-core decode kernel (`_launch_decode(tc=True)`) over a grid of variants: BLOCK_N,
+  warps, software-pipeline stages (Triton's cp.async ring), register prefetch of the next spread
+  group (PREFETCH), programs per SM (split-K). Each output is checked against x @ dequantized(w)
+  in fp32 (relative Frobenius error);
+- a load-only probe: the same word tiles ([BLOCK_N, 16] int32 of each plane per step, same grid
+  and split), XOR-reduced, no decode and no dot. Its bandwidth is the ceiling of this load
+  pattern; the gap to the kernel is decode + dot not hidden behind the loads.
+
+Times are CUDA-graph medians (triton.testing.do_bench_cudagraph). Writes JSON (device, date,
+versions, command, rows) and prints a table.
+
+    python bench/mx_decode_probe.py --out $OUT/mx_decode_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+import triton.testing
+
+from mxserve.kernels.mx import dequantize_mx, quantize_mx
+from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight
+
+SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
+# name -> (BLOCK_N, num_warps, num_stages), prefetch, programs per SM (None: the kernel's)
+VARIANTS = {
+    "base": ((64, 4, 1), False, None),
+    "st2": ((64, 4, 2), False, None),
+    "st3": ((64, 4, 3), False, None),
+    "st4": ((64, 4, 4), False, None),
+    "pf": ((64, 4, 1), True, None),
+    "pf_pps2": ((64, 4, 1), True, 2),
+    "pf_pps8": ((64, 4, 1), True, 8),
+    "pf_st3": ((64, 4, 3), True, None),
+    "st3_pps8": ((64, 4, 3), False, 8),
+    "st4_pps2": ((64, 4, 4), False, 2),
+    "n128w8_pf": ((128, 8, 1), True, None),
+    "n128w8_st3": ((128, 8, 3), False, None),
+}
+
+
+@triton.jit
+def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, stride_plane,
+                       stride_wn, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """XOR of the words each decode program would load (spread groups of 16, P planes)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_lo = pid_k * words_per_split
+    j_hi = tl.minimum(j_lo + words_per_split, num_words)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.int32)
+    for j0 in range(j_lo, j_hi, 16):
+        j = j0 + tl.arange(0, 16)
+        ptrs = planes_ptr + offs_n[:, None] * stride_wn + j[None, :]
+        mask = (offs_n[:, None] < N) & (j[None, :] < j_hi)
+        acc ^= tl.load(ptrs, mask=mask, other=0)
+        if P > 1:
+            acc ^= tl.load(ptrs + stride_plane, mask=mask, other=0)
+        if P > 2:
+            acc ^= tl.load(ptrs + 2 * stride_plane, mask=mask, other=0)
+    tl.atomic_xor(out_ptr + offs_n, tl.xor_sum(acc, axis=1), mask=offs_n < N)
+
+
+def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm):
+    n, k = w.shape
+    e, p = _PLANES[{"e2m1": 4, "e2m3": 6, "e3m2": 6}[w.fmt]]
+    tiles = triton.cdiv(n, block_n)
+    groups = k // (e * 16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split_k = max(1, min(programs_per_sm * sms // tiles, groups))
+    words_per_split = triton.cdiv(groups, split_k) * 16
+    split_k = triton.cdiv(k // e, words_per_split)
+    _load_probe_kernel[(tiles, split_k)](w.planes, out, n, k // e, words_per_split,
+                                         w.planes.stride(0), w.planes.stride(1), P=p,
+                                         BLOCK_N=block_n, num_warps=num_warps,
+                                         num_stages=num_stages)
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/mx_decode_probe.json")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; stops early past it")
+    args = ap.parse_args()
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def record(**r):
+        rows.append(r)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in r.items()), flush=True)
+
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        w_bf16 = w.to(torch.bfloat16)
+        for fmt in ("e2m1", "e2m3"):
+            q = quantize_mx(w, fmt)
+            wq = prepare_mx_weight(q)
+            deq = dequantize_mx(q, torch.float32)
+            mbytes = wq.planes.numel() * 4 + wq.scales.numel()
+            sink = torch.zeros(n, dtype=torch.int32, device="cuda")
+            for cfg, pps in [((64, 4, 1), 4), ((64, 4, 3), 4), ((64, 4, 1), 8), ((128, 8, 3), 4)]:
+                t = us(lambda cfg=cfg, pps=pps, wq=wq, sink=sink: load_probe(wq, sink, *cfg, pps))
+                record(N=n, K=k, fmt=fmt, M=0, var=f"load{cfg[0]}w{cfg[1]}s{cfg[2]}p{pps}", us=t,
+                       tbs=mbytes / t / 1e6)
+            for m in (1, 16):
+                if time.time() - t0 > args.budget:
+                    break
+                x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+                ref = x.float() @ deq.T
+                t_bf16 = us(lambda x=x, w_bf16=w_bf16: F.linear(x, w_bf16))
+                record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
+                       tbs=n * k * 2 / t_bf16 / 1e6)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                for name, (cfg, prefetch, pps) in VARIANTS.items():
+                    def fn(cfg=cfg, prefetch=prefetch, pps=pps, x=x, out=out, wq=wq):
+                        _launch_decode(x, wq, out, None, None, config=cfg, tc=True,
+                                       prefetch=prefetch, programs_per_sm=pps)
+                    out.fill_(float("nan"))
+                    try:
+                        fn()
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        t = us(fn)
+                    except Exception as exc:  # a config Triton cannot compile: say so, go on
+                        record(N=n, K=k, fmt=fmt, M=m, var=name, error=str(exc)[:200])
+                        continue
+                    record(N=n, K=k, fmt=fmt, M=m, var=name, us=t, x_bf16=t_bf16 / t,
+                           tbs=mbytes / t / 1e6, err=err)
+            torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(),
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "triton": triton.__version__, "command": " ".join(sys.argv), "rows": rows}
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"done in {time.time() - t0:.0f} s, {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()
