@@ -94,6 +94,7 @@ class MXLinearWeight:
     fold: bool  # every scale byte <= 127 + bias (or 255): 2^(scale - bias) fits the target
     counters: torch.Tensor  # int32 [>= N // 8]
     group: int = 1  # S, word groups per spread group (see _PLANES)
+    nan_scales: bool = True  # some scale byte is 0xFF (NaN): the kernels must check for it
 
 
 def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
@@ -113,8 +114,9 @@ def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
     planes = planes.to(torch.int32)  # wraps bit 31
     s = w.scales.clone()  # contiguous and aligned: the decode kernel reads 4 bytes at once
     fold = bool(((s <= 127 + f.bias) | (s == 255)).all()) if s.numel() else True
+    nan_scales = bool((s == 255).any()) if s.numel() else False
     counters = torch.zeros(triton.cdiv(n, 8), dtype=torch.int32, device=codes.device)
-    return MXLinearWeight(planes, s, w.fmt, (n, k), fold, counters, group)
+    return MXLinearWeight(planes, s, w.fmt, (n, k), fold, counters, group, nan_scales)
 
 
 def _spread(codes: torch.Tensor, e: int, group: int, inverse: bool = False) -> torch.Tensor:
@@ -455,17 +457,23 @@ def _bf16x2_mul(bits, f, INTERP: tl.constexpr):
 
 @triton.jit
 def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
-             E: tl.constexpr, FOLD: tl.constexpr, INTERP: tl.constexpr):
+             E: tl.constexpr, FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
+             INTERP: tl.constexpr):
     """[BLOCK_N, S, 2] bf16: pair U of each word group; sw [BLOCK_N] int32 holds the scale
-    bytes of pairs 4 (U // 4) .. 4 (U // 4) + 3 (one block each, see _PLANES)."""
+    bytes of pairs 4 (U // 4) .. 4 (U // 4) + 3 (one block each, see _PLANES). NAN_SCALES: some
+    byte may be 0xFF (NaN); without it the factor is one multiply-add of the byte."""
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
     s = ((sw >> (8 * (U % 4))) & 0xFF)[:, None]
-    f1 = tl.where(s == 255, 0x7FC0, (s + (127 - BIAS)) << 7)  # 2^(s - bias), see _scale_factors
+    f1 = (s + (127 - BIAS)) << 7  # 2^(s - bias), see _scale_factors
+    if NAN_SCALES:
+        f1 = tl.where(s == 255, 0x7FC0, f1)
     bits = _placed_bits(w0, w1, w2, 2 * U, EBITS, MBITS, -1, E, 7, True)
     if FOLD:
         lo, hi = _bf16x2_mul(bits, f1 * 65537, INTERP)
     else:  # 2^(127 - bias) then 2^(s - 127)
-        f2 = tl.where(s == 255, 0x7FC0, tl.where(s == 0, 1 << 6, s << 7))
+        f2 = tl.where(s == 0, 1 << 6, s << 7)
+        if NAN_SCALES:
+            f2 = tl.where(s == 255, 0x7FC0, f2)
         lo, hi = _bf16x2_mul(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
         lo, hi = _bf16x2_mul(_bf16x2_bits(lo, hi), f2 * 65537, INTERP)
     return tl.join(lo, hi)
@@ -478,42 +486,55 @@ def _bf16x2_bits(lo, hi):
 
 
 @triton.jit
-def _tc_scales(sw_ptrs, offs_n, j0, j_hi, N, E: tl.constexpr):
+def _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P: tl.constexpr):
+    """Words [BLOCK_N, 16] of the spread group at word group j0, rows `rows` (in range: the
+    caller clamps them, so no load needs a mask)."""
+    ptrs = planes_ptr + rows[:, None] * stride_wn + (j0 + tl.arange(0, 16))[None, :]
+    w0 = tl.load(ptrs)
+    w1 = w0
+    w2 = w0
+    if P > 1:
+        w1 = tl.load(ptrs + stride_plane)
+    if P > 2:
+        w2 = tl.load(ptrs + 2 * stride_plane)
+    return w0, w1, w2
+
+
+@triton.jit
+def _tc_scales(sw_ptrs, j0, E: tl.constexpr):
     """The scale words (4 bytes each, [BLOCK_N]) of the spread group at word group j0: pairs
-    0..3 and (E = 16) 4..7."""
-    live = (offs_n < N) & (offs_n * 0 + j0 < j_hi)
+    0..3 and (E = 16) 4..7. sw_ptrs: int32 pointers to the rows' scales (clamped rows)."""
     blk = (E * j0) // 128  # int32 word of the group's first scale byte
-    sa = tl.load(sw_ptrs + blk, mask=live, other=0x7F7F7F7F)
+    sa = tl.load(sw_ptrs + blk)
     sb = sa
     if E == 16:
-        sb = tl.load(sw_ptrs + blk + 1, mask=live, other=0x7F7F7F7F)
+        sb = tl.load(sw_ptrs + blk + 1)
     return sa, sb
 
 
 @triton.jit
-def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, j_hi, M, stride_xm,
+def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm,
              EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
-             BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """acc + w @ x.T over the spread group of word groups j0..j0+16 (nothing past j_hi); sa, sb
-    its scale words (_tc_scales)."""
+             NAN_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """acc + w @ x.T over the spread group of word groups j0..j0+16; sa, sb its scale words
+    (_tc_scales)."""
     S: tl.constexpr = 16
     BLOCK_K: tl.constexpr = E * S
-    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, INTERP_BF16)
-    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, INTERP_BF16)
-    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, INTERP_BF16)
-    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, INTERP_BF16)
+    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
     if E == 8:
         w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
     else:
-        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, INTERP_BF16)
-        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, INTERP_BF16)
-        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, INTERP_BF16)
-        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, INTERP_BF16)
+        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
         w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
     offs_k = j0 * E + tl.arange(0, BLOCK_K)
     xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                 mask=(offs_m[None, :] < M) & (offs_k[:, None] < E * j_hi),
-                 other=0.0)  # [BLOCK_K, 16]
+                 mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, 16]
     if INTERP_BF16:
         acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
     else:
@@ -531,44 +552,35 @@ def _mx_linear_decode_tc_kernel(
     M, N, K, num_words, split_k, words_per_split,
     # strides
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
-    # element format (no NaN codes: not e4m3)
+    # element format (no NaN codes: not e4m3); NAN_SCALES: some scale byte may be 0xFF
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
-    FOLD: tl.constexpr,
-    # tiling; PREFETCH: the next spread group's words and scales are loaded before this one is
-    # decoded (more bytes in flight)
-    BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
+    # tiling
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
     """Decode (M <= 16) on tensor cores: per step one spread group (16 word groups, E * 16 k)
     of BLOCK_N rows; each pair's [BLOCK_N, 16, 2] tile is decoded in the registers that hold
     its words and the tiles are joined into the dot's left operand with no data exchange
     between threads (_spread_tile4/8). acc = w @ x.T [BLOCK_N, 16] in fp32 (rows of x past M
-    are zero). INTERP_BF16: the Triton interpreter, which has no inline asm and whose bf16
-    tl.dot is wrong: the same bf16 weights, multiplied in fp32."""
+    are zero). Rows past N are read as row N - 1 (no masks on the weight loads; the store
+    drops them); a split covers whole spread groups. The loads are software-pipelined by
+    Triton (num_stages). INTERP_BF16: the Triton interpreter, which has no inline asm and
+    whose bf16 tl.dot is wrong: the same bf16 weights, multiplied in fp32."""
     S: tl.constexpr = 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
     offs_m = tl.arange(0, 16)
     j_lo = pid_k * words_per_split
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
-    sw_ptrs = (scales_ptr + offs_n * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
+    sw_ptrs = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    if PREFETCH:
-        n0, n1, n2 = _load_groups(planes_ptr, offs_n, j_lo, N, j_hi, stride_plane, stride_wn, P,
-                                  S)
-        na, nb = _tc_scales(sw_ptrs, offs_n, j_lo, j_hi, N, E)
     for j0 in range(j_lo, j_hi, S):
-        if PREFETCH:
-            a0, a1, a2, sa, sb = n0, n1, n2, na, nb
-            n0, n1, n2 = _load_groups(planes_ptr, offs_n, j0 + S, N, j_hi, stride_plane,
-                                      stride_wn, P, S)
-            na, nb = _tc_scales(sw_ptrs, offs_n, j0 + S, j_hi, N, E)
-        else:
-            a0, a1, a2 = _load_groups(planes_ptr, offs_n, j0, N, j_hi, stride_plane, stride_wn,
-                                      P, S)
-            sa, sb = _tc_scales(sw_ptrs, offs_n, j0, j_hi, N, E)
-        acc = _tc_step(acc, a0, a1, a2, sa, sb, x_ptr, offs_m, j0, j_hi, M, stride_xm, EBITS,
-                       MBITS, E, FOLD, BLOCK_N, INTERP_BF16)
+        w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
+        sa, sb = _tc_scales(sw_ptrs, j0, E)
+        acc = _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm, EBITS, MBITS,
+                       E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
     _finish_decode(tl.trans(acc), offs_m, offs_n, pid_k, pid_n, M, N, split_k, bias_ptr, out_ptr,
                    partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT, HAS_BIAS, INTERP_BF16)
 
@@ -707,9 +719,8 @@ _DECODE_DOT = (32, 256, 4, 1)
 _DECODE_TARGET_PROGRAMS_PER_SM = 4
 _DECODE_PREFETCH = True
 # the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
-_DECODE_TC = (64, 4, 1)
-_DECODE_TC_PROGRAMS_PER_SM = {8: 4, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/kernels_gpu.tune3)
-_DECODE_TC_PREFETCH = False
+_DECODE_TC = (64, 4, 3)
+_DECODE_TC_PROGRAMS_PER_SM = {8: 8, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/mx_decode_probe)
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
@@ -717,8 +728,7 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
     return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3"
 
 
-def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None,
-                      prefetch=None):
+def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
@@ -742,8 +752,8 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         m, n, k, k // e, split_k, words_per_split, x2.stride(0), w.planes.stride(0),
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
-        EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold, BLOCK_N=block_n,
-        PREFETCH=_DECODE_TC_PREFETCH if prefetch is None else prefetch, SPLIT=split_k > 1,
+        EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
+        NAN_SCALES=w.nan_scales, BLOCK_N=block_n, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
@@ -759,7 +769,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         if not _tc_ok(x2, w):
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
                              "E * 16 and no e4m3")
-        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, prefetch)
+        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     use_dot = m > 1 if use_dot is None else use_dot or m > 1
