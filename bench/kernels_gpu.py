@@ -32,7 +32,7 @@ from mxserve.kernels.mx_linear import mx_linear, prepare_mx_weight
 from mxserve.kernels.paged_attention import paged_decode_attention
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]  # (N, K)
-MS = [1, 2, 4, 8, 16, 64, 256, 2048]
+MS = [1, 2, 4, 8, 16, 32, 64, 256, 2048]
 FORMATS = ["e2m1", "e2m3", "e3m2"]
 BITS = {"e2m1": 4.25, "e2m3": 6.25, "e3m2": 6.25, "bf16": 16}
 ATTN_SHAPES = [(64, 4096), (1, 32768)]  # (batch, tokens); targets: >= 0.9x SDPA's bandwidth at

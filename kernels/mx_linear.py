@@ -9,8 +9,9 @@ applies the E8M0 scale at once (an element with exponent 0 lands on a subnormal 
 which that multiply scales exactly). Where a block's 2^(scale - bias) would overflow the target
 (scale bytes above 127 + bias, checked at prepare) a second multiply splits it ("fold" off).
 
-- decode (M <= 16), bf16 x, K a multiple of E * 16, not e4m3: `_mx_linear_decode_tc_kernel`,
-  tensor cores for every M (x padded to 16 rows): per step one spread group of words (see
+- decode (M <= 64 on a GPU), bf16 x, K a multiple of E * 16, not e4m3:
+  `_mx_linear_decode_tc_kernel`, tensor cores for every M (x padded to 16, 32 or 64 rows, so
+  each weight is decoded once for all rows); 3 pipeline stages. Per step one spread group (see
   _PLANES) is decoded pair by pair (bf16x2 bits, one mul.rn.bf16x2 for the scale) in the
   registers that hold it and joined into wgmma's register operand without data exchange.
 - decode otherwise (other x dtypes, e4m3, short K; the default on CPU): grid (N tiles, K
@@ -20,9 +21,10 @@ which that multiply scales exactly). Where a block's 2^(scale - bias) would over
   kernels reduce split-K partials in the same launch: the last program of a tile to finish (an
   atomic counter) sums them in fixed order (deterministic), adds the bias, writes y and re-arms
   the counter.
-- prefill (M > 16): on a GPU with 16-bit x the weight is dequantized once per call to x's dtype
-  (one pass, `dequantize_linear_weight`) and cuBLAS runs the product: on the H200 that beat the
-  fused kernel from M = 256 up and is within 10% at M = 64 (bench/results/kernels_gpu.tune*).
+- prefill (M > 16, or > 64 where the tensor-core decode applies): on a GPU with 16-bit x the
+  weight is dequantized once per call to x's dtype (one pass, `dequantize_linear_weight`) and
+  cuBLAS runs the product: on the H200 that beat the fused kernel from M = 256 up and is
+  within 10% at M = 64 (bench/results/kernels_gpu.tune*).
   The fused kernel (grouped output tiles, dequantized tiles into tl.dot, computed transposed so
   the weights are wgmma's register operand) serves fp32 x and path="prefill", where a
   tl.dot_scaled variant (FP4/FP8 weights, 16-bit x) is used if the hardware has native MX MMA
@@ -43,6 +45,7 @@ from .triton_compat import use_triton as _use_triton
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DECODE_MAX_M = 16
+TC_DECODE_MAX_M = 64  # the tensor-core decode (bf16 x on a GPU) serves up to this many rows
 PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 
 # The kernels' layout: word groups of E elements of a row, in P int32 planes [P, N, K // E].
@@ -534,7 +537,7 @@ def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm,
         w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
     offs_k = j0 * E + tl.arange(0, BLOCK_K)
     xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                 mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, 16]
+                 mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, BLOCK_M]
     if INTERP_BF16:
         acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
     else:
@@ -555,27 +558,28 @@ def _mx_linear_decode_tc_kernel(
     # element format (no NaN codes: not e4m3); NAN_SCALES: some scale byte may be 0xFF
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
     FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
-    # tiling
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
-    """Decode (M <= 16) on tensor cores: per step one spread group (16 word groups, E * 16 k)
+    """Decode (M <= 64) on tensor cores: per step one spread group (16 word groups, E * 16 k)
     of BLOCK_N rows; each pair's [BLOCK_N, 16, 2] tile is decoded in the registers that hold
     its words and the tiles are joined into the dot's left operand with no data exchange
-    between threads (_spread_tile4/8). acc = w @ x.T [BLOCK_N, 16] in fp32 (rows of x past M
-    are zero). Rows past N are read as row N - 1 (no masks on the weight loads; the store
-    drops them); a split covers whole spread groups. The loads are software-pipelined by
-    Triton (num_stages). INTERP_BF16: the Triton interpreter, which has no inline asm and
-    whose bf16 tl.dot is wrong: the same bf16 weights, multiplied in fp32."""
+    between threads (_spread_tile4/8). acc = w @ x.T [BLOCK_N, BLOCK_M] in fp32 (rows of x
+    past M are zero): each weight is decoded once for all M rows. Rows past N are read as row
+    N - 1 (no masks on the weight loads; the store drops them); a split covers whole spread
+    groups. The loads are software-pipelined by Triton (num_stages). INTERP_BF16: the Triton
+    interpreter, which has no inline asm and whose bf16 tl.dot is wrong: the same bf16
+    weights, multiplied in fp32."""
     S: tl.constexpr = 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, BLOCK_M)
     j_lo = pid_k * words_per_split
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
     sw_ptrs = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for j0 in range(j_lo, j_hi, S):
         w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
         sa, sb = _tc_scales(sw_ptrs, j0, E)
@@ -753,7 +757,8 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
-        NAN_SCALES=w.nan_scales, BLOCK_N=block_n, SPLIT=split_k > 1,
+        NAN_SCALES=w.nan_scales, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
@@ -766,9 +771,9 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
     if tc is None:
         tc = x2.is_cuda and _tc_ok(x2, w)
     if tc:
-        if not _tc_ok(x2, w):
+        if not _tc_ok(x2, w) or x2.shape[0] > TC_DECODE_MAX_M:
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
-                             "E * 16 and no e4m3")
+                             f"E * 16, no e4m3 and at most {TC_DECODE_MAX_M} rows")
         return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
@@ -902,7 +907,8 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
     if m == 0:
         return out
     out2 = out.view(-1, n)  # [M, N]
-    if path == "decode" or (path == "auto" and m <= DECODE_MAX_M):
+    tc_rows = TC_DECODE_MAX_M if x.is_cuda and _tc_ok(x2, w) else DECODE_MAX_M
+    if path == "decode" or (path == "auto" and m <= tc_rows):
         _launch_decode(x2, w, out2, bias, split_k)
         return out
     if path == "dequant" or (path == "auto" and x.is_cuda and x.dtype != torch.float32

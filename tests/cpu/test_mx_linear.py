@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
 from mxserve.kernels.mx_linear import (  # noqa: E402
+    TC_DECODE_MAX_M,
     MXLinearWeight,
     _canonical_data,
     _launch_decode,
@@ -216,10 +217,11 @@ def test_dot_scaled_needs_fp4_or_fp8_and_16_bit_x():
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2"])
 @pytest.mark.parametrize("m, k, split_k, fold", [(1, 256, None, True), (3, 768, 2, True),
-                                                (16, 512, 1, False)])
+                                                (16, 512, 1, False), (40, 256, 2, True)])
 def test_decode_tensor_core_kernel(fmt, m, k, split_k, fold):
     """The tensor-core decode kernel (bf16 x, spread groups of 16) under the interpreter: the
-    pure-Triton stand-in for its inline asm, split-K (FP6 at K = 768: a shorter last split),
+    pure-Triton stand-in for its inline asm, up to 64 rows of x in one program (M = 40),
+    split-K (FP6 at K = 768: a shorter last split),
     N not a multiple of the tile (clamped rows), scale bytes above 127 + bias (no fold), byte
     0, and a NaN scale (the NaN-checking build, chosen at prepare)."""
     gen = seeded(fmt, m, k, "tc")
@@ -250,3 +252,15 @@ def test_decode_prefetch_variant(fmt, m, split_k):
     out = torch.full((m, 40), math.nan)
     _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, prefetch=True)
     assert_close_to_ref(out, x, w, bias)
+
+
+def test_tensor_core_decode_refuses_what_it_cannot_run():
+    """tc=True on e4m3 weights or more than TC_DECODE_MAX_M rows: a clear ValueError."""
+    w = prepare_mx_weight(quantize_mx(torch.randn(16, 256), "e2m1"))
+    x = torch.randn(TC_DECODE_MAX_M + 1, 256).bfloat16()
+    out = torch.empty(x.shape[0], 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        _launch_decode(x, w, out, None, None, tc=True)
+    w8 = prepare_mx_weight(quantize_mx(torch.randn(16, 256), "e4m3"))
+    with pytest.raises(ValueError, match="no e4m3"):
+        _launch_decode(x[:4], w8, out[:4], None, None, tc=True)
