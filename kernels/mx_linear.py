@@ -51,7 +51,11 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 # The kernels' layout: word groups of E elements of a row, in P int32 planes [P, N, K // E].
 # Element e = 2u + h of a group sits in the half h of its word(s) (bit 16h up), so the two
 # elements of a pair (2u, 2u + 1) are decoded to a bf16x2 word with one set of 32-bit ops:
-#   FP4 (E 8, P 1):  code at plane 0, bit 4u + 16h
+#   FP4 (E 8, P 1):  magnitude (code & 7) at plane 0, bit FP4_MAG[u] + 16h; sign (code >> 3)
+#                    at bit FP4_SIGN[u] + 16h. bf16 wants them at bits 6 and 15 of each half:
+#                    pair 0 is in place (one AND decodes it), pair 1 needs one shift (sign 9
+#                    above the magnitude, as in bf16), pairs 2 and 3 two (no 4 such pairs tile
+#                    16 bits). 11 integer ops per word instead of 15 for nibbles in a row.
 #   FP8 (E 8, P 2):  code at plane u // 2, bit 8 (u % 2) + 16h
 #   FP6 (E 16, P 3): code >> 2 (sign, top 3 magnitude bits) at plane u // 4, bit 4 (u % 4) + 16h;
 #                    code & 3 at plane 2, bit 16h + 8 (u // 4) + 2 (u % 4)
@@ -63,6 +67,10 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 # data movement between threads, and each pair needs one scale per row (_spread_tile).
 _PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
 MAX_GROUP = 16
+FP4_MAG = (6, 0, 3, 11)  # per pair u: bit of the magnitude's LSB in each half (see above)
+FP4_SIGN = (15, 9, 10, 14)  # per pair u: bit of the sign
+assert sum(b << (4 * u) for u, b in enumerate(FP4_MAG)) == 0xB306  # as _placed_bits has them
+assert sum(b << (4 * u) for u, b in enumerate(FP4_SIGN)) == 0xEA9F
 
 
 def _group_words(e: int, k: int) -> int:
@@ -77,7 +85,7 @@ def _fields(bits: int, e: int) -> list[tuple[int, int, int, int]]:
     """(plane, bit, width, code_shift) of element e of a word group (see _PLANES)."""
     u, h = divmod(e, 2)
     if bits == 4:
-        return [(0, 4 * u + 16 * h, 4, 0)]
+        return [(0, FP4_MAG[u] + 16 * h, 3, 0), (0, FP4_SIGN[u] + 16 * h, 1, 3)]
     if bits == 8:
         return [(u // 2, 8 * (u % 2) + 16 * h, 8, 0)]
     return [(u // 4, 4 * (u % 4) + 16 * h, 4, 2), (2, 16 * h + 8 * (u // 4) + 2 * (u % 4), 2, 0)]
@@ -182,6 +190,10 @@ def _placed_bits(w0, w1, w2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
             h = w1
         bits = (_shl(h, MS + 2 - HPOS) & ((7 << (MS + 2)) * REP)) \
             | (_shl(w2, MS - LPOS) & ((3 << MS) * REP)) | (_shl(h, S - HPOS - 3) & SIGNS)
+    elif EBITS + MBITS == 3:  # FP4: magnitude and sign placed apart (see _PLANES)
+        MPOS: tl.constexpr = ((0xB306 >> (4 * U)) & 15) + H16  # FP4_MAG[U]
+        SPOS: tl.constexpr = ((0xEA9F >> (4 * U)) & 15) + H16  # FP4_SIGN[U]
+        bits = (_shl(w0, MS - MPOS) & ((MAG << MS) * REP)) | (_shl(w0, S - SPOS) & SIGNS)
     else:
         BITS: tl.constexpr = 1 + EBITS + MBITS
         POS: tl.constexpr = BITS * (U % (16 // BITS)) + H16
@@ -558,9 +570,10 @@ def _mx_linear_decode_tc_kernel(
     # element format (no NaN codes: not e4m3); NAN_SCALES: some scale byte may be 0xFF
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
     FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
-    # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program; STEPS (1 or 2)
+    # spread groups a loop iteration (words_per_split a multiple of 16 STEPS)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     """Decode (M <= 64) on tensor cores: per step one spread group (16 word groups, E * 16 k)
     of BLOCK_N rows; each pair's [BLOCK_N, 16, 2] tile is decoded in the registers that hold
@@ -580,11 +593,17 @@ def _mx_linear_decode_tc_kernel(
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
     sw_ptrs = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for j0 in range(j_lo, j_hi, S):
+    for j0 in range(j_lo, j_hi, STEPS * S):
         w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
         sa, sb = _tc_scales(sw_ptrs, j0, E)
+        if STEPS == 2:
+            v0, v1, v2 = _tc_words(planes_ptr, rows, j0 + S, stride_plane, stride_wn, P)
+            ta, tb = _tc_scales(sw_ptrs, j0 + S, E)
         acc = _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm, EBITS, MBITS,
                        E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
+        if STEPS == 2:
+            acc = _tc_step(acc, v0, v1, v2, ta, tb, x_ptr, offs_m, j0 + S, M, stride_xm, EBITS,
+                           MBITS, E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
     _finish_decode(tl.trans(acc), offs_m, offs_n, pid_k, pid_n, M, N, split_k, bias_ptr, out_ptr,
                    partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT, HAS_BIAS, INTERP_BF16)
 
@@ -725,6 +744,7 @@ _DECODE_PREFETCH = True
 # the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
 _DECODE_TC = (64, 4, 3)
 _DECODE_TC_PROGRAMS_PER_SM = {8: 8, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/mx_decode_probe)
+_DECODE_TC_STEPS = 1
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
@@ -732,7 +752,8 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
     return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3"
 
 
-def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):
+def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None,
+                      steps=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
@@ -743,7 +764,12 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         want = (programs_per_sm or _DECODE_TC_PROGRAMS_PER_SM[e]) * _num_sms(x2.device)
         split_k = max(1, min(want // tiles, groups))
     split_k = triton.cdiv(groups, triton.cdiv(groups, max(1, min(split_k, groups))))
-    words_per_split = triton.cdiv(groups, split_k) * MAX_GROUP
+    steps = steps or _DECODE_TC_STEPS
+    if groups % steps:
+        steps = 1
+    per_split = triton.cdiv(groups // steps, split_k) * steps  # spread groups a split
+    split_k = triton.cdiv(groups, per_split)
+    words_per_split = per_split * MAX_GROUP
     interp_bf16 = interpreted_bf16(x2.dtype, x2)
     counters = w.counters
     if split_k > 1 and counters.numel() < tiles:
@@ -758,13 +784,13 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         partial.stride(0) if split_k > 1 else 0,
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
         NAN_SCALES=w.nan_scales, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        SPLIT=split_k > 1,
+        STEPS=steps, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
 
 def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
-                   prefetch=None, tc=None):
+                   prefetch=None, tc=None, steps=None):
     """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
     tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
     (bench/)."""
@@ -774,7 +800,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         if not _tc_ok(x2, w) or x2.shape[0] > TC_DECODE_MAX_M:
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
                              f"E * 16, no e4m3 and at most {TC_DECODE_MAX_M} rows")
-        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm)
+        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, steps)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     use_dot = m > 1 if use_dot is None else use_dot or m > 1

@@ -131,13 +131,18 @@ def test_prepare_rearranges_words_and_back():
         assert isinstance(p, MXLinearWeight) and p.fold
         assert p.planes.shape == shape and p.planes.dtype == torch.int32
         assert torch.equal(_canonical_data(p), w.data)  # the layout is a permutation of bits
-    # FP4, K = 32 (spread groups of S = 4 words): pair u of word jj holds k = 8u + 2jj + h, its
-    # element h at bit 4u + 16h of the word
+    # FP4, K = 32 (spread groups of S = 4 words): pair u of word jj holds k = 8u + 2jj + h; in
+    # half h of the word its magnitude (3 bits) sits at bit 6, 0, 3, 11 and its sign at bit 15,
+    # 9, 10, 14 for u = 0..3. Codes here: 0.5 -> 1, 1 -> 2, ..., 6 -> 7, -0.5 -> 8 + 1.
     w = quantize_mx(torch.tensor([[0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5] * 4]), "e2m1")
     p = prepare_mx_weight(w)
-    assert p.group == 4 and p.planes[0, 0, 0].item() == 0x2222_1111
-    assert p.planes[0, 0, 1].item() == 0x4444_3333
-    assert p.planes[0, 0, 3].item() == 0x9999_7777 - 2**32
+
+    def half(mag: int, sign: int) -> int:
+        return sum(mag << b for b in (6, 0, 3, 11)) | sum(sign << b for b in (15, 9, 10, 14))
+    assert half(1, 0) == 0x0849 and half(7, 0) == 0x39FF and half(1, 1) == 0xCE49
+    assert p.group == 4 and p.planes[0, 0, 0].item() == 0x1092_0849  # codes 1 (h 0), 2 (h 1)
+    assert p.planes[0, 0, 1].item() == (half(4, 0) << 16 | half(3, 0))
+    assert p.planes[0, 0, 3].item() == 0xCE49_39FF - 2**32  # codes 7 and 8 + 1
     assert prepare_mx_weight(quantize_mx(torch.randn(2, 256), "e2m3")).group == 16
 
 
