@@ -3,8 +3,9 @@
 For the issue's three linear shapes, MXFP4 (e2m1) and MXFP6 (e2m3), M = 1 and 16:
 - cuBLAS bf16 (`F.linear`), the baseline of issue 3's targets;
 - the tensor-core decode kernel (`_launch_decode(tc=True)`) over a grid of variants: BLOCK_N,
-  warps, software-pipeline stages (Triton's cp.async ring), programs per SM (split-K). Each
-  output is checked against x @ dequantized(w) in fp32 (relative Frobenius error);
+  warps, software-pipeline stages (Triton's cp.async ring), programs per SM (split-K), spread
+  groups a loop iteration (STEPS). Each output is checked against x @ dequantized(w) in fp32
+  (relative Frobenius error);
 - a load-only probe: the same word tiles ([BLOCK_N, 16] int32 of each plane per step, same grid
   and split), XOR-reduced, no decode and no dot. Its bandwidth is the ceiling of this load
   pattern; the gap to the kernel is decode + dot not hidden behind the loads.
@@ -37,18 +38,17 @@ from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
-# name -> (BLOCK_N, num_warps, num_stages), programs per SM (None: the kernel's default)
+# name -> (BLOCK_N, num_warps, num_stages), programs per SM (None: the kernel's default),
+# spread groups a loop iteration (STEPS)
 VARIANTS = {
-    "n64s1p4": ((64, 4, 1), 4),
-    "n64s3p4": ((64, 4, 3), 4),
-    "n64s3p8": ((64, 4, 3), 8),
-    "n64s4p8": ((64, 4, 4), 8),
-    "n64s3p12": ((64, 4, 3), 12),
-    "n128s3p4": ((128, 4, 3), 4),
-    "n128s3p8": ((128, 4, 3), 8),
-    "n128s4p8": ((128, 4, 4), 8),
-    "n128s3p12": ((128, 4, 3), 12),
-    "n128w8s3p8": ((128, 8, 3), 8),
+    "n64s3p8": ((64, 4, 3), 8, 1),
+    "n64s3p4": ((64, 4, 3), 4, 1),
+    "n64s3p6": ((64, 4, 3), 6, 1),
+    "n64s3p8x2": ((64, 4, 3), 8, 2),
+    "n64s3p4x2": ((64, 4, 3), 4, 2),
+    "n64s4p6x2": ((64, 4, 4), 6, 2),
+    "n128s3p4": ((128, 4, 3), 4, 1),
+    "n128s3p6": ((128, 4, 3), 6, 1),
 }
 
 
@@ -128,12 +128,12 @@ def main() -> None:
                 record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
                        tbs=n * k * 2 / t_bf16 / 1e6)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                for name, (cfg, pps) in VARIANTS.items():
-                    if fmt != "e2m1" and cfg[0] == 128 and cfg[1] == 4:
-                        continue  # FP6 at 128 rows a warp group: out of registers
-                    def fn(cfg=cfg, pps=pps, x=x, out=out, wq=wq):
+                for name, (cfg, pps, steps) in VARIANTS.items():
+                    if fmt != "e2m1" and (cfg[0] == 128 or steps == 2):
+                        continue  # FP6: 161 registers already, these need more
+                    def fn(cfg=cfg, pps=pps, steps=steps, x=x, out=out, wq=wq):
                         _launch_decode(x, wq, out, None, None, config=cfg, tc=True,
-                                       programs_per_sm=pps)
+                                       programs_per_sm=pps, steps=steps)
                     out.fill_(float("nan"))
                     try:
                         fn()
