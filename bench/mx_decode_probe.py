@@ -3,9 +3,8 @@
 For the issue's three linear shapes, MXFP4 (e2m1) and MXFP6 (e2m3), M = 1 and 16:
 - cuBLAS bf16 (`F.linear`), the baseline of issue 3's targets;
 - the tensor-core decode kernel (`_launch_decode(tc=True)`) over a grid of variants: BLOCK_N,
-  warps, software-pipeline stages (Triton's cp.async ring), programs per SM (split-K), spread
-  groups a loop iteration (STEPS). Each output is checked against x @ dequantized(w) in fp32
-  (relative Frobenius error);
+  warps, software-pipeline stages (Triton's cp.async ring), programs per SM (split-K). Each
+  output is checked against x @ dequantized(w) in fp32 (relative Frobenius error);
 - a load-only probe: the same word tiles ([BLOCK_N, 16] int32 of each plane per step, same grid
   and split), XOR-reduced, no decode and no dot. Its bandwidth is the ceiling of this load
   pattern; the gap to the kernel is decode + dot not hidden behind the loads.
@@ -18,6 +17,8 @@ versions, command, rows) and prints a table.
 results/mx_decode_probe.run1.json: the first run (commit cb625cc's kernel, which also had a
 register-prefetch variant "pf*": slower everywhere, dropped). It chose 3 stages and 8 programs
 per SM (FP4 1.43-1.69x -> 1.64-1.76x bf16; FP6 0.78x -> 1.27-1.48x).
+results/mx_decode_probe.json: after the FP4 word layout change (commit 07f82de), which also
+had STEPS (two spread groups a loop iteration, "x2" variants): no steady gain, dropped.
 """
 
 from __future__ import annotations
@@ -38,17 +39,13 @@ from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
-# name -> (BLOCK_N, num_warps, num_stages), programs per SM (None: the kernel's default),
-# spread groups a loop iteration (STEPS)
+# name -> (BLOCK_N, num_warps, num_stages), programs per SM
 VARIANTS = {
-    "n64s3p8": ((64, 4, 3), 8, 1),
-    "n64s3p4": ((64, 4, 3), 4, 1),
-    "n64s3p6": ((64, 4, 3), 6, 1),
-    "n64s3p8x2": ((64, 4, 3), 8, 2),
-    "n64s3p4x2": ((64, 4, 3), 4, 2),
-    "n64s4p6x2": ((64, 4, 4), 6, 2),
-    "n128s3p4": ((128, 4, 3), 4, 1),
-    "n128s3p6": ((128, 4, 3), 6, 1),
+    "n64s3p8": ((64, 4, 3), 8),
+    "n64s3p4": ((64, 4, 3), 4),
+    "n64s3p6": ((64, 4, 3), 6),
+    "n128s3p4": ((128, 4, 3), 4),
+    "n128s3p6": ((128, 4, 3), 6),
 }
 
 
@@ -128,12 +125,12 @@ def main() -> None:
                 record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
                        tbs=n * k * 2 / t_bf16 / 1e6)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                for name, (cfg, pps, steps) in VARIANTS.items():
-                    if fmt != "e2m1" and (cfg[0] == 128 or steps == 2):
-                        continue  # FP6: 161 registers already, these need more
-                    def fn(cfg=cfg, pps=pps, steps=steps, x=x, out=out, wq=wq):
+                for name, (cfg, pps) in VARIANTS.items():
+                    if fmt != "e2m1" and cfg[0] == 128:
+                        continue  # FP6: 161 registers already, 128 rows need more
+                    def fn(cfg=cfg, pps=pps, x=x, out=out, wq=wq):
                         _launch_decode(x, wq, out, None, None, config=cfg, tc=True,
-                                       programs_per_sm=pps, steps=steps)
+                                       programs_per_sm=pps)
                     out.fill_(float("nan"))
                     try:
                         fn()

@@ -570,10 +570,9 @@ def _mx_linear_decode_tc_kernel(
     # element format (no NaN codes: not e4m3); NAN_SCALES: some scale byte may be 0xFF
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
     FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
-    # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program; STEPS (1 or 2)
-    # spread groups a loop iteration (words_per_split a multiple of 16 STEPS)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, INTERP_BF16: tl.constexpr,
+    # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
     """Decode (M <= 64) on tensor cores: per step one spread group (16 word groups, E * 16 k)
     of BLOCK_N rows; each pair's [BLOCK_N, 16, 2] tile is decoded in the registers that hold
@@ -593,17 +592,11 @@ def _mx_linear_decode_tc_kernel(
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
     sw_ptrs = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for j0 in range(j_lo, j_hi, STEPS * S):
+    for j0 in range(j_lo, j_hi, S):
         w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
         sa, sb = _tc_scales(sw_ptrs, j0, E)
-        if STEPS == 2:
-            v0, v1, v2 = _tc_words(planes_ptr, rows, j0 + S, stride_plane, stride_wn, P)
-            ta, tb = _tc_scales(sw_ptrs, j0 + S, E)
         acc = _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm, EBITS, MBITS,
                        E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
-        if STEPS == 2:
-            acc = _tc_step(acc, v0, v1, v2, ta, tb, x_ptr, offs_m, j0 + S, M, stride_xm, EBITS,
-                           MBITS, E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
     _finish_decode(tl.trans(acc), offs_m, offs_n, pid_k, pid_n, M, N, split_k, bias_ptr, out_ptr,
                    partial_ptr, counter_ptr, stride_om, stride_ps, SPLIT, HAS_BIAS, INTERP_BF16)
 
@@ -744,7 +737,6 @@ _DECODE_PREFETCH = True
 # the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
 _DECODE_TC = (64, 4, 3)
 _DECODE_TC_PROGRAMS_PER_SM = {8: 8, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/mx_decode_probe)
-_DECODE_TC_STEPS = 1
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
@@ -752,8 +744,7 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
     return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3"
 
 
-def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None,
-                      steps=None):
+def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
@@ -764,12 +755,7 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         want = (programs_per_sm or _DECODE_TC_PROGRAMS_PER_SM[e]) * _num_sms(x2.device)
         split_k = max(1, min(want // tiles, groups))
     split_k = triton.cdiv(groups, triton.cdiv(groups, max(1, min(split_k, groups))))
-    steps = steps or _DECODE_TC_STEPS
-    if groups % steps:
-        steps = 1
-    per_split = triton.cdiv(groups // steps, split_k) * steps  # spread groups a split
-    split_k = triton.cdiv(groups, per_split)
-    words_per_split = per_split * MAX_GROUP
+    words_per_split = triton.cdiv(groups, split_k) * MAX_GROUP
     interp_bf16 = interpreted_bf16(x2.dtype, x2)
     counters = w.counters
     if split_k > 1 and counters.numel() < tiles:
@@ -784,13 +770,13 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         partial.stride(0) if split_k > 1 else 0,
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
         NAN_SCALES=w.nan_scales, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        STEPS=steps, SPLIT=split_k > 1,
+        SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
 
 
 def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
-                   prefetch=None, tc=None, steps=None):
+                   prefetch=None, tc=None):
     """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
     tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
     (bench/)."""
@@ -800,7 +786,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         if not _tc_ok(x2, w) or x2.shape[0] > TC_DECODE_MAX_M:
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "
                              f"E * 16, no e4m3 and at most {TC_DECODE_MAX_M} rows")
-        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm, steps)
+        return _launch_decode_tc(x2, w, out2, bias, split_k, config, programs_per_sm)
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     use_dot = m > 1 if use_dot is None else use_dot or m > 1
