@@ -50,15 +50,20 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 
 # The kernels' layout: word groups of E elements of a row, in P int32 planes [P, N, K // E].
 # Element e = 2u + h of a group sits in the half h of its word(s) (bit 16h up), so the two
-# elements of a pair (2u, 2u + 1) are decoded to a bf16x2 word with one set of 32-bit ops:
-#   FP4 (E 8, P 1):  magnitude (code & 7) at plane 0, bit FP4_MAG[u] + 16h; sign (code >> 3)
-#                    at bit FP4_SIGN[u] + 16h. bf16 wants them at bits 6 and 15 of each half:
-#                    pair 0 is in place (one AND decodes it), pair 1 needs one shift (sign 9
-#                    above the magnitude, as in bf16), pairs 2 and 3 two (no 4 such pairs tile
-#                    16 bits). 11 integer ops per word instead of 15 for nibbles in a row.
+# elements of a pair (2u, 2u + 1) are decoded to a bf16x2 word with one set of 32-bit ops.
+# Each field sits where the fewest shifts move it to its bf16 bit (sign 15; magnitude from bit
+# F - MBITS up, F = 7): a field already there is kept with one AND, fields that need the same
+# shift share it.
+#   FP4 (E 8, P 1):  magnitude (code & 7) at plane 0, bit MAG[u] + 16h; sign (code >> 3) at
+#                    bit SIGN[u] + 16h (_HIGH_BITS). Pair 0 is in place (one AND), pair 1 needs
+#                    one shift (its sign 9 above its magnitude, as in bf16), pairs 2 and 3 two
+#                    (no 4 such pairs tile 16 bits): 11 integer ops a word instead of 15 for
+#                    nibbles in a row.
 #   FP8 (E 8, P 2):  code at plane u // 2, bit 8 (u % 2) + 16h
-#   FP6 (E 16, P 3): code >> 2 (sign, top 3 magnitude bits) at plane u // 4, bit 4 (u % 4) + 16h;
-#                    code & 3 at plane 2, bit 16h + 8 (u // 4) + 2 (u % 4)
+#   FP6 (E 16, P 3): the top 3 magnitude bits ((code >> 2) & 7) and the sign (code >> 5) at
+#                    plane u // 4 like FP4's pair u % 4 (tables per format, as e2m3 and e3m2
+#                    put the magnitude 1 bit apart); code & 3 at plane 2, bit 2 LOW[u] + 16h,
+#                    where e2m3's pair 0 is in place.
 # Spread groups: word groups come in groups of S (a power of 2 <= 16, the largest with
 # K % (E * S) == 0), and inside a group the element pairs are spread over k: pair u of group
 # member jj holds k = E*S*t + 2*S*u + 2*jj + h (t: the group). S = 1 is plain k order. With
@@ -67,10 +72,16 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 # data movement between threads, and each pair needs one scale per row (_spread_tile).
 _PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
 MAX_GROUP = 16
-FP4_MAG = (6, 0, 3, 11)  # per pair u: bit of the magnitude's LSB in each half (see above)
-FP4_SIGN = (15, 9, 10, 14)  # per pair u: bit of the sign
-assert sum(b << (4 * u) for u, b in enumerate(FP4_MAG)) == 0xB306  # as _placed_bits has them
-assert sum(b << (4 * u) for u, b in enumerate(FP4_SIGN)) == 0xEA9F
+# format -> (MAG, SIGN): per pair u % 4, the bit of the (top 3) magnitude bits' LSB and of the
+# sign in each half; the kernels hold them as nibble constants (_placed_bits)
+_HIGH_BITS = {"e2m1": ((6, 0, 3, 11), (15, 9, 10, 14)), "e2m3": ((6, 0, 3, 11), (15, 9, 10, 14)),
+              "e3m2": ((7, 3, 0, 12), (15, 11, 6, 10))}
+_LOW_SLOTS = (2, 1, 0, 3, 4, 5, 6, 7)  # FP6: per pair u, the 2-bit slot of code & 3 (plane 2)
+_NIBBLES = {"e2m1": (0xB306, 0xEA9F), "e2m3": (0xB306, 0xEA9F), "e3m2": (0xC037, 0xA6BF)}
+_LOW_NIBBLES = 0x76543012
+assert all(_NIBBLES[f] == tuple(sum(b << (4 * u) for u, b in enumerate(t)) for t in tables)
+           for f, tables in _HIGH_BITS.items())
+assert _LOW_NIBBLES == sum(b << (4 * u) for u, b in enumerate(_LOW_SLOTS))
 
 
 def _group_words(e: int, k: int) -> int:
@@ -81,14 +92,17 @@ def _group_words(e: int, k: int) -> int:
     return s
 
 
-def _fields(bits: int, e: int) -> list[tuple[int, int, int, int]]:
+def _fields(fmt: str, e: int) -> list[tuple[int, int, int, int]]:
     """(plane, bit, width, code_shift) of element e of a word group (see _PLANES)."""
     u, h = divmod(e, 2)
-    if bits == 4:
-        return [(0, FP4_MAG[u] + 16 * h, 3, 0), (0, FP4_SIGN[u] + 16 * h, 1, 3)]
+    bits = get_format(fmt).bits
     if bits == 8:
         return [(u // 2, 8 * (u % 2) + 16 * h, 8, 0)]
-    return [(u // 4, 4 * (u % 4) + 16 * h, 4, 2), (2, 16 * h + 8 * (u // 4) + 2 * (u % 4), 2, 0)]
+    mag, sign = _HIGH_BITS[fmt]
+    if bits == 4:
+        return [(0, mag[u] + 16 * h, 3, 0), (0, sign[u] + 16 * h, 1, 3)]
+    return [(u // 4, mag[u % 4] + 16 * h, 3, 2), (u // 4, sign[u % 4] + 16 * h, 1, 5),
+            (2, 2 * _LOW_SLOTS[u] + 16 * h, 2, 0)]
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,7 @@ def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
     codes = _spread(_unpack_codes(w.data, f), e, group).view(n, k // e, e)
     planes = torch.zeros(p, n, k // e, dtype=torch.int64, device=codes.device)
     for i in range(e):
-        for plane, bit, width, shift in _fields(f.bits, i):
+        for plane, bit, width, shift in _fields(w.fmt, i):
             planes[plane] |= ((codes[..., i] >> shift) & (2**width - 1)) << bit
     planes = planes.to(torch.int32)  # wraps bit 31
     s = w.scales.clone()  # contiguous and aligned: the decode kernel reads 4 bytes at once
@@ -147,7 +161,7 @@ def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
     planes = w.planes.long() & 0xFFFFFFFF
     codes = torch.zeros(n, k // e, e, dtype=torch.int64, device=planes.device)
     for i in range(e):
-        for plane, bit, width, shift in _fields(f.bits, i):
+        for plane, bit, width, shift in _fields(w.fmt, i):
             codes[..., i] |= ((planes[plane] >> bit) & (2**width - 1)) << shift
     return _pack_codes(_spread(codes.view(n, k), e, w.group, inverse=True), f)
 
@@ -181,18 +195,20 @@ def _placed_bits(w0, w1, w2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
     H16: tl.constexpr = 16 * (T % 2)  # bit offset of element T's half
     REP: tl.constexpr = 0x10001 if PAIR else 1  # a mask for both halves
     SIGNS: tl.constexpr = -2147450880 if PAIR else SIGN  # 0x80008000
-    if E == 16:  # FP6: high nibble (sign + 3 magnitude bits) and 2 low bits
-        HPOS: tl.constexpr = 4 * (U % 4) + H16
-        LPOS: tl.constexpr = H16 + 8 * (U // 4) + 2 * (U % 4)
+    # _HIGH_BITS of the format (e2m1 and e2m3 share theirs) as nibbles, then pair U's bits
+    MAGS: tl.constexpr = 0xC037 if EBITS == 3 else 0xB306
+    SIGNS_AT: tl.constexpr = 0xA6BF if EBITS == 3 else 0xEA9F
+    MPOS: tl.constexpr = ((MAGS >> (4 * (U % 4))) & 15) + H16
+    SPOS: tl.constexpr = ((SIGNS_AT >> (4 * (U % 4))) & 15) + H16
+    if E == 16:  # FP6: top 3 magnitude bits and sign, then the 2 low bits (plane 2)
+        LPOS: tl.constexpr = 2 * ((0x76543012 >> (4 * U)) & 15) + H16  # _LOW_SLOTS[U]
         if U < 4:
             h = w0
         else:
             h = w1
-        bits = (_shl(h, MS + 2 - HPOS) & ((7 << (MS + 2)) * REP)) \
-            | (_shl(w2, MS - LPOS) & ((3 << MS) * REP)) | (_shl(h, S - HPOS - 3) & SIGNS)
-    elif EBITS + MBITS == 3:  # FP4: magnitude and sign placed apart (see _PLANES)
-        MPOS: tl.constexpr = ((0xB306 >> (4 * U)) & 15) + H16  # FP4_MAG[U]
-        SPOS: tl.constexpr = ((0xEA9F >> (4 * U)) & 15) + H16  # FP4_SIGN[U]
+        bits = (_shl(h, MS + 2 - MPOS) & ((7 << (MS + 2)) * REP)) | (_shl(h, S - SPOS) & SIGNS) \
+            | (_shl(w2, MS - LPOS) & ((3 << MS) * REP))
+    elif EBITS + MBITS == 3:  # FP4
         bits = (_shl(w0, MS - MPOS) & ((MAG << MS) * REP)) | (_shl(w0, S - SPOS) & SIGNS)
     else:
         BITS: tl.constexpr = 1 + EBITS + MBITS
