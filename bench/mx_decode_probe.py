@@ -93,7 +93,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/mx_decode_probe.json")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; stops early past it")
+    ap.add_argument("--fmts", default="e2m1,e2m3", help="comma list of e2m1, e2m3, e3m2")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of VARIANTS")
+    ap.add_argument("--no-load-probe", action="store_true")
     args = ap.parse_args()
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -106,13 +110,15 @@ def main() -> None:
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
         w_bf16 = w.to(torch.bfloat16)
-        for fmt in ("e2m1", "e2m3"):
+        for fmt in args.fmts.split(","):
             q = quantize_mx(w, fmt)
             wq = prepare_mx_weight(q)
             deq = dequantize_mx(q, torch.float32)
             mbytes = wq.planes.numel() * 4 + wq.scales.numel()
             sink = torch.zeros(n, dtype=torch.int32, device="cuda")
-            for cfg, pps in [((64, 4, 1), 4), ((64, 4, 3), 4), ((64, 4, 1), 8), ((128, 8, 3), 4)]:
+            probes = [] if args.no_load_probe else [((64, 4, 1), 4), ((64, 4, 3), 4),
+                                                     ((64, 4, 1), 8), ((128, 8, 3), 4)]
+            for cfg, pps in probes:
                 t = us(lambda cfg=cfg, pps=pps, wq=wq, sink=sink: load_probe(wq, sink, *cfg, pps))
                 record(N=n, K=k, fmt=fmt, M=0, var=f"load{cfg[0]}w{cfg[1]}s{cfg[2]}p{pps}", us=t,
                        tbs=mbytes / t / 1e6)
@@ -125,7 +131,7 @@ def main() -> None:
                 record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
                        tbs=n * k * 2 / t_bf16 / 1e6)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                for name, (cfg, pps) in VARIANTS.items():
+                for name, (cfg, pps) in variants.items():
                     if fmt != "e2m1" and cfg[0] == 128:
                         continue  # FP6: 161 registers already, 128 rows need more
                     def fn(cfg=cfg, pps=pps, x=x, out=out, wq=wq):
