@@ -19,6 +19,8 @@ register-prefetch variant "pf*": slower everywhere, dropped). It chose 3 stages 
 per SM (FP4 1.43-1.69x -> 1.64-1.76x bf16; FP6 0.78x -> 1.27-1.48x).
 results/mx_decode_probe.json: after the FP4 word layout change (commit 07f82de), which also
 had STEPS (two spread groups a loop iteration, "x2" variants): no steady gain, dropped.
+results/mx_decode_probe.fp6_halves.json: FP6 decoded in two 128-k halves, one dot each
+(commit 23a47a7; 159 -> 119 registers): about the same speed, reverted.
 """
 
 from __future__ import annotations

@@ -544,39 +544,32 @@ def _tc_scales(sw_ptrs, j0, E: tl.constexpr):
 
 
 @triton.jit
-def _tc_quarter(acc, w0, w1, w2, sw, x_ptr, offs_m, k0, M, stride_xm, U0: tl.constexpr,
-                EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
-                NAN_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """acc + w @ x.T over pairs U0..U0+3 of the spread group: 128 consecutive k from k0 (pair u
-    covers 32 of them, see _PLANES); sw holds their 4 scale bytes."""
-    S: tl.constexpr = 16
-    p0 = _tc_pair(w0, w1, w2, sw, U0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p1 = _tc_pair(w0, w1, w2, sw, U0 + 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p2 = _tc_pair(w0, w1, w2, sw, U0 + 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p3 = _tc_pair(w0, w1, w2, sw, U0 + 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, 8 * S)
-    offs_k = k0 + tl.arange(0, 8 * S)
-    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                 mask=offs_m[None, :] < M, other=0.0)  # [128, BLOCK_M]
-    if INTERP_BF16:
-        acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, xt, acc)
-    return acc
-
-
-@triton.jit
 def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm,
              EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, FOLD: tl.constexpr,
              NAN_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr):
     """acc + w @ x.T over the spread group of word groups j0..j0+16; sa, sb its scale words
-    (_tc_scales). FP6 (E = 16) in two halves of 128 k, one dot each: half the decoded tile
-    lives in registers at a time."""
-    acc = _tc_quarter(acc, w0, w1, w2, sa, x_ptr, offs_m, j0 * E, M, stride_xm, 0, EBITS, MBITS,
-                      E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
-    if E == 16:
-        acc = _tc_quarter(acc, w0, w1, w2, sb, x_ptr, offs_m, j0 * E + 128, M, stride_xm, 4,
-                          EBITS, MBITS, E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
+    (_tc_scales)."""
+    S: tl.constexpr = 16
+    BLOCK_K: tl.constexpr = E * S
+    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+    if E == 8:
+        w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
+    else:
+        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
+        w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
+    offs_k = j0 * E + tl.arange(0, BLOCK_K)
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                 mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, BLOCK_M]
+    if INTERP_BF16:
+        acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, xt, acc)
     return acc
 
 
