@@ -48,7 +48,7 @@ class WorkerDeployment:
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id())
-        self.worker.start()
+        self.worker.start(freeze_gc=True)  # this process serves this engine alone
         self.publisher = None
         if index is not None:  # publish this engine's prefix cache to the global index
             self.publisher = KVEventPublisher(

@@ -4,6 +4,7 @@ Worker (AsyncEngine, admission, load), the config, the client's request builder 
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
 
 import pytest
@@ -170,6 +171,32 @@ def test_stop_string_seen_by_the_router_aborts_the_worker_request(tiny):
     assert cut["finish_reason"] == "stop" and cut["stop"] == stop
     assert asyncio.run(worker.wait_idle())
     assert worker.num_requests_aborted == aborted + 1  # the worker had more tokens to go
+
+
+def test_worker_freezes_the_heap_for_its_process_and_thaws_it_on_shutdown(tiny_checkpoint):
+    """Worker.start(freeze_gc=True), as each Serve replica starts: everything alive then (the
+    engine among it) leaves the cyclic collector's generations; requests still run, their
+    objects are collected as usual; shutdown unfreezes."""
+    assert gc.get_freeze_count() == 0
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoint("llama")), load_progress=False,
+                                       dtype="float32", num_kv_blocks=64, max_num_seqs=2))
+    engine.tokenizer = None
+    worker = Worker(engine, max_queued_requests=1)
+    worker.start(freeze_gc=True)
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000 and not any(o is engine for o in gc.get_objects())
+
+        async def run():
+            outs = [o async for o in worker.generate([5, 6, 7], SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True), "r1")]
+            return sum(len(o.new_token_ids) for o in outs), outs[-1].finished
+
+        assert asyncio.run(run()) == (8, True)
+        assert gc.get_freeze_count() == frozen  # requests' objects stay collectable
+    finally:
+        worker.shutdown()
+    assert gc.get_freeze_count() == 0 and any(o is engine for o in gc.get_objects())
 
 
 def test_serve_error_survives_pickling_and_ray_style_wrapping():
