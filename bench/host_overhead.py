@@ -42,7 +42,10 @@ PHASES = ("schedule", "inputs", "sample", "update")
 
 
 def measure(batch: int, steps: int, prompt_len: int) -> dict:
-    """Mean microseconds a decode step spends in each phase at `batch` running requests."""
+    """Mean microseconds a decode step spends in each phase at `batch` running requests (the
+    garbage collector off)."""
+    import gc
+
     import torch
 
     from mxserve import LLM, SamplingParams
@@ -63,6 +66,8 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     size = next(s for s in graphs.sizes if s >= batch)
     totals = dict.fromkeys(PHASES, 0.0)
+    gc.collect()
+    gc.disable()  # the collector's pauses are measured apart (measure_gc)
     for step in range(steps + 5):
         t0 = time.perf_counter()
         plan = engine.scheduler.schedule()
@@ -81,6 +86,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
         if step >= 5:  # warm-up steps first
             for name, a, b in zip(PHASES, (t0, t1, t3, t4), (t1, t2, t4, t5)):
                 totals[name] += b - a
+    gc.enable()
     per_step = {k: v / steps * 1e6 for k, v in totals.items()}
     return {"batch": batch, "steps": steps,
             "us_per_step": {k: round(v, 1) for k, v in per_step.items()},

@@ -126,8 +126,9 @@ class DecodeGraphs:
         lengths = np.array([len(s.block_table) for s in sched])
         width = int(lengths.max())
         tables = np.zeros((batch, width), dtype=np.int32)  # beyond a request's length: unread
-        tables[np.arange(width) < lengths[:, None]] = list(
-            itertools.chain.from_iterable(s.block_table for s in sched))  # row by row
+        tables[np.arange(width) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in sched), np.int32,
+            int(lengths.sum()))  # row by row
         self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
         self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.block_tables[:batch, :width].copy_(torch.from_numpy(tables), non_blocking=True)

@@ -177,6 +177,8 @@ class Engine:
         return outputs
 
     def _detokenize(self, request: Request, token: int) -> None:
+        if not self._detokenizers:  # no tokenizer (a Serve worker: the router detokenizes)
+            return
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
             request.output_text += detok.step([token])
@@ -188,6 +190,8 @@ class Engine:
             request.output_text += detok.flush()
 
     def _text_delta(self, request: Request) -> str:
+        if request.num_text_sent == len(request.output_text):
+            return ""  # nothing new (always so without a tokenizer, as in a Serve worker)
         end = max(request.num_text_sent, len(request.output_text) - stream_holdback(request))
         delta = request.output_text[request.num_text_sent:end]
         request.num_text_sent = end
@@ -211,13 +215,12 @@ class Engine:
     def _output(self, request: Request, new_ids: list[int], new_text: str,
                 num_logprobs: int) -> StepOutput:
         reason = request.finish_reason
-        return StepOutput(
-            request_id=request.request_id, new_token_ids=new_ids, new_text=new_text,
-            new_logprobs=request.output_logprobs[-num_logprobs:] if num_logprobs else None,
-            finished=reason is not None, finish_reason=reason.value if reason else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens)
+        return StepOutput(  # positional, in field order: this runs for every request each step
+            request.request_id, new_ids, new_text,
+            request.output_logprobs[-num_logprobs:] if num_logprobs else None,
+            reason is not None, reason.value if reason else None,
+            len(request.prompt_token_ids), request.num_cached_tokens,
+            len(request.output_token_ids))
 
 
 def build_engine(config: EngineConfig) -> Engine:

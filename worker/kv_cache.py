@@ -127,10 +127,10 @@ class KVCacheManager:
         not enough blocks. Raises ValueError on a misused prefix.
         """
         table = self._tables.get(request_id, [])
+        if not prefix_block_ids and len(table) * self.block_size >= num_tokens:
+            return True  # its blocks hold these tokens already (most decode steps)
         self._check_prefix(table, prefix_block_ids)
         num_new = self._blocks_for(num_tokens) - len(table) - len(prefix_block_ids)
-        if num_new <= 0 and not prefix_block_ids:
-            return True  # its blocks hold these tokens already (most decode steps)
         num_hits_evictable = sum(b in self._evictable for b in prefix_block_ids)
         if num_new > self.num_free_blocks - num_hits_evictable:
             return False

@@ -252,8 +252,7 @@ def _exp1(shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
 
 def _is_plain_greedy(r: Request) -> bool:
     sp = r.sampling_params
-    return (sp.greedy and sp.logprobs is None and not _has_penalties(sp)
-            and r.num_output_tokens >= sp.min_tokens)
+    return sp.plain_greedy and (sp.min_tokens == 0 or r.num_output_tokens >= sp.min_tokens)
 
 
 def _has_penalties(sp: SamplingParams) -> bool:

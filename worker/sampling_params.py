@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from mxserve.worker.errors import InvalidRequestError
@@ -83,6 +84,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for logprobs (min_tokens aside:
+        it matters only until that many tokens are out)."""
+        return (self.temperature == 0 and self.logprobs is None
+                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)
 
 
 def _normalize_stop(stop: Any) -> tuple[str, ...]:

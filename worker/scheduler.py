@@ -22,6 +22,11 @@ from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.request import Request, RequestStatus
 
 
+def _in_prefill(request: Request) -> bool:
+    """Request.is_prefill, without the property hops (a sort key over every running request)."""
+    return request.num_computed_tokens < len(request.prompt_token_ids)
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -78,7 +83,7 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         # Decodes first so a long prefill never stalls tokens already streaming.
-        for request in sorted(self.running, key=lambda r: r.is_prefill):
+        for request in sorted(self.running, key=_in_prefill):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted to make room for another
@@ -90,8 +95,9 @@ class Scheduler:
             budget -= num_new
         self._admit_waiting(plan, budget)
         # Attention treats every single-token query as a decode; they lead the batch.
-        plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
-        plan.num_decodes = sum(1 for s in plan.scheduled if s.num_new_tokens == 1)
+        plan.num_decodes = sum(s.num_new_tokens == 1 for s in plan.scheduled)
+        if plan.num_decodes != len(plan.scheduled):
+            plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return plan
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
@@ -141,9 +147,7 @@ class Scheduler:
         plan.scheduled = [s for s in plan.scheduled if s.request is not request]
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request=request, num_new_tokens=num_new, start_position=start,
-            token_ids=request.all_token_ids[start:start + num_new],
-            block_table=self.kv.get_block_ids(request.request_id),
-            samples=start + num_new == request.num_tokens)
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        tokens = request.all_token_ids
+        return ScheduledRequest(request, num_new, start, tokens[start:end],
+                                self.kv.get_block_ids(request.request_id), end == len(tokens))

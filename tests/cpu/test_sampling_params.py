@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from mxserve.worker.errors import InvalidRequestError
@@ -83,3 +85,15 @@ def test_stop_and_stop_ids_normalise_to_tuples():
 def test_greedy_property():
     assert SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=0.1).greedy
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.5), dict(logprobs=0),
+                                    dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+                                    dict(frequency_penalty=-0.5)])
+def test_plain_greedy_is_greedy_with_nothing_touching_the_logits(kwargs):
+    """The sampler's argmax-only fast path (min_tokens is checked per request there)."""
+    assert SamplingParams(temperature=0, min_tokens=3, stop=["x"]).plain_greedy
+    params = SamplingParams(**{"temperature": 0, **kwargs})
+    assert not params.plain_greedy
+    copy = pickle.loads(pickle.dumps(params))  # cached on the instance, still equal and right
+    assert copy == params and not copy.plain_greedy
