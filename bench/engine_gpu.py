@@ -310,8 +310,9 @@ def mix_section(args, shape: str) -> tuple[dict, LLM]:
 
 
 def decode_sweep(args, llm) -> dict:
-    """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time and
-    the GPU time of that batch's graph replayed with the last step's inputs."""
+    """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time, its
+    parts (time_phases; "sample" includes waiting for the GPU), and the GPU time of that
+    batch's graph replayed with the last step's inputs."""
     engine, rows = llm.engine, []
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(5)
@@ -322,11 +323,16 @@ def decode_sweep(args, llm) -> dict:
                                               for i in ids):
             engine.step()
         times = []
-        for _ in range(24):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        row = {"batch": batch, "engine_step_ms_p50": round(statistics.median(times), 3)}
+        phases, restore = time_phases(engine)
+        try:
+            for _ in range(24):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            restore()
+        row = {"batch": batch, "engine_step_ms_p50": round(statistics.median(times), 3),
+               "phase_ms_mean": {k: round(v / 24 * 1e3, 3) for k, v in phases.items()}}
         graphs = engine.runner.graphs
         if graphs is not None:
             size = next(x for x in graphs.sizes if x >= batch)
@@ -587,10 +593,12 @@ def markdown(d: dict) -> str:
         lines += [f"Time in engine.step() parts over the mix (s): {m.get('phase_s')} (execute "
                   "launches asynchronously; sample waits for the GPU)."]
     if s.get("1b_decode_sweep"):
-        lines += ["", "| decode batch | engine step ms | graph replay ms (padded size) |",
-                  "|---|---|---|"]
+        lines += ["", "| decode batch | engine step ms | graph replay ms (padded size) | "
+                  "schedule / execute / sample / update ms (mean) |", "|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['engine_step_ms_p50']} | {r.get('graph_replay_ms_p50')} "
-                  f"({r.get('graph_size')}) |" for r in s["1b_decode_sweep"]["rows"]]
+                  f"({r.get('graph_size')}) | "
+                  f"{' / '.join(str(v) for v in r.get('phase_ms_mean', {}).values())} |"
+                  for r in s["1b_decode_sweep"]["rows"]]
     if s.get("1b_hf"):
         h = s["1b_hf"]
         rows = ", ".join(f"b{r['batch']}: {r['tok_s']}" for r in h["batches"])
