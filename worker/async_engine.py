@@ -4,6 +4,10 @@ The engine is single-threaded: only the loop thread touches it. Callers on the e
 it new requests and aborts through a command queue, and get per-request `asyncio.Queue`s that the
 loop thread fills with `StepOutput`s via `call_soon_threadsafe`. The KV cache's events (for the
 global prefix index) leave the loop thread the same way, through a sink (`watch_kv_events`).
+
+A consumer slower than the engine (a Serve stream, a gRPC client) gets the outputs that piled
+up since it last took one merged into one (`merge_outputs`): the number of messages follows
+what the consumer can take, not the engine's step rate, and no token is delayed.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from mxserve.worker.engine import Engine, StepOutput
+from mxserve.worker.engine import Engine, StepOutput, merge_outputs
 from mxserve.worker.kv_cache import KVEvent
 from mxserve.worker.sampling_params import SamplingParams
 
@@ -65,14 +69,22 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request))
-        finished = False
+        finished, error = False, None
         try:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not stream.empty():  # piled up: one message
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later  # after what came before it
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
+                if error is not None:
+                    raise error
         finally:
             self._streams.pop(rid, None)
             if not finished:

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """What one request gained in one step (a streaming delta)."""
+    """What one request gained in one step (a streaming delta; AsyncEngine may merge several
+    steps' into one, merge_outputs)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -45,6 +46,17 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
+
+
+def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
+    """One delta for two consecutive ones of a request: tokens, text and logprobs joined, the
+    state (finished, reason, counts) of the later."""
+    logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
+        (first.new_logprobs or []) + (then.new_logprobs or [])
+    return StepOutput(
+        then.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
+        logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
+        then.num_cached_tokens, then.num_output_tokens)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,37 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt):
     assert llm.generate([[4, 5, 6]], other)[0].token_ids != alone
 
 
+def test_async_stream_merges_what_a_slow_consumer_has_not_taken(ckpt):
+    """A consumer that falls behind gets the outputs that piled up as one: the same tokens,
+    text and logprobs, fewer messages, the final state on the last."""
+    llm = LLM(model=ckpt, load_progress=False)
+    prompt = _prompts(1, (40,))[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    expected = llm.generate([prompt], params)[0]
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+
+    async def slow_consumer():
+        outs = []
+        async for out in engine.generate(prompt, params):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.sleep(0.5)  # the engine steps on meanwhile
+        return outs
+
+    try:
+        outs = asyncio.run(slow_consumer())
+    finally:
+        engine.shutdown()
+    assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
+    assert "".join(o.new_text for o in outs) == expected.text
+    assert [lp for o in outs for lp in o.new_logprobs] == expected.logprobs
+    assert len(outs) < len(expected.token_ids)  # some were merged
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 24
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
     llm = LLM(model=ckpt, load_progress=False)
     prompt = _prompts(1, (40,))[0]

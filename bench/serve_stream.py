@@ -1,0 +1,183 @@
+"""Streaming at many concurrent requests through the whole served path, on CPU.
+
+A tiny random Llama (1 layer, word-level tokenizer: tests/conftest.py's checkpoint) steps in
+about a millisecond, so the engine produces tokens faster than one message per token can cross
+worker -> Ray Serve -> router -> gRPC. This measures what a client gets when the engine is not
+the bottleneck: `--concurrency` gRPC streams at once (greedy, `--max-tokens` tokens each,
+ignore_eos), on a local Ray with 1 worker replica and 1 router, as `mxserve serve` deploys them.
+
+Reported per run: output tokens/s over all streams, messages a request received, TTFT and the
+time per output token (p50/p99). `--baseline REV` runs the same measurement from a git worktree
+of REV in a subprocess (its own Ray), one after the other, and reports ratios.
+
+    python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def measure(concurrency: int, max_tokens: int, rounds: int) -> dict:
+    """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import grpc
+    import ray
+
+    import mxserve
+    from mxserve.cluster.client import build_request
+    from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
+    from mxserve.cluster.redis_server import free_port
+    from mxserve.proto import mxserve_pb2_grpc as pb_grpc
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import make_tiny_checkpoint
+
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    model = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", num_hidden_layers=1,
+                                 max_position_embeddings=4096)
+    config = ServeConfig(model=str(model), engine=dict(dtype="float32", num_threads=1,
+                                                       max_num_seqs=concurrency),
+                         grpc_port=free_port(), http_port=free_port(),
+                         worker_resources=Resources(num_cpus=1),
+                         router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
+             log_to_driver=False)
+    try:
+        deploy(config)
+        wait_for_grpc(config)
+        samples = asyncio.run(_load(config, build_request, grpc, pb_grpc, concurrency,
+                                    max_tokens, rounds))
+    finally:
+        from ray import serve
+        serve.shutdown()
+        ray.shutdown()
+    wall = sum(w for w, _ in samples)
+    reqs = [r for _, rs in samples for r in rs]
+    tokens = sum(r["tokens"] for r in reqs)
+    assert all(r["tokens"] == max_tokens for r in reqs), "a stream ended short"
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    tpot = [r["tpot_ms"] for r in reqs]
+    ttft = [r["ttft_ms"] for r in reqs]
+    return {"mxserve": os.path.dirname(mxserve.__file__), "concurrency": concurrency,
+            "max_tokens": max_tokens, "requests": len(reqs),
+            "output_tok_s": round(tokens / wall, 1),
+            "messages_per_request": round(statistics.fmean(r["messages"] for r in reqs), 1),
+            "ttft_ms": {"p50": round(pct(ttft, .5), 1), "p99": round(pct(ttft, .99), 1)},
+            "tpot_ms": {"p50": round(pct(tpot, .5), 2), "p99": round(pct(tpot, .99), 2)}}
+
+
+async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, rounds):
+    channels = [grpc.aio.insecure_channel(f"localhost:{config.grpc_port}") for _ in range(8)]
+    stubs = [pb_grpc.MxServeStub(c) for c in channels]
+    metadata = (("application", config.app_name),)
+
+    async def one(i: int) -> dict:
+        request = build_request(f"w{5 + i % 200} w{6 + i % 190} w7", temperature=0,
+                                max_tokens=max_tokens, ignore_eos=True)
+        start, times, tokens, messages = time.perf_counter(), [], 0, 0
+        async for r in stubs[i % len(stubs)].Generate(request, metadata=metadata):
+            messages += 1
+            if r.token_ids:
+                times.append(time.perf_counter())
+                tokens += len(r.token_ids)
+        return {"tokens": tokens, "messages": messages,
+                "ttft_ms": (times[0] - start) * 1e3,
+                "tpot_ms": (times[-1] - times[0]) / max(1, tokens - 1) * 1e3}
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
+        waves = []
+        for w in range(rounds):
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(one(w * concurrency + i) for i in range(concurrency)))
+            waves.append((time.perf_counter() - t0, got))
+        return waves
+    finally:
+        for c in channels:
+            await c.close()
+
+
+def run_rev(rev: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = os.path.join(tmp, "mxserve")
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", tree, rev],
+                       check=True, capture_output=True)
+        try:
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--inner", "--concurrency",
+                 str(args.concurrency), "--max-tokens", str(args.max_tokens), "--rounds",
+                 str(args.rounds)], env={**os.environ, "PYTHONPATH": tmp}, cwd=tmp, check=True,
+                capture_output=True, text=True).stdout
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tree],
+                           check=True, capture_output=True)
+    return json.loads(out.splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", help="a git revision measured the same way, for ratios")
+    ap.add_argument("--out", default="/tmp/serve_stream.json")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.inner:  # a subprocess of run_rev: one JSON line
+        print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds)))
+        return
+    ours = subprocess.run([sys.executable, os.path.abspath(__file__), "--inner",
+                           "--concurrency", str(args.concurrency), "--max-tokens",
+                           str(args.max_tokens), "--rounds", str(args.rounds)],
+                          check=True, capture_output=True, text=True, cwd=REPO).stdout
+    ours = json.loads(ours.splitlines()[-1])
+    base = run_rev(args.baseline, args) if args.baseline else None
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    result = {"bench": "serve_stream", "device": "CPU (2 cores)",
+              "date": datetime.date.today().isoformat(),
+              "versions": {"python": platform.python_version()}, "commit": commit,
+              "command": "python bench/serve_stream.py " + " ".join(sys.argv[1:]),
+              "loadavg": os.getloadavg(), "this": ours, "baseline": args.baseline,
+              "baseline_result": base}
+    lines = ["| | this | baseline | this / baseline |", "|---|---|---|---|"]
+    for key, label in [("output_tok_s", "output tok/s"),
+                       ("messages_per_request", "messages a request")]:
+        b = base[key] if base else None
+        lines.append(f"| {label} | {ours[key]} | {b} | "
+                     f"{round(ours[key] / b, 2) if b else '-'} |")
+    for key in ("ttft_ms", "tpot_ms"):
+        for q in ("p50", "p99"):
+            b = base[key][q] if base else None
+            lines.append(f"| {key[:-3]} {q} ms | {ours[key][q]} | {b} | "
+                         f"{round(ours[key][q] / b, 2) if b else '-'} |")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.out.replace(".json", ".md"), "w") as f:
+        f.write(f"# serve_stream ({result['device']}, {result['date']}, commit {commit}, "
+                f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
+                f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
+                "model (1 layer), 1 worker + 1 router on local Ray.\n\n" + "\n".join(lines)
+                + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
