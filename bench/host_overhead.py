@@ -41,15 +41,14 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 PHASES = ("schedule", "inputs", "sample", "update")
 
 
-def measure(batch: int, steps: int, prompt_len: int) -> dict:
-    """Mean microseconds a decode step spends in each phase at `batch` running requests (the
-    garbage collector off)."""
+def decoding_engine(batch: int, steps: int, prompt_len: int, freeze: bool):
+    """The tiny model's engine (1 torch thread) with `batch` requests past their prefill, each
+    with room for `steps` more tokens. freeze: gc.freeze() before the requests arrive."""
     import gc
 
     import torch
 
     from mxserve import LLM, SamplingParams
-    from mxserve.worker.cuda_graphs import DecodeGraphs
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as model_dir:
@@ -58,11 +57,27 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
         llm = LLM(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                   load_progress=False, max_num_seqs=batch, max_num_batched_tokens=8192)
     engine = llm.engine
+    if freeze:
+        gc.collect()
+        gc.freeze()
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(i * 7 + j) % 250 + 1 for j in range(prompt_len)], params)
     while any(r.is_prefill for r in engine.requests.values()) or engine.scheduler.waiting:
         engine.step()
+    return engine
+
+
+def measure(batch: int, steps: int, prompt_len: int) -> dict:
+    """Mean microseconds a decode step spends in each phase at `batch` running requests (the
+    garbage collector off)."""
+    import gc
+
+    import torch
+
+    from mxserve.worker.cuda_graphs import DecodeGraphs
+
+    engine = decoding_engine(batch, steps, prompt_len, freeze=False)
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     size = next(s for s in graphs.sizes if s >= batch)
     totals = dict.fromkeys(PHASES, 0.0)
@@ -98,25 +113,7 @@ def measure_gc(batch: int, steps: int, prompt_len: int, freeze: bool) -> dict:
     """Collector pauses (count, total and longest, per generation) over `steps` decode steps."""
     import gc
 
-    import torch
-
-    from mxserve import LLM, SamplingParams
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as model_dir:
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump({**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}, f)
-        llm = LLM(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
-                  load_progress=False, max_num_seqs=batch, max_num_batched_tokens=8192)
-    engine = llm.engine
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request([(i * 7 + j) % 250 + 1 for j in range(prompt_len)], params)
-    while any(r.is_prefill for r in engine.requests.values()) or engine.scheduler.waiting:
-        engine.step()
+    engine = decoding_engine(batch, steps, prompt_len, freeze)
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
     started = [0.0]
 
