@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """What one request gained in one step (a streaming delta; AsyncEngine may merge several
-    steps' into one, merge_outputs)."""
+    """What one request gained in one step (a streaming delta). AsyncEngine merges the deltas
+    a slow consumer has not taken yet into one (merge_outputs)."""
 
     request_id: str
     new_token_ids: list[int]
