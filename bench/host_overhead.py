@@ -8,7 +8,9 @@ waits for. This measures the device-independent part of it, per step and per req
 - inputs: `DecodeGraphs._copy_inputs` (token ids, positions, slots, sequence lengths and block
   tables of a CUDA-graph replay, built in numpy; here the "device" buffers are CPU tensors);
 - sample: the sampler's host side on greedy requests (its argmax over a tiny vocabulary);
-- update: `Engine._update` (append tokens, stop checks, block hashes, step outputs).
+- update: `Engine._update` (append tokens, stop checks, block hashes, step outputs);
+- deliver: `AsyncEngine` handing the step's outputs to the requests' asyncio queues, on an
+  event loop running in another thread (as in a Serve replica), engine-thread side.
 
 Then the cyclic garbage collector's pauses over `--gc-steps` steps at the largest batch, timed
 with `gc.callbacks`: with the heap as the engine leaves it, and frozen (`gc.freeze()`) before
@@ -27,6 +29,7 @@ ratios.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -34,11 +37,12 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-PHASES = ("schedule", "inputs", "sample", "update")
+PHASES = ("schedule", "inputs", "sample", "update", "deliver")
 
 
 def decoding_engine(batch: int, steps: int, prompt_len: int, freeze: bool):
@@ -75,9 +79,16 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
 
     import torch
 
+    from mxserve.worker.async_engine import AsyncEngine
     from mxserve.worker.cuda_graphs import DecodeGraphs
 
     engine = decoding_engine(batch, steps, prompt_len, freeze=False)
+    async_engine = AsyncEngine(engine)  # its thread is not started: this loop drives the engine
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    for rid in engine.requests:
+        async_engine._streams[rid] = (loop, asyncio.Queue())
+    deliver_all = getattr(async_engine, "_deliver_all", None)
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     size = next(s for s in graphs.sizes if s >= batch)
     totals = dict.fromkeys(PHASES, 0.0)
@@ -95,13 +106,20 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
         with torch.inference_mode():
             sampled = engine.sampler(result.logits, requests)
         t4 = time.perf_counter()
-        engine._update(plan, sampled.token_ids, sampled.logprobs)
+        outputs = engine._update(plan, sampled.token_ids, sampled.logprobs)
         t5 = time.perf_counter()
+        if deliver_all is not None:
+            deliver_all(outputs)
+        else:  # a revision that handed them over one by one
+            for out in outputs:
+                async_engine._deliver(out.request_id, out)
+        t6 = time.perf_counter()
         assert plan.num_decodes == len(plan.scheduled) == batch
         if step >= 5:  # warm-up steps first
-            for name, a, b in zip(PHASES, (t0, t1, t3, t4), (t1, t2, t4, t5)):
+            for name, a, b in zip(PHASES, (t0, t1, t3, t4, t5), (t1, t2, t4, t5, t6)):
                 totals[name] += b - a
     gc.enable()
+    loop.call_soon_threadsafe(loop.stop)
     per_step = {k: v / steps * 1e6 for k, v in totals.items()}
     return {"batch": batch, "steps": steps,
             "us_per_step": {k: round(v, 1) for k, v in per_step.items()},
