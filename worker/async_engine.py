@@ -156,9 +156,10 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
-        """A step's outputs, one hand-over per event loop: each call_soon_threadsafe costs the
-        engine thread ~5 us (a wake-up of the loop), 2.5 ms a step at batch 512 if made per
-        output (bench/results/host_overhead.md, "deliver")."""
+        """A step's outputs, one hand-over per event loop. A call_soon_threadsafe per output
+        (a wake-up of the loop each, and the loop thread contending for the GIL) cost the
+        engine thread ~5 ms a step at batch 512 on CPU (bench/results/host_overhead.md,
+        "deliver")."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
