@@ -121,7 +121,7 @@ def test_streamed_answer_equals_offline_generate(served, case):
             else:
                 expected = served.llm.generate(prompt, params)[0]
                 chunks = list(client.stream(prompt, **case))
-            assert len(chunks) >= 2  # streamed (steps the client had not taken yet merge)
+            # however many messages: steps the client had not taken yet arrive merged
             text = "".join(c.text for c in chunks)
             ids = [t for c in chunks for t in c.token_ids]
             assert (text, ids) == (expected.text, expected.token_ids)
