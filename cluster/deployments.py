@@ -149,6 +149,13 @@ def _set_status(grpc_context, error: ServeError) -> None:
     grpc_context.set_details(error.message)
 
 
+def app_builder(args: dict) -> serve.Application:
+    """Serve's application builder (`import_path: mxserve.cluster.deployments:app_builder`, as
+    a KubeRay RayService's serveConfigV2 names it, deploy/kuberay/): `args` are ServeConfig's
+    fields. The pods must carry cluster/local.py's SERVE_ENV."""
+    return build_app(ServeConfig(**args))
+
+
 def build_app(config: ServeConfig) -> serve.Application:
     """The application for `serve.run`: a router bound to the worker deployment."""
     engine = config.engine_config()
