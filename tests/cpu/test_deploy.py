@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ray import serve
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from mxserve.cluster.config import ServeConfig
@@ -54,7 +55,9 @@ def test_application_builds_from_its_args(serve_config):
     assert builder is app_builder
     config = ServeConfig(**app["args"])  # every arg is a ServeConfig field with a valid value
     assert app["route_prefix"] == f"/{config.app_name}" and app["name"] == config.app_name
-    assert isinstance(builder(app["args"]), serve.Application)
+    # as Serve calls an import_path's builder with the config's args (its own helper)
+    built = call_user_app_builder_with_args_if_necessary(builder, app["args"])
+    assert isinstance(built, serve.Application)
     with pytest.raises(ValueError):
         app_builder({**app["args"], "num_workerz": 2})
 
