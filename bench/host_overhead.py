@@ -34,11 +34,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from revision import head_commit, run_inner, write_result
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -161,33 +162,6 @@ def measure_gc(batch: int, steps: int, prompt_len: int, freeze: bool) -> dict:
                           for g, p in pauses.items()}}
 
 
-def run_gc(args, freeze: bool) -> dict:
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--inner-gc", "on" if freeze else "off",
-         "--batches", args.batches, "--gc-steps", str(args.gc_steps),
-         "--prompt-len", str(args.prompt_len)], check=True, capture_output=True, text=True).stdout
-    return json.loads(out.splitlines()[-1])
-
-
-def run_rev(rev: str, args) -> list[dict]:
-    """The same measurement from a worktree of `rev` (its own mxserve on sys.path)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = os.path.join(tmp, "mxserve")
-        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree, rev], check=True,
-                       capture_output=True)
-        try:
-            out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--inner", "--batches", args.batches,
-                 "--steps", str(args.steps), "--prompt-len", str(args.prompt_len)],
-                env={**os.environ, "PYTHONPATH": tmp}, cwd=tmp, check=True, capture_output=True,
-                text=True).stdout
-        finally:
-            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree],
-                           check=True, capture_output=True)
-    return json.loads(out.splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256,512")
@@ -197,24 +171,25 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/host_overhead.json")
     ap.add_argument("--gc-steps", type=int, default=400)
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--inner-gc", choices=["on", "off"], help=argparse.SUPPRESS)
+    ap.add_argument("--gc", choices=["on", "off"], help=argparse.SUPPRESS)  # with --inner
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.inner:  # a subprocess of run_rev: one JSON line
-        print(json.dumps([measure(b, args.steps, args.prompt_len) for b in batches]))
-        return
-    if args.inner_gc:  # a subprocess of run_gc
-        print(json.dumps(measure_gc(max(batches), args.gc_steps, args.prompt_len,
-                                    args.inner_gc == "on")))
+    if args.inner:  # a subprocess (revision.run_inner): one JSON line
+        print(json.dumps(measure_gc(max(batches), args.gc_steps, args.prompt_len, args.gc == "on")
+                         if args.gc else
+                         [measure(b, args.steps, args.prompt_len) for b in batches]))
         return
     rows = [measure(b, args.steps, args.prompt_len) for b in batches]
-    base = run_rev(args.baseline, args) if args.baseline else None
-    gc_rows = [run_gc(args, False), run_gc(args, True)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    inner = ["--batches", args.batches, "--steps", str(args.steps), "--prompt-len",
+             str(args.prompt_len)]
+    base = run_inner(__file__, inner, args.baseline) if args.baseline else None
+    gc_rows = [run_inner(__file__, ["--gc", on, "--batches", args.batches, "--gc-steps",
+                                    str(args.gc_steps), "--prompt-len", str(args.prompt_len)])
+               for on in ("off", "on")]
+    commit = head_commit()
     result = {"bench": "host_overhead", "device": f"CPU ({platform.processor() or 'x86_64'}, "
               "1 torch thread)", "date": datetime.date.today().isoformat(),
-              "versions": {"python": platform.python_version()}, "commit": commit.strip(),
+              "versions": {"python": platform.python_version()}, "commit": commit,
               "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
               "loadavg": os.getloadavg(), "rows": rows, "baseline": args.baseline,
               "baseline_rows": base, "gc": gc_rows}
@@ -241,12 +216,10 @@ def main() -> None:
         lines.append(f"| {'frozen at start' if g['frozen'] else 'as is'} | {gen2['count']} | "
                      f"{gen2['max_ms']:.1f} ms | {total:.0f} ms | {ms['p50']} / {ms['p99']} / "
                      f"{ms['max']} |")
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write(f"# host_overhead ({result['device']}, {result['date']}, commit "
-                f"{result['commit']}, baseline {args.baseline})\n\n`{result['command']}`\n\n"
-                + "\n".join(lines) + "\n")
+    write_result(args.out, result,
+                 f"# host_overhead ({result['device']}, {result['date']}, commit {commit}, "
+                 f"baseline {args.baseline})\n\n`{result['command']}`\n\n"
+                 + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

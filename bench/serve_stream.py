@@ -22,11 +22,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from revision import head_commit, run_inner, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,23 +115,6 @@ async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, r
             await c.close()
 
 
-def run_rev(rev: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = os.path.join(tmp, "mxserve")
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", tree, rev],
-                       check=True, capture_output=True)
-        try:
-            out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--inner", "--concurrency",
-                 str(args.concurrency), "--max-tokens", str(args.max_tokens), "--rounds",
-                 str(args.rounds)], env={**os.environ, "PYTHONPATH": tmp}, cwd=tmp, check=True,
-                capture_output=True, text=True).stdout
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tree],
-                           check=True, capture_output=True)
-    return json.loads(out.splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=64)
@@ -140,17 +124,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/serve_stream.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.inner:  # a subprocess of run_rev: one JSON line
+    if args.inner:  # a subprocess (revision.run_inner): one JSON line
         print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds)))
         return
-    ours = subprocess.run([sys.executable, os.path.abspath(__file__), "--inner",
-                           "--concurrency", str(args.concurrency), "--max-tokens",
-                           str(args.max_tokens), "--rounds", str(args.rounds)],
-                          check=True, capture_output=True, text=True, cwd=REPO).stdout
-    ours = json.loads(ours.splitlines()[-1])
-    base = run_rev(args.baseline, args) if args.baseline else None
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+             "--rounds", str(args.rounds)]
+    ours = run_inner(__file__, inner)
+    base = run_inner(__file__, inner, args.baseline) if args.baseline else None
+    commit = head_commit()
     result = {"bench": "serve_stream", "device": "CPU (2 cores)",
               "date": datetime.date.today().isoformat(),
               "versions": {"python": platform.python_version()}, "commit": commit,
@@ -168,14 +149,12 @@ def main() -> None:
             b = base[key][q] if base else None
             lines.append(f"| {key[:-3]} {q} ms | {ours[key][q]} | {b} | "
                          f"{round(ours[key][q] / b, 2) if b else '-'} |")
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write(f"# serve_stream ({result['device']}, {result['date']}, commit {commit}, "
-                f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
-                f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
-                "model (1 layer), 1 worker + 1 router on local Ray.\n\n" + "\n".join(lines)
-                + "\n")
+    write_result(args.out, result,
+                 f"# serve_stream ({result['device']}, {result['date']}, commit {commit}, "
+                 f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
+                 f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
+                 "model (1 layer), 1 worker + 1 router on local Ray.\n\n" + "\n".join(lines)
+                 + "\n")
     print("\n".join(lines))
 
 

@@ -38,6 +38,7 @@ class Worker:
         self.num_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.num_output_tokens = 0
+        self._froze_gc = False  # start(freeze_gc=True) froze the heap; shutdown thaws it
 
     def start(self, freeze_gc: bool = False) -> None:
         """Start the engine loop. freeze_gc (a process serving this one engine, as a Serve
@@ -54,7 +55,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
-        if getattr(self, "_froze_gc", False):
+        if self._froze_gc:
             gc.unfreeze()  # what was frozen is collectable again (a process may go on)
             self._froze_gc = False
 

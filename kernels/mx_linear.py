@@ -77,11 +77,17 @@ MAX_GROUP = 16
 _HIGH_BITS = {"e2m1": ((6, 0, 3, 11), (15, 9, 10, 14)), "e2m3": ((6, 0, 3, 11), (15, 9, 10, 14)),
               "e3m2": ((7, 3, 0, 12), (15, 11, 6, 10))}
 _LOW_SLOTS = (2, 1, 0, 3, 4, 5, 6, 7)  # FP6: per pair u, the 2-bit slot of code & 3 (plane 2)
-_NIBBLES = {"e2m1": (0xB306, 0xEA9F), "e2m3": (0xB306, 0xEA9F), "e3m2": (0xC037, 0xA6BF)}
-_LOW_NIBBLES = 0x76543012
-assert all(_NIBBLES[f] == tuple(sum(b << (4 * u) for u, b in enumerate(t)) for t in tables)
-           for f, tables in _HIGH_BITS.items())
-assert _LOW_NIBBLES == sum(b << (4 * u) for u, b in enumerate(_LOW_SLOTS))
+
+
+def _nibbles(values: tuple[int, ...]) -> tl.constexpr:
+    """values[u] in nibble u of one integer: the tables above as the kernels read them."""
+    return tl.constexpr(sum(v << (4 * u) for u, v in enumerate(values)))
+
+
+# _placed_bits' view of the tables: e2m1 and e2m3 (EBITS 2) share theirs, e3m2 (EBITS 3)
+_MAG_E2, _SIGN_E2 = (_nibbles(t) for t in _HIGH_BITS["e2m3"])
+_MAG_E3, _SIGN_E3 = (_nibbles(t) for t in _HIGH_BITS["e3m2"])
+_LOW = _nibbles(_LOW_SLOTS)
 
 
 def _group_words(e: int, k: int) -> int:
@@ -195,13 +201,13 @@ def _placed_bits(w0, w1, w2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
     H16: tl.constexpr = 16 * (T % 2)  # bit offset of element T's half
     REP: tl.constexpr = 0x10001 if PAIR else 1  # a mask for both halves
     SIGNS: tl.constexpr = -2147450880 if PAIR else SIGN  # 0x80008000
-    # _HIGH_BITS of the format (e2m1 and e2m3 share theirs) as nibbles, then pair U's bits
-    MAGS: tl.constexpr = 0xC037 if EBITS == 3 else 0xB306
-    SIGNS_AT: tl.constexpr = 0xA6BF if EBITS == 3 else 0xEA9F
+    # pair U's bits in _HIGH_BITS / _LOW_SLOTS
+    MAGS: tl.constexpr = _MAG_E3 if EBITS == 3 else _MAG_E2
+    SIGNS_AT: tl.constexpr = _SIGN_E3 if EBITS == 3 else _SIGN_E2
     MPOS: tl.constexpr = ((MAGS >> (4 * (U % 4))) & 15) + H16
     SPOS: tl.constexpr = ((SIGNS_AT >> (4 * (U % 4))) & 15) + H16
     if E == 16:  # FP6: top 3 magnitude bits and sign, then the 2 low bits (plane 2)
-        LPOS: tl.constexpr = 2 * ((0x76543012 >> (4 * U)) & 15) + H16  # _LOW_SLOTS[U]
+        LPOS: tl.constexpr = 2 * ((_LOW >> (4 * U)) & 15) + H16
         if U < 4:
             h = w0
         else:
@@ -796,8 +802,8 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
     """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
     tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
     (bench/)."""
-    if tc is None:
-        tc = x2.is_cuda and _tc_ok(x2, w)
+    if tc is None:  # past TC_DECODE_MAX_M rows the kernel below takes any M
+        tc = x2.is_cuda and _tc_ok(x2, w) and x2.shape[0] <= TC_DECODE_MAX_M
     if tc:
         if not _tc_ok(x2, w) or x2.shape[0] > TC_DECODE_MAX_M:
             raise ValueError("mx_linear: the tensor-core decode needs bf16 x, K a multiple of "

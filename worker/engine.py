@@ -231,8 +231,7 @@ class Engine:
             request.request_id, new_ids, new_text,
             request.output_logprobs[-num_logprobs:] if num_logprobs else None,
             reason is not None, reason.value if reason else None,
-            len(request.prompt_token_ids), request.num_cached_tokens,
-            len(request.output_token_ids))
+            request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens)
 
 
 def build_engine(config: EngineConfig) -> Engine:

@@ -122,7 +122,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """Repetition, presence and frequency penalties, in place, on the rows that set any."""
-    rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return
     reqs = [requests[i] for i in rows]
@@ -253,11 +253,6 @@ def _exp1(shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
 def _is_plain_greedy(r: Request) -> bool:
     sp = r.sampling_params
     return sp.plain_greedy and (sp.min_tokens == 0 or r.num_output_tokens >= sp.min_tokens)
-
-
-def _has_penalties(sp: SamplingParams) -> bool:
-    return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
-            or sp.frequency_penalty != 0.0)
 
 
 def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:

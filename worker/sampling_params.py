@@ -85,13 +85,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     @cached_property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or asks for logprobs (min_tokens aside:
-        it matters only until that many tokens are out)."""
-        return (self.temperature == 0 and self.logprobs is None
-                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0)
+        it matters only until that many tokens are out). Cached: the sampler asks per request
+        per step."""
+        return self.greedy and self.logprobs is None and not self.has_penalties
 
 
 def _normalize_stop(stop: Any) -> tuple[str, ...]:

@@ -22,11 +22,6 @@ from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.request import Request, RequestStatus
 
 
-def _in_prefill(request: Request) -> bool:
-    """Request.is_prefill, without the property hops (a sort key over every running request)."""
-    return request.num_computed_tokens < len(request.prompt_token_ids)
-
-
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -83,7 +78,7 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         # Decodes first so a long prefill never stalls tokens already streaming.
-        for request in sorted(self.running, key=_in_prefill):
+        for request in sorted(self.running, key=lambda r: r.is_prefill):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted to make room for another
@@ -148,6 +143,6 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        tokens = request.all_token_ids
-        return ScheduledRequest(request, num_new, start, tokens[start:end],
-                                self.kv.get_block_ids(request.request_id), end == len(tokens))
+        return ScheduledRequest(request, num_new, start, request.all_token_ids[start:end],
+                                self.kv.get_block_ids(request.request_id),
+                                end == request.num_tokens)
