@@ -9,21 +9,25 @@ order, each written to the JSON as soon as it ends (a failing one records its er
 - batch-1 decode (bf16, then MXFP4): one request, 128-token prompt, 256 tokens. "graph replay" is
   the GPU time of the captured batch-1 decode graph replayed with the last step's real inputs (CUDA
   events, median of 200); "engine step" is the wall time of `engine.step()` for decode steps
-  (schedule + inputs + replay + sampling + bookkeeping; median); "eager step" the same with
+  (schedule + inputs + replay + sampling + bookkeeping; median), with async scheduling (the
+  default on CUDA: the host's work for a step overlaps the device's for the next) and without it
+  (`async_scheduling=False`, the same engine, in the same run); "eager step" the same with
   `enforce_eager=True`. Roofline = bytes of weights a decode step reads (every decoder linear and
   the LM head; bf16 2 bytes, MXFP4 4.25 bits a weight) / the measured copy bandwidth.
 - mix (bf16): 512 requests all at t=0, lognormal prompt (median 220, sigma 0.9, 16..2048) and
   output (median 150, sigma 0.9, 8..1024) lengths: output tok/s over the whole run, TTFT and time
   per output token p50/p99 (per request: (finish - first token) / (outputs - 1)), preemptions, KV
   pool occupancy (blocks held / pool, every step) and fill (tokens in held blocks / their slots).
+  Then the same requests again with async scheduling off, on the same engine, for the ratio.
 - HF: transformers `LlamaForCausalLM` (sdpa, bf16) with the same weights (the same DummySource
   stream copied into its state dict), `generate` greedy with min_new_tokens = max_new_tokens = 64
   on 256-token prompts at several batch sizes (no padding: the most favourable case for HF); its
   best tok/s is the baseline for the mix. The same weights check: greedy tokens of HF vs ours on 4
   prompts (bf16, so they may part after a near-tie).
 - decode sweep (bf16): steady decode steps at batch 1 .. 512 (256-token prompts): engine step
-  wall time and the GPU time of the graph replayed with that step's inputs (host overhead = the
-  difference). The mix also records the wall time inside each part of engine.step().
+  wall time with async scheduling on and off, and the GPU time of the graph replayed with that
+  step's inputs (host overhead = the difference). The mix also records the wall time inside each
+  part of engine.step().
 - prefix caching (bf16): a shared 2048-token system prompt, 64 conversations x 4 turns, each turn
   a lognormal (median 64) user message + 64 output tokens appended to the history; a turn's 64
   requests are submitted together once the previous turn has finished. Run with prefix caching on
@@ -122,9 +126,10 @@ def copy_bandwidth(args) -> dict:
     return {"bytes": 2 * src.numel() * 2, "median_s": t, "tb_per_s": round(4 * n / t / 1e12, 3)}
 
 
-def decode_batch1(args, llm, num_tokens: int) -> dict:
+def decode_batch1(args, llm, num_tokens: int, async_scheduling: bool = True) -> dict:
     """Engine decode step times of one request, then graph replays with its last inputs."""
     engine = llm.engine
+    engine.async_scheduling = async_scheduling
     vocab = engine.model_config.vocab_size
     prompt = [(1000 + i) % vocab for i in range(128)]
     engine.add_request(prompt, SamplingParams(max_tokens=num_tokens, **GREEDY))
@@ -147,7 +152,10 @@ def batch1_section(args, shape: str, bw: float, quant: str | None) -> dict:
                            kv_cache_memory_gb=2.0)
     res = {"load_s": load_s, "graph_capture_s": _capture_s(llm)}
     decode_batch1(args, llm, 16)  # warm-up
+    sync = decode_batch1(args, llm, args.batch1_tokens, async_scheduling=False)
     res.update(decode_batch1(args, llm, args.batch1_tokens))
+    res["sync_engine_step_ms_p50"] = sync["engine_step_ms_p50"]
+    res["async_vs_sync_step"] = round(sync["engine_step_ms_p50"] / res["engine_step_ms_p50"], 3)
     bits = 16 if quant is None else 4.25
     res["weight_bytes_per_step"] = step_bytes(llm, bits)
     res["roofline_ms"] = round(res["weight_bytes_per_step"] / (bw * 1e12) * 1e3, 4)
@@ -252,10 +260,11 @@ def run_mix(llm, prompts: list[list[int]], out_lens: list[int]) -> dict:
 
 def time_phases(engine) -> tuple[dict, object]:
     """Wall time spent in each part of engine.step(): schedule, execute (input copies and kernel
-    launches; asynchronous), sample (waits for the GPU), update. Returns (totals, restore)."""
-    totals = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "update": 0.0}
+    launches; asynchronous), sample (launches too), complete (waits for the GPU, then appends
+    tokens, checks stops, makes outputs). Returns (totals, restore)."""
+    totals = {"schedule": 0.0, "execute": 0.0, "sample": 0.0, "complete": 0.0}
     targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
-               "sample": (engine, "sampler"), "update": (engine, "_update")}
+               "sample": (engine.sampler, "sample"), "complete": (engine, "_complete")}
     saved = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
 
     def timer(key, fn):
@@ -301,7 +310,13 @@ def mix_section(args, shape: str) -> tuple[dict, LLM]:
     warm_p, warm_o = make_mix(min(64, args.num_requests), vocab, args.max_model_len, seed=1)
     run_mix(llm, warm_p, [min(k, 32) for k in warm_o])  # compiles, first-touch allocations
     prompts, outs = make_mix(args.num_requests, vocab, args.max_model_len)
+    llm.engine.async_scheduling = False
+    sync = run_mix(llm, prompts, outs)
+    llm.engine.async_scheduling = True
     res = run_mix(llm, prompts, outs)
+    res["sync"] = {k: sync[k] for k in ("wall_s", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99",
+                                        "tpot_ms_p50", "tpot_ms_p99", "phase_s")}
+    res["async_vs_sync_tok_s"] = round(res["output_tok_s"] / sync["output_tok_s"], 3)
     res.update(load_s=load_s, graph_capture_s=_capture_s(llm),
                config=dict(max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_gb,
                            max_num_batched_tokens=args.max_batched_tokens,
@@ -310,9 +325,9 @@ def mix_section(args, shape: str) -> tuple[dict, LLM]:
 
 
 def decode_sweep(args, llm) -> dict:
-    """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time, its
-    parts (time_phases; "sample" includes waiting for the GPU), and the GPU time of that
-    batch's graph replayed with the last step's inputs."""
+    """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time with
+    async scheduling off, then on, its parts (time_phases; "complete" includes waiting for the
+    GPU), and the GPU time of that batch's graph replayed with the last step's inputs."""
     engine, rows = llm.engine, []
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(5)
@@ -322,17 +337,22 @@ def decode_sweep(args, llm) -> dict:
         while engine.scheduler.waiting or any(engine.requests[i].num_output_tokens < 4
                                               for i in ids):
             engine.step()
-        times = []
-        phases, restore = time_phases(engine)
-        try:
-            for _ in range(24):
-                t0 = time.perf_counter()
-                engine.step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            restore()
-        row = {"batch": batch, "engine_step_ms_p50": round(statistics.median(times), 3),
-               "phase_ms_mean": {k: round(v / 24 * 1e3, 3) for k, v in phases.items()}}
+        row = {"batch": batch}
+        for mode in (False, True):  # sync, then async
+            engine.async_scheduling = mode
+            engine.step()  # into the mode's steady state
+            times = []
+            phases, restore = time_phases(engine)
+            try:
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                restore()
+            key = "" if mode else "sync_"
+            row[f"{key}engine_step_ms_p50"] = round(statistics.median(times), 3)
+            row[f"{key}phase_ms_mean"] = {k: round(v / 20 * 1e3, 3) for k, v in phases.items()}
         graphs = engine.runner.graphs
         if graphs is not None:
             size = next(x for x in graphs.sizes if x >= batch)
@@ -571,13 +591,14 @@ def markdown(d: dict) -> str:
     if "copy_bandwidth" in s:
         lines.append(f"Copy bandwidth: {s['copy_bandwidth']['tb_per_s']} TB/s (1 GiB d2d, r+w).")
     lines += ["", "| batch-1 decode | roofline ms | graph replay ms | engine step ms | "
-              "eager step ms | step / roofline |", "|---|---|---|---|---|---|"]
+              "sync engine step ms | eager step ms | step / roofline |",
+              "|---|---|---|---|---|---|---|"]
     for key in ("1b_bf16_batch1", "1b_mxfp4_batch1", "8b_bf16_batch1", "8b_mxfp4_batch1"):
         r = s.get(key)
         if r:
             lines.append(f"| {key} | {r['roofline_ms']} | {r.get('graph_replay_ms_p50')} | "
-                         f"{r['engine_step_ms_p50']} | {r.get('eager_step_ms_p50')} | "
-                         f"{r.get('engine_step_vs_roofline')} |")
+                         f"{r['engine_step_ms_p50']} | {r.get('sync_engine_step_ms_p50')} | "
+                         f"{r.get('eager_step_ms_p50')} | {r.get('engine_step_vs_roofline')} |")
     for key in ("1b_mix", "8b_mix"):
         if not s.get(key):
             continue
@@ -591,11 +612,17 @@ def markdown(d: dict) -> str:
             f"{m['kv_occupancy_mean_while_queued']}; block fill {m['kv_fill_mean']}; "
             f"preemptions {m['num_preemptions']}.")]
         lines += [f"Time in engine.step() parts over the mix (s): {m.get('phase_s')} (execute "
-                  "launches asynchronously; sample waits for the GPU)."]
+                  "and sample launch asynchronously; complete waits for the GPU)."]
+        if m.get("sync"):
+            lines += [f"Async scheduling off, same requests: {m['sync']['output_tok_s']} output "
+                      f"tok/s (async: {m['async_vs_sync_tok_s']}x), TPOT p50/p99 "
+                      f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
     if s.get("1b_decode_sweep"):
-        lines += ["", "| decode batch | engine step ms | graph replay ms (padded size) | "
-                  "schedule / execute / sample / update ms (mean) |", "|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['engine_step_ms_p50']} | {r.get('graph_replay_ms_p50')} "
+        lines += ["", "| decode batch | engine step ms, async | sync | graph replay ms (padded "
+                  "size) | async: schedule / execute / sample / complete ms (mean) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['engine_step_ms_p50']} | "
+                  f"{r.get('sync_engine_step_ms_p50')} | {r.get('graph_replay_ms_p50')} "
                   f"({r.get('graph_size')}) | "
                   f"{' / '.join(str(v) for v in r.get('phase_ms_mean', {}).values())} |"
                   for r in s["1b_decode_sweep"]["rows"]]

@@ -8,7 +8,8 @@ waits for. This measures the device-independent part of it, per step and per req
 - inputs: `DecodeGraphs._copy_inputs` (token ids, positions, slots, sequence lengths and block
   tables of a CUDA-graph replay, built in numpy; here the "device" buffers are CPU tensors);
 - sample: the sampler's host side on greedy requests (its argmax over a tiny vocabulary);
-- update: `Engine._update` (append tokens, stop checks, block hashes, step outputs);
+- update: `Engine._complete` (append tokens, stop checks, block hashes, step outputs; `_update`
+  before async scheduling);
 - deliver: `AsyncEngine` handing the step's outputs to the requests' asyncio queues, on an
   event loop running in another thread (as in a Serve replica), engine-thread side.
 
@@ -93,6 +94,15 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     size = next(s for s in graphs.sizes if s >= batch)
     totals = dict.fromkeys(PHASES, 0.0)
+    forward, execute = [0.0], engine.runner.execute
+
+    def timed_execute(plan):
+        t = time.perf_counter()
+        out = execute(plan)
+        forward[0] += time.perf_counter() - t
+        return out
+
+    engine.runner.execute = timed_execute
     gc.collect()
     gc.disable()  # the collector's pauses are measured apart (measure_gc)
     for step in range(steps + 5):
@@ -101,13 +111,20 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
         t1 = time.perf_counter()
         graphs._copy_inputs(plan, size)
         t2 = time.perf_counter()
-        result = engine.runner.execute(plan)  # the tiny forward: not counted
-        requests = [s.request for s in plan.scheduled if s.samples]
-        t3 = time.perf_counter()
-        with torch.inference_mode():
-            sampled = engine.sampler(result.logits, requests)
-        t4 = time.perf_counter()
-        outputs = engine._update(plan, sampled.token_ids, sampled.logprobs)
+        if hasattr(engine, "_launch"):  # launch (forward + sample) and complete
+            forward[0] = 0.0
+            launched = engine._launch(plan, None)
+            t4 = time.perf_counter()
+            t3 = t2 + forward[0]  # the tiny forward: not counted
+            outputs = engine._complete(launched)
+        else:  # a revision before async scheduling
+            result = engine.runner.execute(plan)  # the tiny forward: not counted
+            requests = [s.request for s in plan.scheduled if s.samples]
+            t3 = time.perf_counter()
+            with torch.inference_mode():
+                sampled = engine.sampler(result.logits, requests)
+            t4 = time.perf_counter()
+            outputs = engine._update(plan, sampled.token_ids, sampled.logprobs)
         t5 = time.perf_counter()
         if deliver_all is not None:
             deliver_all(outputs)

@@ -23,6 +23,7 @@ from mxserve.worker.attention import (
     AttentionBackend,
     AttentionBatch,
 )
+from mxserve.worker.host_to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def _group(batch: AttentionBatch, lo: int, hi: int) -> PagedGroup | None:
     seq_lens = [s + n for s, n in zip(starts, query_lens)]
 
     def i32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=batch.device)
+        return to_device(values, torch.int32, batch.device)
 
     return PagedGroup(
         block_tables=i32([t + [0] * (width - len(t)) for t in tables]),
@@ -84,7 +85,7 @@ class TritonAttention(AttentionBackend):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + qlen))
         nd = batch.num_decodes
         return TritonAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=batch.device),
+            slot_mapping=to_device(slots, torch.long, batch.device),
             num_decode_tokens=nd, decode=_group(batch, 0, nd),
             prefill=_group(batch, nd, len(batch.query_lens)))
 

@@ -45,6 +45,9 @@ class EngineConfig:
     # CUDA: pure-decode steps replay CUDA graphs captured at start (worker/cuda_graphs.py);
     # True runs every step eagerly. No effect on CPU.
     enforce_eager: bool = False
+    # Schedule and launch step N + 1 before completing step N (engine.py), so the host's work
+    # hides behind the device's. None: on for CUDA, off on CPU (no device to overlap).
+    async_scheduling: bool | None = None
     # CPU, bf16: multiply with oneDNN's blocked copies of the linear weights (same numbers,
     # faster; worker/model/parallel.py `pack_for_cpu`). False keeps plain torch.matmul.
     pack_cpu_weights: bool = True

@@ -11,9 +11,14 @@ replays the graph of the smallest captured size >= its batch:
     slot:       s0 s1 s2    -1  -1  -1       padding writes no KV ...
     seq_len:    n0 n1 n2     0   0   0       ... attends to nothing; its logits are dropped
 
-Steps with prefill chunks run eagerly (runner.py). A graph fixes every launch grid, so the decode
-attention's context split is chosen for `max_model_len` rather than for the step's longest context;
-the kernel's last split takes whatever remains, so any length is computed exactly.
+Steps with prefill chunks run eagerly (runner.py). Inputs go through two pinned host buffers used
+in turn, so a copy never waits for the device and a buffer is refilled only once its last copy
+ran (async scheduling queues step N + 1 while step N runs). A token the previous step sampled
+and the host has not seen yet is copied on the device from that step's samples.
+
+A graph fixes every launch grid, so the decode attention's context split is chosen for
+`max_model_len` rather than for the step's longest context; the kernel's last split takes
+whatever remains, so any length is computed exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import numpy as np
 import torch
 
 from mxserve.worker.attention_triton import static_decode_metadata
+from mxserve.worker.host_to_device import index_on
+from mxserve.worker.runner import fill_inflight_tokens
 from mxserve.worker.scheduler import StepPlan
 
 
@@ -60,6 +67,15 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, _Graph] = {}
+        # Pinned staging of the inputs, two sets used in turn: (tokens [3, n] int64, seq_lens
+        # [n] int32, block tables [n * max_blocks] int32), and an event after each set's copies.
+        pin = dev.type == "cuda"  # (bench/host_overhead.py runs these on CPU tensors)
+        self._staging = [(torch.zeros(3, n, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(n, dtype=torch.int32, pin_memory=pin),
+                          torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=pin))
+                         for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.num_replays = 0  # steps served by a replay (tests, stats)
         self.capture_seconds = 0.0
 
@@ -107,28 +123,41 @@ class DecodeGraphs:
         rows = [i for i, s in enumerate(plan.scheduled) if s.samples]
         if len(rows) == batch:
             return logits, hidden
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # a 1-token chunk
-        return logits[index], hidden[index]
+        index = index_on(rows, logits)  # a 1-token chunk
+        return logits.index_select(0, index), hidden.index_select(0, index)
 
     def _copy_inputs(self, plan: StepPlan, size: int) -> None:
         sched, bs = plan.scheduled, self.block_size
         batch = len(sched)
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # this set's previous copies have run
+        tokens_h, seq_lens_h, tables_h = self._staging[turn]
+        tokens = tokens_h.numpy()[:, :size]  # padding: id 0, position 0, slot -1
         positions = [s.start_position for s in sched]
-        tokens = np.zeros((3, size), dtype=np.int64)  # padding: id 0, position 0, slot -1
-        tokens[0, :batch] = [s.token_ids[0] for s in sched]
+        tokens[0, :batch] = [s.token_ids[0] if s.token_ids else 0 for s in sched]
+        tokens[0, batch:] = 0
         tokens[1, :batch] = positions
+        tokens[1, batch:] = 0
         tokens[2, :batch] = [s.block_table[p // bs] * bs + p % bs
                              for s, p in zip(sched, positions)]
         tokens[2, batch:] = -1
-        seq_lens = np.zeros(size, dtype=np.int32)
+        seq_lens = seq_lens_h.numpy()[:size]
         seq_lens[:batch] = positions
         seq_lens[:batch] += 1
+        seq_lens[batch:] = 0
         lengths = np.array([len(s.block_table) for s in sched])
         width = int(lengths.max())
-        tables = np.zeros((batch, width), dtype=np.int32)  # beyond a request's length: unread
-        tables[np.arange(width) < lengths[:, None]] = np.fromiter(
+        tables = tables_h[:batch * width].view(batch, width)  # beyond a request's length: unread
+        tables.numpy()[np.arange(width) < lengths[:, None]] = np.fromiter(
             itertools.chain.from_iterable(s.block_table for s in sched), np.int32,
             int(lengths.sum()))  # row by row
-        self.tokens[:, :size].copy_(torch.from_numpy(tokens), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_tables[:batch, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.tokens[:, :size].copy_(tokens_h[:, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(seq_lens_h[:size], non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        if self.tokens.is_cuda:
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        inflight = [(i, s.inflight_row) for i, s in enumerate(sched) if s.inflight_row >= 0]
+        if inflight:
+            fill_inflight_tokens(self.tokens[0], inflight, plan.inflight_tokens)

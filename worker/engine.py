@@ -1,9 +1,22 @@
 """The engine one worker replica runs: add requests, then `step()` until they finish.
 
-    step(): schedule -> run the model -> sample -> update requests (stop checks, prefix cache)
+    step(): schedule -> launch (run the model, sample) -> complete (append tokens, stop checks,
+            prefix cache, outputs)
 
-Everything is synchronous and single-threaded; `AsyncEngine` (async_engine.py) drives it from a
-background thread for the server.
+Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server.
+
+Async scheduling (on by default on CUDA): a step is completed by the next `step()` call, after
+that call has scheduled and launched its own step, so the host's work (scheduling, input copies,
+completing the previous step) runs while the device computes:
+
+    host:    sched N | launch N | complete N-1 | sched N+1 | launch N+1 | complete N | ...
+    device:          ...  N-1 ...   |      N      ...         |        N+1 ...
+
+Step N computes the token step N-1 sampled before the host has seen it: the scheduler counts it
+(Request.num_inflight) and the runner copies its id from N-1's samples on the device. A request
+whose in-flight token ends it (EOS, a stop id or string) got one step too many: that token is
+dropped. A step that needs a token's host-side effects (penalties and min_tokens read the output
+so far) completes the previous step first.
 """
 
 from __future__ import annotations
@@ -22,9 +35,9 @@ from mxserve.worker.errors import InvalidRequestError
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from mxserve.worker.request import FinishReason, Request
+from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner
-from mxserve.worker.sampler import Sampler
+from mxserve.worker.sampler import SampledTokens, Sampler
 from mxserve.worker.sampling_params import SamplingParams
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
@@ -59,6 +72,15 @@ def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
         then.num_cached_tokens, then.num_output_tokens)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its plan and its samples, on their way."""
+
+    plan: StepPlan
+    samples: SampledTokens  # a row per sampling request, in plan order
+    rows: dict[Request, int]  # sampling request -> its row in samples.token_ids
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -77,8 +99,13 @@ class Engine:
         self.kv = KVCacheManager(runner.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config, model_config)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.sampler = Sampler(config.seed)
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none
+            self.async_scheduling = runner.device.type == "cuda"
+        self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -146,7 +173,7 @@ class Engine:
         return self._output(request, [], "", 0)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         free = self.kv.num_free_blocks
@@ -155,33 +182,68 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and launch a step; return the outputs of the step completed in this call
+        (this one, or with async scheduling the previous one)."""
+        previous, self._inflight = self._inflight, None
+        outputs: list[StepOutput] = []
+        if previous is not None and self._needs_host_tokens(previous):
+            outputs, previous = self._complete(previous), None
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
+        launched = None if plan.is_empty else self._launch(plan, previous)
+        if previous is not None:
+            outputs += self._complete(previous)
+        if launched is not None and self.async_scheduling:
+            self._inflight = launched
+        elif launched is not None:
+            outputs += self._complete(launched)
+        return outputs
+
+    def _needs_host_tokens(self, step: LaunchedStep) -> bool:
+        """Whether a request of `step` samples its next token from host state that its token in
+        flight changes: penalties count the output tokens, and so does min_tokens."""
+        return any(r.sampling_params.has_penalties
+                   or r.num_output_tokens < r.sampling_params.min_tokens for r in step.rows)
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue the plan's model run and sampling; nothing here waits for the device."""
+        for s in plan.scheduled:
+            request = s.request
+            if request.num_inflight:  # its newest token is one of `previous`'s samples
+                s.inflight_row = previous.rows[request]
+                plan.inflight_tokens = previous.samples.token_ids
+            request.num_computed_tokens += s.num_new_tokens
         result = self.runner.execute(plan)
         sampling = [s.request for s in plan.scheduled if s.samples]
         with torch.inference_mode():  # the logits are inference tensors
-            sampled = self.sampler(result.logits, sampling)
-        return self._update(plan, sampled.token_ids, sampled.logprobs)
+            samples = self.sampler.sample(result.logits, sampling)
+        for request in sampling:
+            request.num_inflight += 1
+        return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
 
-    def _update(self, plan: StepPlan, token_ids: list[int],
-                logprobs: list[dict[int, float] | None]) -> list[StepOutput]:
+    def _complete(self, step: LaunchedStep) -> list[StepOutput]:
+        """Take a launched step's tokens (waiting for the device): append them, check stops,
+        register the blocks it filled in the prefix cache, and make the step's outputs."""
+        sampled = step.samples.result()
         outputs = []
-        sampled = iter(zip(token_ids, logprobs))
-        for s in plan.scheduled:
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs))
+        for s in step.plan.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            if not s.samples:
-                self._cache_blocks(request, s.start_position)
+            if s.samples:
+                token, lp = next(tokens)
+                request.num_inflight -= 1
+            if request.is_finished:  # aborted, or ended by its previous token: drop this one
                 continue
-            token, lp = next(sampled)
+            end = s.start_position + s.num_new_tokens
+            if not s.samples:
+                self._cache_blocks(request, s.start_position, end)
+                continue
             num_text = len(request.output_text)
             request.append_output(token, lp)
             self._detokenize(request, token)
             check_stop(request, self.max_model_len, num_text)
             if request.finish_reason is not None and not isinstance(request.stop_reason, str):
                 self._flush_text(request)
-            self._cache_blocks(request, s.start_position)
+            self._cache_blocks(request, s.start_position, end)
             outputs.append(self._output(request, [token], self._text_delta(request),
                                         1 if lp is not None else 0))
             if request.finish_reason is not None:
@@ -209,14 +271,15 @@ class Engine:
         request.num_text_sent = end
         return delta
 
-    def _cache_blocks(self, request: Request, num_computed_before: int) -> None:
-        """Hash and register the blocks this step filled (none in most decode steps)."""
-        if request.num_computed_tokens // self.kv.block_size \
-                == num_computed_before // self.kv.block_size:
+    def _cache_blocks(self, request: Request, start: int, end: int) -> None:
+        """Hash and register the blocks a step filled computing tokens start..end-1 (none in
+        most decode steps; none of a request preempted since, which holds no blocks)."""
+        bs = self.kv.block_size
+        if end // bs == start // bs or request.status is not RequestStatus.RUNNING:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
+        extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
                             self.model_config.model_id)
-        self.kv.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+        self.kv.cache_blocks(request.request_id, request.block_hashes, end)
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)

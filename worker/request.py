@@ -39,6 +39,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by launched steps that the host has not seen yet (async scheduling: 0..2).
+    # They count as known for scheduling: the next step computes the newest one, taking its id
+    # from the device (engine.py).
+    num_inflight: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -11,6 +11,7 @@ from mxserve.kernels import cpu_attention, cpu_linear
 from mxserve.worker.attention import AttentionBatch, get_attention_backend
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import ModelLoadError
+from mxserve.worker.host_to_device import index_on, to_device
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.parallel import (
@@ -144,10 +145,30 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        inflight: list[tuple[int, int]] = []  # (token index, row of plan.inflight_tokens)
         for s in plan.scheduled:
             ids.extend(s.token_ids)
+            if s.inflight_row >= 0:
+                inflight.append((len(ids), s.inflight_row))
+                ids.append(0)  # filled on the device below
             positions.extend(range(s.start_position, s.start_position + s.num_new_tokens))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+        input_ids = to_device(ids, torch.long, self.device)
+        if inflight:
+            fill_inflight_tokens(input_ids, inflight, plan.inflight_tokens)
+        return (input_ids, to_device(positions, torch.long, self.device),
+                to_device(sample_rows, torch.long, self.device))
+
+
+def fill_inflight_tokens(input_ids: torch.Tensor, rows: list[tuple[int, int]],
+                         inflight_tokens: torch.Tensor) -> None:
+    """input_ids[i] = inflight_tokens[j] for each (i, j) in rows: the ids the previous step
+    sampled, which the host has not seen yet, copied on the device."""
+    dst, src = (list(x) for x in zip(*rows))
+    n = len(rows)
+    if dst == list(range(dst[0], dst[0] + n)) and src == list(range(src[0], src[0] + n)):
+        input_ids[dst[0]:dst[0] + n].copy_(inflight_tokens[src[0]:src[0] + n])  # steady decode
+        return
+    input_ids.index_copy_(0, index_on(dst, input_ids),
+                          inflight_tokens.index_select(0, index_on(src, input_ids)))

@@ -21,6 +21,7 @@ from itertools import chain
 
 import torch
 
+from mxserve.worker.host_to_device import index_on, to_device
 from mxserve.worker.request import Request
 from mxserve.worker.sampling_params import SamplingParams
 
@@ -41,6 +42,36 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+class SampledTokens:
+    """One sampler call's tokens (and logprobs) on their way to the host. `Sampler.sample`
+    queues the work and the copies; `result()` waits for them. Meanwhile `token_ids` (on the
+    device) can feed the next step's inputs: that is async scheduling (engine.py)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_parts: tuple[torch.Tensor, ...],
+                 lp_rows: list[int], params: list[SamplingParams]) -> None:
+        self.token_ids = token_ids  # [num_reqs] int64, on the logits' device
+        self._lp_rows, self._params = lp_rows, params
+        # Device -> pinned host copies, queued behind the sampling kernels.
+        self._host = [t.to("cpu", non_blocking=True) for t in (token_ids, *logprob_parts)]
+        self._copied = None
+        if token_ids.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids = self._host[0].tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(self._params)
+        if self._lp_rows:
+            sampled_lps, top_lps, top_ids = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self._lp_rows):
+                n = self._params[i].logprobs
+                logprobs[i] = {token_ids[i]: sampled_lps[j]}
+                logprobs[i].update(zip(top_ids[j][:n], top_lps[j][:n], strict=True))
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     """Samples one token per request from a batch of logits; holds only the unseeded RNG."""
 
@@ -51,9 +82,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_reqs, vocab] float32, row i for requests[i]; may be modified in place."""
+        return self.sample(logits, requests).result()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """Queue the sampling of `logits` (as __call__) without waiting for the device. Only
+        top_p waits (rarely more than once: whether its 256 candidates hold enough mass)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
-            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(requests))
+            return SampledTokens(logits.argmax(-1), (), [], params)
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         raw_logprobs = _rows(logits, lp_rows).log_softmax(-1) if lp_rows else None  # a copy
         apply_min_tokens(logits, requests)
@@ -61,20 +97,19 @@ class Sampler:
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if greedy:
-            token_ids[greedy] = _rows(logits, greedy).argmax(-1)
+            _write_rows(token_ids, greedy, _rows(logits, greedy).argmax(-1))
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         if sampled:
             sampled_reqs = [requests[i] for i in sampled]
-            token_ids[sampled] = self._sample(_rows(logits, sampled), sampled_reqs)
-        logprobs = _collect_logprobs(raw_logprobs, lp_rows, token_ids, params)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+            _write_rows(token_ids, sampled, self._sample(_rows(logits, sampled), sampled_reqs))
+        parts = _logprob_parts(raw_logprobs, lp_rows, token_ids, params)
+        return SampledTokens(token_ids, parts, lp_rows, params)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Temperature, filters and the exponential race over rows that all sample. -> [rows]"""
         params = [r.sampling_params for r in requests]
         if any(sp.temperature != 1.0 for sp in params):
-            temperature = torch.tensor([sp.temperature for sp in params], device=logits.device)
-            logits = logits.div_(temperature.unsqueeze(1))
+            logits = logits.div_(_column([sp.temperature for sp in params], logits))
         threshold = filter_threshold(logits, params)
         probs = logits.softmax(-1)  # [rows, vocab]
         if threshold is not None:
@@ -90,7 +125,7 @@ class Sampler:
             return _exp1(probs.shape, self._generator(probs.device), q)
         if unseeded:
             shape = (len(unseeded), probs.shape[1])
-            q[unseeded] = _exp1(shape, self._generator(probs.device), q)
+            _write_rows(q, unseeded, _exp1(shape, self._generator(probs.device), q))
         for j, r in enumerate(requests):
             if r.sampling_params.seed is not None:
                 if r.generator is None:  # first sampled step of this request
@@ -117,7 +152,8 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         rows += [i] * len(banned_ids)
         cols += banned_ids
     if rows:
-        logits[rows, cols] = _NEG_INF
+        logits.index_put_((index_on(rows, logits), index_on(cols, logits)),
+                          logits.new_full((), _NEG_INF))
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -178,16 +214,16 @@ def _top_k_top_p_threshold(
     if use_top_p:
         num_candidates = max(num_candidates, min(_TOP_P_CANDIDATES, vocab))
     values = logits.topk(num_candidates, dim=-1).values  # [rows, num_candidates], descending
-    k = torch.tensor(top_k, device=logits.device).clamp_(max=num_candidates).unsqueeze(1)
-    k_on = torch.tensor([k < vocab for k in top_k], device=logits.device).unsqueeze(1)
-    threshold = torch.where(k_on, values.gather(1, k - 1), _NEG_INF)  # the k-th largest logit
+    k = to_device([min(k, num_candidates) for k in top_k], torch.long, logits.device)
+    k_on = to_device([k < vocab for k in top_k], torch.bool, logits.device).unsqueeze(1)
+    threshold = torch.where(k_on, values.gather(1, k.unsqueeze(1) - 1), _NEG_INF)  # k-th largest
     if not use_top_p:
         return threshold
     # top_p renormalizes over what top_k kept, so its softmax denominator is over the survivors:
     # all among the candidates when top_k is on, the whole row when it is off.
     values = values.masked_fill_(values < threshold, _NEG_INF)
     log_total = values.logsumexp(-1, keepdim=True)
-    if not bool(k_on.all()):
+    if not all(k < vocab for k in top_k):
         log_total = torch.where(k_on, log_total, logits.logsumexp(-1, keepdim=True))
     return torch.maximum(threshold, _top_p_threshold(logits, values, log_total, params))
 
@@ -221,26 +257,22 @@ def _top_p_threshold(
     return torch.where(top_p < 1.0, values.gather(1, num_keep - 1), _NEG_INF)
 
 
-def _collect_logprobs(
+def _logprob_parts(
     raw_logprobs: torch.Tensor | None,
     lp_rows: list[int],
     token_ids: torch.Tensor,
     params: list[SamplingParams],
-) -> list[dict[int, float] | None]:
-    """Per request: None, or {sampled id: lp, top-n ids: lp} from raw_logprobs [lp_rows, vocab]."""
-    out: list[dict[int, float] | None] = [None] * len(params)
+) -> tuple[torch.Tensor, ...]:
+    """(sampled lp [L], top-n lps [L, n], top-n ids [L, n]) of the rows asking for logprobs, on
+    the device, from raw_logprobs [L, vocab]; () when none asks. SampledTokens builds the
+    per-request {id: lp} dicts from them on the host."""
     if raw_logprobs is None:
-        return out
-    sampled_ids = token_ids[lp_rows].unsqueeze(1)  # [lp_rows, 1]
-    sampled_lps = raw_logprobs.gather(1, sampled_ids).squeeze(1).tolist()
+        return ()
+    sampled_ids = _rows(token_ids, lp_rows).unsqueeze(1)  # [L, 1]
+    sampled_lps = raw_logprobs.gather(1, sampled_ids).squeeze(1)
     num_top = max(params[i].logprobs for i in lp_rows)
-    top_lps, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [lp_rows, num_top] each
-    top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
-    for j, (i, sampled_id) in enumerate(zip(lp_rows, sampled_ids.squeeze(1).tolist(), strict=True)):
-        n = params[i].logprobs
-        out[i] = {sampled_id: sampled_lps[j]}
-        out[i].update(zip(top_ids[j][:n], top_lps[j][:n], strict=True))
-    return out
+    top_lps, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [L, num_top] each
+    return sampled_lps, top_lps, top_ids
 
 
 def _exp1(shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -267,28 +299,27 @@ def _flat_index(
     token_lists: list[list[int]], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, id) index tensors [num_tokens] each, over all lists; row j for token_lists[j]."""
-    lengths = torch.tensor([len(ids) for ids in token_lists], device=like.device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=like.device), lengths)
-    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=like.device)
-    return rows, ids
+    rows = [j for j, ids in enumerate(token_lists) for _ in ids]
+    return index_on(rows, like), index_on(list(chain.from_iterable(token_lists)), like)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """Per-row values as a [rows, 1] tensor of like's dtype and device."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.dtype, like.device).unsqueeze(1)
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits itself when rows is every row (in order), else a copy of those rows."""
     if len(rows) == logits.shape[0]:
         return logits
-    return logits[rows]
+    return logits.index_select(0, index_on(rows, logits))
 
 
 def _write_rows(logits: torch.Tensor, rows: list[int], sub: torch.Tensor) -> None:
+    """logits[rows] = sub (no copy when sub is logits itself)."""
     if sub is logits:
         return
     if len(rows) == logits.shape[0]:
         logits.copy_(sub)
     else:
-        logits[rows] = sub
+        logits.index_copy_(0, index_on(rows, logits), sub)

@@ -5,6 +5,8 @@ in the cache) against `num_tokens` (prompt + output so far). Each step hands eve
 tokens to compute under one budget of `max_num_batched_tokens`: 1 for a plain decode, up to the rest
 of the budget for a prompt (chunked prefill, continued over later steps), and a prefix-cache hit
 just starts `num_computed_tokens` further along. A speculative verify will be "compute k + 1".
+With async scheduling a request's newest token may still be on the device (`num_inflight`): it
+is scheduled like a known one, and the runner takes its id from the previous step's samples.
 
 Order: running requests first (decodes before unfinished prefills), then waiting requests in
 arrival order while the budget, `max_num_seqs` and free KV blocks allow. When a running request
@@ -17,9 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -31,6 +37,9 @@ class ScheduledRequest:
     block_table: list[int]  # the request's blocks, covering start + num_new_tokens tokens
     # True when this step reaches the last known token, so its logits yield the next token.
     samples: bool
+    # >= 0: the last token to compute is still on the device, in row `inflight_row` of
+    # StepPlan.inflight_tokens, and token_ids lacks it (set by the engine).
+    inflight_row: int = -1
 
 
 @dataclass
@@ -40,6 +49,8 @@ class StepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0  # scheduled[:num_decodes] compute one token each (attention's decode path)
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+    # The previous step's sampled ids [rows] on the device, when some request here computes one.
+    inflight_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,10 +62,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len  # with num_inflight: which requests end by length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -83,7 +96,10 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted to make room for another
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_inflight and self._ends_by_length(request):
+                continue  # its token in flight is its last one
+            num_new = min(request.num_tokens + request.num_inflight - request.num_computed_tokens,
+                          budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
             plan.scheduled.append(self._scheduled(request, num_new))
@@ -94,6 +110,14 @@ class Scheduler:
         if plan.num_decodes != len(plan.scheduled):
             plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return plan
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """max_tokens or the context length is reached once the tokens in flight arrive."""
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None
+                and request.num_output_tokens + request.num_inflight >= max_tokens) or (
+            self.max_model_len is not None
+            and request.num_tokens + request.num_inflight >= self.max_model_len)
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -145,4 +169,4 @@ class Scheduler:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         return ScheduledRequest(request, num_new, start, request.all_token_ids[start:end],
                                 self.kv.get_block_ids(request.request_id),
-                                end == request.num_tokens)
+                                end == request.num_tokens + request.num_inflight)
