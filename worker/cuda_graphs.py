@@ -23,6 +23,7 @@ whatever remains, so any length is computed exactly.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from dataclasses import dataclass
@@ -86,7 +87,21 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every size. The garbage collector is off meanwhile: a dead cycle holding an
+        older engine's graphs, collected mid-capture, would reset a graph during the capture,
+        which invalidates it (seen on the H200: tests building engines one after another)."""
         t0 = time.perf_counter()
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if was_enabled:
+                gc.enable()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         self.tokens[2].fill_(-1)  # capture runs the step once: padding rows only
         for size in reversed(self.sizes):
@@ -100,7 +115,6 @@ class DecodeGraphs:
                 hidden, logits = self._forward(size)
             self.graphs[size] = _Graph(graph, logits, hidden)
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model

@@ -65,7 +65,7 @@ def test_graphs_in_bfloat16_give_eager_logits(path):
     steps = {}
     for eager in (True, False):
         llm = LLM(model=path, device="cuda", dtype="bfloat16", load_progress=False,
-                  enforce_eager=eager, max_num_seqs=8)
+                  enforce_eager=eager, max_num_seqs=8, async_scheduling=False)
         engine = llm.engine
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -75,3 +75,40 @@ def test_graphs_in_bfloat16_give_eager_logits(path):
         steps[eager] = engine.runner.execute(plan).logits.clone()
     err = (steps[False] - steps[True]).norm() / steps[True].norm()
     assert err < 5e-2, err
+
+
+@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=9)],
+                         ids=["graphs", "chunked"])
+def test_async_scheduling_gives_the_synchronous_tokens(path, options):
+    """Async scheduling (the CUDA default) feeds each step the previous step's tokens on the
+    device; a stop token ends a request one step after it was computed (that extra token is
+    dropped). Same tokens, finish reasons and logprobs as the synchronous engine; every block
+    freed."""
+    prompts = _prompts(9)
+    free_run = LLM(model=path, device="cuda", dtype="float32", load_progress=False,
+                   async_scheduling=False).generate(prompts[:1], _params(1))[0].token_ids
+    params = _params(9)
+    params[0] = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                               stop_token_ids=[free_run[5]])
+    params[1] = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    params[3] = SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(model=path, device="cuda", dtype="float32", load_progress=False,
+                  max_num_seqs=13, async_scheduling=mode, **options)
+        assert llm.engine.async_scheduling is mode
+        outs[mode] = [(o.token_ids, o.finish_reason, o.logprobs)
+                      for o in llm.generate(prompts, params)]
+        kv = llm.engine.kv
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks
+    # Tokens and reasons exactly; logprobs to float32 rounding (a dropped row can change a
+    # step's batch, and cuBLAS's kernel choice with it).
+    assert [o[:2] for o in outs[True]] == [o[:2] for o in outs[False]]
+    for (_, _, got), (_, _, want) in zip(outs[True], outs[False]):
+        assert (got is None) == (want is None)
+        for g, w in zip(got or [], want or [], strict=True):
+            assert g.keys() == w.keys() and all(abs(g[k] - w[k]) < 1e-4 for k in g)
+    assert outs[True][0][1] == "stop" and outs[True][0][0] == free_run[:free_run.index(
+        free_run[5]) + 1]
