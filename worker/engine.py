@@ -13,10 +13,10 @@ completing the previous step) runs while the device computes:
     device:          ...  N-1 ...   |      N      ...         |        N+1 ...
 
 Step N computes the token step N-1 sampled before the host has seen it: the scheduler counts it
-(Request.num_inflight) and the runner copies its id from N-1's samples on the device. A request
-whose in-flight token ends it (EOS, a stop id or string) got one step too many: that token is
-dropped. A step that needs a token's host-side effects (penalties and min_tokens read the output
-so far) completes the previous step first.
+(Request.num_inflight), the runner copies its id from N-1's samples on the device, and the
+sampler's penalties add it to their counts there. A request whose in-flight token ends it (EOS, a
+stop id or string) got one step too many: that token is dropped. Length limits are known ahead:
+such a request is not scheduled again.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner
-from mxserve.worker.sampler import SampledTokens, Sampler
+from mxserve.worker.sampler import InflightTokens, SampledTokens, Sampler
 from mxserve.worker.sampling_params import SamplingParams
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
@@ -185,24 +185,14 @@ class Engine:
         """Schedule and launch a step; return the outputs of the step completed in this call
         (this one, or with async scheduling the previous one)."""
         previous, self._inflight = self._inflight, None
-        outputs: list[StepOutput] = []
-        if previous is not None and self._needs_host_tokens(previous):
-            outputs, previous = self._complete(previous), None
         plan = self.scheduler.schedule()
         launched = None if plan.is_empty else self._launch(plan, previous)
-        if previous is not None:
-            outputs += self._complete(previous)
+        outputs = [] if previous is None else self._complete(previous)
         if launched is not None and self.async_scheduling:
             self._inflight = launched
         elif launched is not None:
             outputs += self._complete(launched)
         return outputs
-
-    def _needs_host_tokens(self, step: LaunchedStep) -> bool:
-        """Whether a request of `step` samples its next token from host state that its token in
-        flight changes: penalties count the output tokens, and so does min_tokens."""
-        return any(r.sampling_params.has_penalties
-                   or r.num_output_tokens < r.sampling_params.min_tokens for r in step.rows)
 
     def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the plan's model run and sampling; nothing here waits for the device."""
@@ -214,8 +204,10 @@ class Engine:
             request.num_computed_tokens += s.num_new_tokens
         result = self.runner.execute(plan)
         sampling = [s.request for s in plan.scheduled if s.samples]
+        inflight = None if plan.inflight_tokens is None else InflightTokens(
+            plan.inflight_tokens, [s.inflight_row for s in plan.scheduled if s.samples])
         with torch.inference_mode():  # the logits are inference tensors
-            samples = self.sampler.sample(result.logits, sampling)
+            samples = self.sampler.sample(result.logits, sampling, inflight)
         for request in sampling:
             request.num_inflight += 1
         return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})

@@ -61,7 +61,7 @@ def _mixed_params(free_run: list[int]) -> list[SamplingParams]:
         SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=15, ignore_eos=True),
         SamplingParams(temperature=0.7, min_p=0.05, seed=5, max_tokens=9, ignore_eos=True),
         SamplingParams(max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.2, **greedy),
-        SamplingParams(max_tokens=10, min_tokens=6, stop_token_ids=[free_run[2]], **greedy),
+        SamplingParams(max_tokens=10, min_tokens=6, **greedy),  # its stop id: set by the test
         SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     ]
 
@@ -73,8 +73,16 @@ def test_async_gives_the_synchronous_outputs_for_every_kind_of_request(ckpt):
     prompts = _prompts(10, seed=4)
     prompts[3] = prompts[8] = _prompts(1, (9,), seed=4)[0]  # the free run's prompt: its stops
     params = _mixed_params(free_run.token_ids)
+    # min_tokens = 6 with a stop id that comes exactly as the 7th output: one output miscounted
+    # (the token in flight) would ban it once more and change the run.
+    held = sync.generate([prompts[8]], SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
+                                                      ignore_eos=True))[0].token_ids
+    assert held[6] not in held[:6]
+    params[8] = SamplingParams(temperature=0, max_tokens=10, min_tokens=6, ignore_eos=True,
+                               stop_token_ids=[held[6]])
     want = sync.generate(prompts, params)
     assert want[3].finish_reason == "stop" and len(want[3].token_ids) == 7
+    assert want[8].finish_reason == "stop" and want[8].token_ids == held[:7]
 
     llm = _llm(ckpt, True, max_num_batched_tokens=48)  # 48: the long prompts take 2 chunks
     plans = _record_plans(llm)
@@ -83,11 +91,14 @@ def test_async_gives_the_synchronous_outputs_for_every_kind_of_request(ckpt):
         assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
         assert g.logprobs == w.logprobs
     assert [len(o.token_ids) for o in got[:3]] == [20, 1, 2]
-    # The mechanism ran: steps computed tokens the host had not seen yet, from the device, once
-    # the penalty and min_tokens requests (which complete each step first) were done.
+    # The mechanism ran: every decode after a request's first computed a token the host had not
+    # seen yet, from the device (penalties and min_tokens too: they count it there).
     fed = [s for p in plans for s in p.scheduled if s.inflight_row >= 0]
-    assert len(fed) >= 10 and all(p.inflight_tokens is not None for p in plans
-                                  if any(s.inflight_row >= 0 for s in p.scheduled))
+    decodes = sum(len(o.token_ids) for o in got) - len(got)
+    assert len(fed) >= decodes and all(p.inflight_tokens is not None for p in plans
+                                       if any(s.inflight_row >= 0 for s in p.scheduled))
+    penalized = [s for p in plans for s in p.scheduled if s.request.sampling_params is params[7]]
+    assert sum(s.inflight_row >= 0 for s in penalized) == len(got[7].token_ids) - 1
     assert _all_blocks_free(llm)
 
 
