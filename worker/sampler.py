@@ -105,7 +105,7 @@ class Sampler:
         output tokens not on the host yet, for the penalties."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
-            return SampledTokens(logits.argmax(-1), (), [], params)
+            return SampledTokens(_argmax(logits), (), [], params)
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         raw_logprobs = _rows(logits, lp_rows).log_softmax(-1) if lp_rows else None  # a copy
         apply_min_tokens(logits, requests)
@@ -113,7 +113,7 @@ class Sampler:
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if greedy:
-            _write_rows(token_ids, greedy, _rows(logits, greedy).argmax(-1))
+            _write_rows(token_ids, greedy, _argmax(_rows(logits, greedy)))
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
         if sampled:
             sampled_reqs = [requests[i] for i in sampled]
@@ -304,6 +304,16 @@ def _exp1(shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
     float64 keeps q's resolution near 0 (where race winners come from) at 2^-53, not 2^-24."""
     u = torch.empty(shape, dtype=torch.float64, device=like.device).uniform_(generator=generator)
     return u.log_().neg_().to(like.dtype)  # u = 0 gives q = inf: that token loses this draw
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index; on CUDA two short kernels (kernels/sampling_ops.py) in
+    place of torch.argmax's one block a row, imported only then (CPU installs need no Triton)."""
+    if logits.is_cuda:
+        from mxserve.kernels.sampling_ops import argmax_rows
+
+        return argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def _is_plain_greedy(r: Request) -> bool:
