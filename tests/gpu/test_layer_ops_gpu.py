@@ -57,3 +57,13 @@ def test_layer_kernels_match_references(dtype, num_tokens, hidden, inter, heads)
     apply_rotary_torch_(ref[:, :num_q + num_kv], positions, rope.cos, rope.sin)
     close(kernel, ref, dtype)
     assert torch.equal(kernel[:, num_q + num_kv:], qkv[:, num_q + num_kv:])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 512])
+def test_argmax_rows_matches_torch_at_llama3_vocab(rows):
+    from mxserve.kernels.sampling_ops import argmax_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, 128256, device="cuda", generator=gen)
+    logits[0, 5] = logits[0, 100000] = 1e4  # a tie across chunks: the first
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
