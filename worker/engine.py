@@ -43,6 +43,7 @@ from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
 
 logger = logging.getLogger(__name__)
+FINISHED = RequestStatus.FINISHED
 
 
 @dataclass
@@ -196,21 +197,27 @@ class Engine:
 
     def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the plan's model run and sampling; nothing here waits for the device."""
+        sampling: list[Request] = []  # the requests whose next token this step samples
+        rows: dict[Request, int] = {}  # and their rows in the samples
+        inflight_rows: list[int] = []  # for each of them, its token in flight in `previous`
         for s in plan.scheduled:
             request = s.request
             if request.num_inflight:  # its newest token is one of `previous`'s samples
                 s.inflight_row = previous.rows[request]
                 plan.inflight_tokens = previous.samples.token_ids
             request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                rows[request] = len(sampling)
+                sampling.append(request)
+                inflight_rows.append(s.inflight_row)
         result = self.runner.execute(plan)
-        sampling = [s.request for s in plan.scheduled if s.samples]
         inflight = None if plan.inflight_tokens is None else InflightTokens(
-            plan.inflight_tokens, [s.inflight_row for s in plan.scheduled if s.samples])
+            plan.inflight_tokens, inflight_rows)
         with torch.inference_mode():  # the logits are inference tensors
             samples = self.sampler.sample(result.logits, sampling, inflight)
         for request in sampling:
             request.num_inflight += 1
-        return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
+        return LaunchedStep(plan, samples, rows)
 
     def _complete(self, step: LaunchedStep) -> list[StepOutput]:
         """Take a launched step's tokens (waiting for the device): append them, check stops,
@@ -218,33 +225,40 @@ class Engine:
         sampled = step.samples.result()
         outputs = []
         tokens = iter(zip(sampled.token_ids, sampled.logprobs))
+        bs, detokenize = self.kv.block_size, bool(self._detokenizers)
+        # The checks below skip calls that would do nothing (a block filled, text to send):
+        # this loop runs for every request each step (bench/host_overhead.py).
         for s in step.plan.scheduled:
             request = s.request
             if s.samples:
                 token, lp = next(tokens)
                 request.num_inflight -= 1
-            if request.is_finished:  # aborted, or ended by its previous token: drop this one
+            if request.status is FINISHED:  # aborted, or ended by its previous token: drop this
                 continue
             end = s.start_position + s.num_new_tokens
+            filled_block = end // bs != s.start_position // bs
             if not s.samples:
-                self._cache_blocks(request, s.start_position, end)
+                if filled_block:
+                    self._cache_blocks(request, end)
                 continue
             num_text = len(request.output_text)
             request.append_output(token, lp)
-            self._detokenize(request, token)
+            if detokenize:
+                self._detokenize(request, token)
             check_stop(request, self.max_model_len, num_text)
             if request.finish_reason is not None and not isinstance(request.stop_reason, str):
                 self._flush_text(request)
-            self._cache_blocks(request, s.start_position, end)
-            outputs.append(self._output(request, [token], self._text_delta(request),
-                                        1 if lp is not None else 0))
+            if filled_block:
+                self._cache_blocks(request, end)
+            text = self._text_delta(request) if request.num_text_sent != len(
+                request.output_text) else ""
+            outputs.append(self._output(request, [token], text, 1 if lp is not None else 0))
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
 
     def _detokenize(self, request: Request, token: int) -> None:
-        if not self._detokenizers:  # no tokenizer (a Serve worker: the router detokenizes)
-            return
+        """(Only with a tokenizer: a Serve worker has none, the router detokenizes.)"""
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
             request.output_text += detok.step([token])
@@ -256,20 +270,19 @@ class Engine:
             request.output_text += detok.flush()
 
     def _text_delta(self, request: Request) -> str:
-        if request.num_text_sent == len(request.output_text):
-            return ""  # nothing new (always so without a tokenizer, as in a Serve worker)
+        """Text not yet streamed, less what a stop string may still claim (called when there
+        is new text; without a tokenizer, as in a Serve worker, there never is)."""
         end = max(request.num_text_sent, len(request.output_text) - stream_holdback(request))
         delta = request.output_text[request.num_text_sent:end]
         request.num_text_sent = end
         return delta
 
-    def _cache_blocks(self, request: Request, start: int, end: int) -> None:
-        """Hash and register the blocks a step filled computing tokens start..end-1 (none in
-        most decode steps; none of a request preempted since, which holds no blocks)."""
-        bs = self.kv.block_size
-        if end // bs == start // bs or request.status is not RequestStatus.RUNNING:
+    def _cache_blocks(self, request: Request, end: int) -> None:
+        """Hash and register the full blocks of the first `end` tokens, after a step that filled
+        one (none of a request preempted since: it holds no blocks)."""
+        if request.status is not RequestStatus.RUNNING:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, bs,
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
                             self.model_config.model_id)
         self.kv.cache_blocks(request.request_id, request.block_hashes, end)
 
@@ -286,7 +299,8 @@ class Engine:
             request.request_id, new_ids, new_text,
             request.output_logprobs[-num_logprobs:] if num_logprobs else None,
             reason is not None, reason.value if reason else None,
-            request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens)
+            len(request.prompt_token_ids), request.num_cached_tokens,
+            len(request.output_token_ids))
 
 
 def build_engine(config: EngineConfig) -> Engine:
