@@ -196,3 +196,45 @@ def test_abort_and_cancel_with_a_step_in_flight_free_every_block(ckpt):
 def test_async_scheduling_is_on_for_cuda_only_by_default(ckpt):
     assert _llm(ckpt, None).engine.async_scheduling is False  # CPU: no device to overlap
     assert _llm(ckpt, True).engine.async_scheduling is True
+
+
+def test_a_failing_step_fails_its_streams_and_the_engine_serves_on(ckpt):
+    """A step that raises (a device error, a bug) with another step in flight: every stream gets
+    the error, no block stays held, and the next request is served normally."""
+    llm = _llm(ckpt, True)
+    engine = llm.engine
+    execute, calls = engine.runner.execute, [0]
+
+    def flaky(plan):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("device fell over")
+        return execute(plan)
+
+    engine.runner.execute = flaky
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def run():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            async def consume(prompt):
+                tokens = []
+                try:
+                    async for out in aengine.generate(prompt, params):
+                        tokens += out.new_token_ids
+                except RuntimeError as e:
+                    return e
+                return tokens
+
+            first = await asyncio.gather(*(consume(p) for p in _prompts(3)))
+            after = await consume([7, 8, 9])
+            return first, after
+        finally:
+            aengine.shutdown()
+
+    first, after = asyncio.run(asyncio.wait_for(run(), 120))
+    assert all(isinstance(r, RuntimeError) and "device fell over" in str(r) for r in first)
+    want = _llm(ckpt, False).generate([[7, 8, 9]], params)[0].token_ids
+    assert after == want
+    assert _all_blocks_free(llm) and engine._inflight is None
