@@ -79,6 +79,7 @@ def sync() -> None:
 
 def free() -> None:
     """Give the memory of engines the caller has dropped back to the device."""
+    gc.unfreeze()  # make_llm froze the heap; let the dropped engines go
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -89,6 +90,8 @@ def make_llm(args, shape: str, **options) -> tuple[LLM, float]:
     llm = LLM(model=shape, load_format="dummy", dtype="bfloat16", load_progress=False,
               device=args.device, max_model_len=args.max_model_len, **options)
     sync()
+    gc.collect()
+    gc.freeze()  # as a Serve worker does (cluster/worker.py): no full collections of the model
     return llm, round(time.perf_counter() - t0, 2)
 
 

@@ -68,10 +68,13 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, _Graph] = {}
-        # Pinned staging of the inputs, two sets used in turn: (tokens [3, n] int64, seq_lens
+        # Pinned staging of the inputs, two sets used in turn: (tokens [3 * n] int64, seq_lens
         # [n] int32, block tables [n * max_blocks] int32), and an event after each set's copies.
+        # A step fills the front of each, contiguously: a strided pinned source would be
+        # staged through pageable memory, and that copy waits for the device (0.3 ms a step,
+        # the whole overlap, seen on the H200: bench/results/host_step_probe.json).
         pin = dev.type == "cuda"  # (bench/host_overhead.py runs these on CPU tensors)
-        self._staging = [(torch.zeros(3, n, dtype=torch.long, pin_memory=pin),
+        self._staging = [(torch.zeros(3 * n, dtype=torch.long, pin_memory=pin),
                           torch.zeros(n, dtype=torch.int32, pin_memory=pin),
                           torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=pin))
                          for _ in range(2)]
@@ -147,7 +150,7 @@ class DecodeGraphs:
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()  # this set's previous copies have run
         tokens_h, seq_lens_h, tables_h = self._staging[turn]
-        tokens = tokens_h.numpy()[:, :size]  # padding: id 0, position 0, slot -1
+        tokens = tokens_h[:3 * size].view(3, size).numpy()  # padding: id 0, position 0, slot -1
         positions = [s.start_position for s in sched]
         tokens[0, :batch] = [s.token_ids[0] if s.token_ids else 0 for s in sched]
         tokens[0, batch:] = 0
@@ -166,7 +169,8 @@ class DecodeGraphs:
         tables.numpy()[np.arange(width) < lengths[:, None]] = np.fromiter(
             itertools.chain.from_iterable(s.block_table for s in sched), np.int32,
             int(lengths.sum()))  # row by row
-        self.tokens[:, :size].copy_(tokens_h[:, :size], non_blocking=True)
+        for row in range(3):  # ids, positions, slots: contiguous on both sides
+            self.tokens[row, :size].copy_(tokens_h[row * size:(row + 1) * size], non_blocking=True)
         self.seq_lens[:size].copy_(seq_lens_h[:size], non_blocking=True)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         if self.tokens.is_cuda:
