@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 FINISHED = RequestStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one request gained in one step (a streaming delta). AsyncEngine merges the deltas
     a slow consumer has not taken yet into one (merge_outputs)."""

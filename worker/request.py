@@ -21,7 +21,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # cancelled by the client, a deadline, or shutdown
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """Prompt, output so far, and how much of it has KV in the cache.
 

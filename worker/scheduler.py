@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
