@@ -27,11 +27,9 @@ Every output is checked against the torch reference.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -42,6 +40,7 @@ sys.path.insert(0, os.path.dirname(REPO))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from gpu_timing import graph_us, header  # noqa: E402
 
 from mxserve.kernels import layer_ops  # noqa: E402
 from mxserve.kernels.layer_ops import _round_to  # noqa: E402
@@ -191,29 +190,6 @@ CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (12
 CONFIGS += [(64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 512, 4, 2)]
 
 
-def graph_us(fns, reps: int = 30) -> float:
-    """Per-call device time of the calls fns (one CUDA graph of them all; median)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return round(statistics.median(times), 2)
-
-
 def inputs(n: int, k: int, prologue: str, m: int):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
@@ -279,10 +255,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     args = p.parse_args()
-    res = {"bench": "decode_gemv_probe", "device": torch.cuda.get_device_name(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-           "command": "python bench/decode_gemv_probe.py --out $OUT", "shapes": {}}
+    res = {**header("decode_gemv_probe"), "shapes": {}}
     for name, (n, k, prologue) in SHAPES.items():
         res["shapes"][name] = probe_shape(name, n, k, prologue)
         with open(os.path.join(args.out, "decode_gemv_probe.json"), "w") as f:

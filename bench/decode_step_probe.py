@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,31 +25,11 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
+from gpu_timing import graph_us, header  # noqa: E402
+
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import paged_attention  # noqa: E402
 from mxserve.kernels.sampling_ops import argmax_rows  # noqa: E402
-
-
-def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
-    """Per-call device time of fn() replayed `calls` times in one CUDA graph (median)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return round(statistics.median(times), 2)
 
 
 def argmax_section() -> list[dict]:
@@ -58,8 +37,8 @@ def argmax_section() -> list[dict]:
     for batch in (1, 8, 64, 512):
         logits = torch.randn(batch, 128256, device="cuda")
         assert torch.equal(argmax_rows(logits), logits.argmax(-1))
-        rows.append({"batch": batch, "torch_us": graph_us(lambda x=logits: x.argmax(-1)),
-                     "triton_us": graph_us(lambda x=logits: argmax_rows(x))})
+        rows.append({"batch": batch, "torch_us": graph_us([lambda x=logits: x.argmax(-1)] * 20),
+                     "triton_us": graph_us([lambda x=logits: argmax_rows(x)] * 20)})
     return rows
 
 
@@ -94,12 +73,6 @@ def engine_batch1(min_split: int) -> dict:
     return out
 
 
-def _cycle(fn, weights):
-    """A no-argument call of fn on the next of `weights` each time (baked in at capture)."""
-    it = iter(range(10**9))
-    return lambda: fn(weights[next(it) % len(weights)])
-
-
 def gemv_section() -> list[dict]:
     rows = []
     for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)):
@@ -107,8 +80,8 @@ def gemv_section() -> list[dict]:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         rows.append({"n": n, "k": k,
-                     "linear_us": graph_us(_cycle(lambda w, x=x: F.linear(x, w), ws), calls=16),
-                     "matmul_us": graph_us(_cycle(lambda w, x=x: x @ w.t(), ws), calls=16)})
+                     "linear_us": graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws * 2]),
+                     "matmul_us": graph_us([lambda w=w, x=x: x @ w.t() for w in ws * 2])})
     return rows
 
 
@@ -116,10 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     args = p.parse_args()
-    res = {"bench": "decode_step_probe", "device": torch.cuda.get_device_name(),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-           "command": "python bench/decode_step_probe.py --out $OUT"}
+    res = header("decode_step_probe")
     res["argmax"] = argmax_section()
     print(json.dumps(res["argmax"]))
     res["gemv"] = gemv_section()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
+from test_engine import _prompts
 
 from mxserve import LLM, SamplingParams
 from mxserve.worker.async_engine import AsyncEngine
@@ -18,12 +18,6 @@ from mxserve.worker.async_engine import AsyncEngine
 @pytest.fixture(scope="module")
 def ckpt(tiny_checkpoint):
     return str(tiny_checkpoint("llama"))
-
-
-def _prompts(n: int, lengths=(5, 19, 33, 47, 60), seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (lengths[i % len(lengths)],), generator=gen).tolist()
-            for i in range(n)]
 
 
 def _llm(ckpt: str, async_scheduling: bool, **options) -> LLM:
