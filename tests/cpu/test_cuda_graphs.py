@@ -20,3 +20,41 @@ def test_capture_sizes_cover_every_batch_with_bounded_padding():
 def test_cpu_engine_captures_no_graphs(tiny_checkpoint):
     llm = LLM(model=str(tiny_checkpoint("llama")), device="cpu", load_progress=False)
     assert llm.engine.runner.graphs is None
+
+
+def test_graph_inputs_are_the_plans_tokens_positions_slots_and_tables(tiny_checkpoint):
+    """DecodeGraphs._copy_inputs (its buffers are CPU tensors here; the replays: tests/gpu):
+    each row's id (or the previous step's sample, for a token in flight), position, slot,
+    length and block table; padding rows write no KV and attend to nothing."""
+    import torch
+
+    from mxserve import SamplingParams
+    from mxserve.worker.cuda_graphs import DecodeGraphs
+
+    llm = LLM(model=str(tiny_checkpoint("llama")), device="cpu", load_progress=False,
+              max_num_seqs=8, async_scheduling=True)
+    engine = llm.engine
+    for n in (3, 17, 40, 33, 5):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    plan = engine.scheduler.schedule()
+    engine._launch(plan, engine._inflight)  # sets the rows' in-flight samples
+    graphs = DecodeGraphs(engine.runner, engine.max_model_len)
+    for _ in range(2):  # both staging sets
+        graphs._copy_inputs(plan, 8)
+        sched, bs = plan.scheduled, engine.kv.block_size
+        assert plan.num_decodes == len(sched) == 5 and plan.inflight_tokens is not None
+        for i, s in enumerate(sched):
+            p = s.start_position
+            want_id = int(plan.inflight_tokens[s.inflight_row]) if s.inflight_row >= 0 \
+                else s.token_ids[0]
+            assert graphs.tokens[:, i].tolist() == [want_id, p,
+                                                    s.block_table[p // bs] * bs + p % bs]
+            assert int(graphs.seq_lens[i]) == p + 1
+            assert graphs.block_tables[i, :len(s.block_table)].tolist() == s.block_table
+        assert graphs.tokens[:, 5:8].tolist() == [[0] * 3, [0] * 3, [-1] * 3]
+        assert graphs.seq_lens[5:8].tolist() == [0] * 3
+        assert torch.equal(graphs.tokens[0, :5][torch.tensor([s.inflight_row >= 0 for s in sched])],
+                           plan.inflight_tokens[[s.inflight_row for s in sched
+                                                 if s.inflight_row >= 0]])
