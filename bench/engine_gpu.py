@@ -26,9 +26,10 @@ order, each written to the JSON as soon as it ends (a failing one records its er
   best tok/s is the baseline for the mix. The same weights check: greedy tokens of HF vs ours on 4
   prompts (bf16, so they may part after a near-tie).
 - decode sweep (bf16): steady decode steps at batch 1 .. 512 (256-token prompts): engine step
-  wall time with async scheduling on and off, and the GPU time of the graph replayed with that
-  step's inputs (host overhead = the difference). The mix also records the wall time inside each
-  part of engine.step().
+  wall time with async scheduling on and off (then again at a few batch sizes with temperature
+  0.7 and top_p 0.9, whose sampler waits for the GPU), and the GPU time of the graph replayed
+  with that step's inputs (host overhead = the difference). The mix also records the wall time
+  inside each part of engine.step().
 - prefix caching (bf16): a shared 2048-token system prompt, 64 conversations x 4 turns, each turn
   a lognormal (median 64) user message + 64 output tokens appended to the history; a turn's 64
   requests are submitted together once the previous turn has finished. Run with prefix caching on
@@ -65,6 +66,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"batch1_vs_roofline_max": 1.5, "mxfp4_vs_bf16_batch1_min": 2.5,
            "mix_vs_hf_min": 20.0, "prefix_on_vs_off_min": 3.0}
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+TOP_P = dict(temperature=0.7, top_p=0.9, ignore_eos=True)  # its sampler waits for the GPU
 
 
 # ---- small helpers ---------------------------------------------------------------------------
@@ -332,16 +334,16 @@ def mix_section(args, shape: str) -> tuple[dict, LLM]:
     return res, llm
 
 
-def decode_sweep(args, llm) -> dict:
+def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None = None) -> dict:
     """Steady decode steps at fixed batch sizes (256-token prompts): engine step wall time with
     async scheduling off, then on, its parts (time_phases; "complete" includes waiting for the
     GPU), and the GPU time of that batch's graph replayed with the last step's inputs."""
     engine, rows = llm.engine, []
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(5)
-    for batch in args.sweep_batches:
+    for batch in batches or args.sweep_batches:
         ids = [engine.add_request(rng.integers(10, vocab - 10, 256).tolist(),
-                                  SamplingParams(max_tokens=48, **GREEDY)) for _ in range(batch)]
+                                  SamplingParams(max_tokens=48, **sampling)) for _ in range(batch)]
         while engine.scheduler.waiting or any(engine.requests[i].num_output_tokens < 4
                                               for i in ids):
             engine.step()
@@ -625,15 +627,18 @@ def markdown(d: dict) -> str:
             lines += [f"Async scheduling off, same requests: {m['sync']['output_tok_s']} output "
                       f"tok/s (async: {m['async_vs_sync_tok_s']}x), TPOT p50/p99 "
                       f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
-    if s.get("1b_decode_sweep"):
-        lines += ["", "| decode batch | engine step ms, async | sync | graph replay ms (padded "
-                  "size) | async: schedule / execute / sample / complete ms (mean) |",
-                  "|---|---|---|---|---|"]
+    for key, what in (("1b_decode_sweep", "greedy"), ("1b_decode_sweep_top_p",
+                                                       "temperature 0.7, top_p 0.9")):
+        if not s.get(key):
+            continue
+        lines += ["", f"Decode sweep ({what}):", "", "| decode batch | engine step ms, async | "
+                  "sync | graph replay ms (padded size) | async: schedule / execute / sample / "
+                  "complete ms (mean) |", "|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['engine_step_ms_p50']} | "
                   f"{r.get('sync_engine_step_ms_p50')} | {r.get('graph_replay_ms_p50')} "
                   f"({r.get('graph_size')}) | "
                   f"{' / '.join(str(v) for v in r.get('phase_ms_mean', {}).values())} |"
-                  for r in s["1b_decode_sweep"]["rows"]]
+                  for r in s[key]["rows"]]
     if s.get("1b_hf"):
         h = s["1b_hf"]
         rows = ", ".join(f"b{r['batch']}: {r['tok_s']}" for r in h["batches"])
@@ -676,6 +681,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
     p.add_argument("--sections", default="batch1,mx,mix,sweep,prefix,hf,mix8b")
     p.add_argument("--sweep-batches", default="1,8,32,64,128,256,512")
+    p.add_argument("--top-p-batches", default="1,64,256", help="the sweep again, top_p 0.9")
     p.add_argument("--deadline-s", type=float, default=480)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
@@ -693,11 +699,12 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
     args.sweep_batches = [int(b) for b in args.sweep_batches.split(",")]
+    args.top_p_batches = [int(b) for b in args.top_p_batches.split(",")]
     if args.quick:
         args.__dict__.update(max_model_len=1024, max_num_seqs=16, kv_gb=0.05, num_requests=24,
                              batch1_tokens=12, hf_batches=[1, 4], hf_prompt_len=16,
                              hf_new_tokens=4, system_len=64, conversations=4, turns=2, turn_out=4,
-                             sweep_batches=[1, 4])
+                             sweep_batches=[1, 4], top_p_batches=[2])
     return args
 
 
@@ -724,6 +731,8 @@ def main() -> None:
         del mixed
         if llm is not None and "sweep" in sections:
             report.run("1b_decode_sweep", decode_sweep, args, llm)
+            report.run("1b_decode_sweep_top_p", decode_sweep, args, llm, TOP_P,
+                       args.top_p_batches)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)
             report.run("1b_prefix_fp32", prefix_fp32_check, args, shape)

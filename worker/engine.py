@@ -1,22 +1,24 @@
 """The engine one worker replica runs: add requests, then `step()` until they finish.
 
-    step(): schedule -> launch (run the model, sample) -> complete (append tokens, stop checks,
+    step(): schedule -> run the model -> sample -> complete (append the tokens, stop checks,
             prefix cache, outputs)
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server.
 
 Async scheduling (on by default on CUDA): a step is completed by the next `step()` call, after
-that call has scheduled and launched its own step, so the host's work (scheduling, input copies,
-completing the previous step) runs while the device computes:
+that call has scheduled step N + 1 and queued its model run, so the host's work (scheduling,
+input copies, completing step N) runs while the device computes:
 
-    host:    sched N | launch N | complete N-1 | sched N+1 | launch N+1 | complete N | ...
-    device:          ...  N-1 ...   |      N      ...         |        N+1 ...
+    host:    sched N+1 | run N+1 | complete N | sample N+1 | sched N+2 | run N+2 | complete N+1
+    device:  ... N ...           |       N+1 model      ...  | N+1 sampling |     N+2 model
 
-Step N computes the token step N-1 sampled before the host has seen it: the scheduler counts it
-(Request.num_inflight), the runner copies its id from N-1's samples on the device, and the
-sampler's penalties add it to their counts there. A request whose in-flight token ends it (EOS, a
-stop id or string) got one step too many: that token is dropped. Length limits are known ahead:
-such a request is not scheduled again.
+Step N + 1 computes the token step N sampled before the host has seen it: the scheduler counts it
+(Request.num_inflight) and the runner copies its id from N's samples on the device. Step N is
+completed before N + 1 samples, so the sampler sees every earlier token on the host (penalties,
+min_tokens), and a sampler that must wait for the device (top_p, sometimes) waits after the
+completion work is done. A request whose in-flight token ends it (EOS, a stop id or string) got
+one step too many: that token is dropped. Length limits are known ahead: such a request is not
+scheduled again.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from mxserve.worker.request import FinishReason, Request, RequestStatus
-from mxserve.worker.runner import ModelRunner
-from mxserve.worker.sampler import InflightTokens, SampledTokens, Sampler
+from mxserve.worker.runner import ModelRunner, StepResult
+from mxserve.worker.sampler import SampledTokens, Sampler
 from mxserve.worker.sampling_params import SamplingParams
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
@@ -187,37 +189,36 @@ class Engine:
         (this one, or with async scheduling the previous one)."""
         previous, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
-        launched = None if plan.is_empty else self._launch(plan, previous)
+        result = None if plan.is_empty else self._run_model(plan, previous)
         outputs = [] if previous is None else self._complete(previous)
-        if launched is not None and self.async_scheduling:
+        if result is None:
+            return outputs
+        launched = self._sample(plan, result)
+        if self.async_scheduling:
             self._inflight = launched
-        elif launched is not None:
+        else:
             outputs += self._complete(launched)
         return outputs
 
-    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
-        """Queue the plan's model run and sampling; nothing here waits for the device."""
-        sampling: list[Request] = []  # the requests whose next token this step samples
-        rows: dict[Request, int] = {}  # and their rows in the samples
-        inflight_rows: list[int] = []  # for each of them, its token in flight in `previous`
+    def _run_model(self, plan: StepPlan, previous: LaunchedStep | None) -> StepResult:
+        """Queue the plan's model run (nothing here waits for the device); a token still in
+        flight from `previous` is read from its samples on the device."""
         for s in plan.scheduled:
             request = s.request
             if request.num_inflight:  # its newest token is one of `previous`'s samples
                 s.inflight_row = previous.rows[request]
                 plan.inflight_tokens = previous.samples.token_ids
             request.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                rows[request] = len(sampling)
-                sampling.append(request)
-                inflight_rows.append(s.inflight_row)
-        result = self.runner.execute(plan)
-        inflight = None if plan.inflight_tokens is None else InflightTokens(
-            plan.inflight_tokens, inflight_rows)
+        return self.runner.execute(plan)
+
+    def _sample(self, plan: StepPlan, result: StepResult) -> LaunchedStep:
+        """Queue the sampling of the plan's logits and the copy of the tokens to the host."""
+        sampling = [s.request for s in plan.scheduled if s.samples]
         with torch.inference_mode():  # the logits are inference tensors
-            samples = self.sampler.sample(result.logits, sampling, inflight)
+            samples = self.sampler.sample(result.logits, sampling)
         for request in sampling:
             request.num_inflight += 1
-        return LaunchedStep(plan, samples, rows)
+        return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
 
     def _complete(self, step: LaunchedStep) -> list[StepOutput]:
         """Take a launched step's tokens (waiting for the device): append them, check stops,

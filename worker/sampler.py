@@ -13,9 +13,9 @@ and a stage runs vectorized over just the rows that need it:
 A request with a seed draws its q from its own generator (request.generator), so its tokens do not
 depend on what it is batched with; the others share the sampler's generator.
 
-Under async scheduling a request's newest output token may not have reached the host yet
-(`InflightTokens`): min_tokens counts it (Request.num_inflight), and the penalties add it to their
-counts on the device, so nothing here waits for the previous step.
+`sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
+waits for it. Under async scheduling the engine completes the previous step before sampling this
+one, so every earlier output token is on the host here.
 """
 
 from __future__ import annotations
@@ -45,16 +45,6 @@ class SamplerOutput:
     # None where sampling_params.logprobs is None; else {sampled id: lp, each top-n id: lp}, taken
     # from the raw model distribution (before penalties, temperature and filters).
     logprobs: list[dict[int, float] | None]
-
-
-@dataclass(frozen=True)
-class InflightTokens:
-    """Output tokens the previous step sampled that the host has not seen: that step's sampled
-    ids [its rows] on the device, and for each request of this sampler call its row there (-1:
-    none in flight)."""
-
-    token_ids: torch.Tensor
-    rows: list[int]
 
 
 class SampledTokens:
@@ -99,18 +89,16 @@ class Sampler:
         """logits: [num_reqs, vocab] float32, row i for requests[i]; may be modified in place."""
         return self.sample(logits, requests).result()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               inflight: InflightTokens | None = None) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         """Queue the sampling of `logits` (as __call__) without waiting for the device. Only
-        top_p waits (whether its 256 candidates hold enough mass). `inflight`: the requests'
-        output tokens not on the host yet, for the penalties."""
+        top_p waits (whether its 256 candidates hold enough mass)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
             return SampledTokens(_argmax(logits), (), [], params)
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         raw_logprobs = _rows(logits, lp_rows).log_softmax(-1) if lp_rows else None  # a copy
         apply_min_tokens(logits, requests)
-        apply_penalties(logits, requests, inflight)
+        apply_penalties(logits, requests)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if greedy:
@@ -162,7 +150,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     cols: list[int] = []
     for i, r in enumerate(requests):
         sp = r.sampling_params
-        if r.num_output_tokens + r.num_inflight >= sp.min_tokens:
+        if r.num_output_tokens >= sp.min_tokens:
             continue
         banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(r.eos_token_ids))
         banned_ids = [t for t in banned if t < logits.shape[1]]  # an id past the vocab never comes
@@ -173,10 +161,8 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
                           logits.new_full((), _NEG_INF))
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request],
-                    inflight: InflightTokens | None = None) -> None:
-    """Repetition, presence and frequency penalties, in place, on the rows that set any. The
-    output counts include the tokens in flight (`inflight`), added on the device."""
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition, presence and frequency penalties, in place, on the rows that set any."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return
@@ -185,12 +171,6 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request],
     sub = _rows(logits, rows)  # [rows, vocab]
     # Dense [rows, vocab] counts; plain arithmetic below, since where/masked_fill are slow on CPU.
     counts = _token_counts([r.output_token_ids for r in reqs], sub)
-    if inflight is not None:
-        pending = [(j, inflight.rows[i]) for j, i in enumerate(rows) if inflight.rows[i] >= 0]
-        if pending:
-            at, src = (list(x) for x in zip(*pending))
-            ids = inflight.token_ids.index_select(0, index_on(src, sub))
-            counts.index_put_((index_on(at, sub), ids), sub.new_ones(len(at)), accumulate=True)
     present = counts.clamp(max=1.0)  # 1 where the id is in the output, else 0
     if any(sp.repetition_penalty != 1.0 for sp in params):
         # Tokens seen in prompt or output: a positive logit is divided by p, others multiplied,
@@ -322,8 +302,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _is_plain_greedy(r: Request) -> bool:
     sp = r.sampling_params
-    return sp.plain_greedy and (sp.min_tokens == 0
-                                or r.num_output_tokens + r.num_inflight >= sp.min_tokens)
+    return sp.plain_greedy and (sp.min_tokens == 0 or r.num_output_tokens >= sp.min_tokens)
 
 
 def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ def test_graph_inputs_are_the_plans_tokens_positions_slots_and_tables(tiny_check
     for _ in range(4):
         engine.step()
     plan = engine.scheduler.schedule()
-    engine._launch(plan, engine._inflight)  # sets the rows' in-flight samples
+    engine._run_model(plan, engine._inflight)  # sets the rows' in-flight samples
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     for _ in range(2):  # both staging sets
         graphs._copy_inputs(plan, 8)
