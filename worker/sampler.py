@@ -31,7 +31,10 @@ from mxserve.worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 # top_p looks for its cutoff among the 256 largest logits (a partial sort, ~10x cheaper than a
-# full one at vocab 49k); when they hold less than top_p of the mass, among 16x more, and so on.
+# full one at vocab 49k); when they hold less than top_p of the mass, on CPU among 16x more, and
+# so on. On CUDA it sorts the whole row at once instead: each growth waits for the device, and a
+# flat row (random weights) grew 256 -> 4096 -> 65536 -> 128256, 2.8 ms a step at batch 1 on the
+# H200 (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
 _TRITON_ARGMAX_ROWS = 64
@@ -244,8 +247,8 @@ def _top_p_threshold(
 
     Keep the smallest prefix (in descending order) whose mass reaches top_p: token j survives iff
     the mass strictly before it is < top_p, so the top token always does. Usually the candidates
-    in `values` hold that mass; if some row's do not, take _TOP_P_GROWTH times more. Rows with
-    top_p = 1 get -inf (a float cumsum can reach 1 early and would drop the tail).
+    in `values` hold that mass; if some row's do not, take _TOP_P_GROWTH times more (CUDA: all).
+    Rows with top_p = 1 get -inf (a float cumsum can reach 1 early and would drop the tail).
     """
     top_p = _column([sp.top_p for sp in params], logits)
     while True:
@@ -254,10 +257,12 @@ def _top_p_threshold(
         short = (mass[:, -1:] < top_p) & (top_p < 1.0)  # rows whose cutoff lies further down
         if values.shape[1] == logits.shape[1] or not bool(short.any()):
             break
-        num_candidates = min(values.shape[1] * _TOP_P_GROWTH, logits.shape[1])
+        vocab = logits.shape[1]
+        num_candidates = vocab if logits.is_cuda else min(values.shape[1] * _TOP_P_GROWTH, vocab)
         # A row with top_k on has all its mass within its first k candidates, so the tokens past
         # them (no longer masked here) never move its cutoff.
-        values = logits.topk(num_candidates, dim=-1).values
+        values = logits.sort(dim=-1, descending=True).values if num_candidates == vocab \
+            else logits.topk(num_candidates, dim=-1).values
     num_keep = ((mass - probs) < top_p).sum(-1, keepdim=True)
     return torch.where(top_p < 1.0, values.gather(1, num_keep - 1), _NEG_INF)
 
