@@ -17,6 +17,7 @@ usually still be there as prefix hits).
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -67,7 +68,8 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len  # with num_inflight: which requests end by length
+        # With num_inflight: which requests end by length (None: no context limit).
+        self.max_model_len = max_model_len if max_model_len is not None else sys.maxsize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -90,7 +92,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
-        # Decodes first so a long prefill never stalls tokens already streaming.
+        # Decodes first so a long prefill never stalls tokens already streaming. (This loop runs
+        # for every running request each step: lengths are read directly, not via properties.)
         for request in sorted(self.running, key=lambda r: r.is_prefill):
             if budget == 0:
                 break
@@ -98,8 +101,8 @@ class Scheduler:
                 continue
             if request.num_inflight and self._ends_by_length(request):
                 continue  # its token in flight is its last one
-            num_new = min(request.num_tokens + request.num_inflight - request.num_computed_tokens,
-                          budget)
+            num_new = min(len(request.all_token_ids) + request.num_inflight
+                          - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
             plan.scheduled.append(self._scheduled(request, num_new))
@@ -113,11 +116,9 @@ class Scheduler:
 
     def _ends_by_length(self, request: Request) -> bool:
         """max_tokens or the context length is reached once the tokens in flight arrive."""
-        max_tokens = request.sampling_params.max_tokens
-        return (max_tokens is not None
-                and request.num_output_tokens + request.num_inflight >= max_tokens) or (
-            self.max_model_len is not None
-            and request.num_tokens + request.num_inflight >= self.max_model_len)
+        ahead, max_tokens = request.num_inflight, request.sampling_params.max_tokens
+        return (max_tokens is not None and len(request.output_token_ids) + ahead >= max_tokens) \
+            or len(request.all_token_ids) + ahead >= self.max_model_len
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -169,4 +170,4 @@ class Scheduler:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         return ScheduledRequest(request, num_new, start, request.all_token_ids[start:end],
                                 self.kv.get_block_ids(request.request_id),
-                                end == request.num_tokens + request.num_inflight)
+                                end == len(request.all_token_ids) + request.num_inflight)

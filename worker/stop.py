@@ -13,9 +13,10 @@ def check_stop(request: Request, max_model_len: int, text_start: int) -> None:
     `output_text` (kept when include_stop_str_in_output). EOS and stop ids count only once
     `min_tokens` tokens were produced; length limits always count.
     """
-    params = request.sampling_params
-    token = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
+    params, outputs = request.sampling_params, request.output_token_ids
+    num_outputs = len(outputs)  # (runs for every request each step: no property hops)
+    if num_outputs >= params.min_tokens:
+        token = outputs[-1]
         if token in request.eos_token_ids and not params.ignore_eos:
             request.finish_reason = FinishReason.STOP
             return
@@ -24,8 +25,8 @@ def check_stop(request: Request, max_model_len: int, text_start: int) -> None:
             return
         if params.stop and _cut_at_stop_string(request, text_start):
             return
-    at_max = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-    if at_max or request.num_tokens >= max_model_len:
+    at_max = params.max_tokens is not None and num_outputs >= params.max_tokens
+    if at_max or len(request.all_token_ids) >= max_model_len:
         request.finish_reason = FinishReason.LENGTH
 
 
