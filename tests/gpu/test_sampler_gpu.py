@@ -1,0 +1,46 @@
+"""The sampler on CUDA against the same calls on CPU: top_p's cutoff (on CUDA a row whose 256
+candidates fall short is sorted whole; on CPU the candidates grow 16x at a time), and greedy
+tokens with logprobs through SampledTokens' pinned copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from mxserve.worker.request import Request  # noqa: E402
+from mxserve.worker.sampler import Sampler, filter_threshold  # noqa: E402
+from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
+def test_top_p_keeps_the_cpu_nucleus(scale):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 50000, generator=gen) * scale
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.99, 0.3, 1.0)]
+    kept = {}
+    for device in ("cpu", "cuda"):
+        x = logits.to(device)
+        kept[device] = (x >= filter_threshold(x, params)).sum(-1).cpu()
+    # The same cutoff, but for a float-summation difference at the boundary token.
+    assert ((kept["cuda"] - kept["cpu"]).abs() <= 1).all(), (kept["cpu"], kept["cuda"])
+    assert kept["cpu"][-1] == 50000  # top_p = 1 keeps everything
+
+
+def test_greedy_tokens_and_logprobs_match_the_cpu():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 32000, generator=gen) * 3
+    params = SamplingParams(temperature=0, logprobs=4)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        requests = [Request(f"r{i}", [1, 2, 3], params) for i in range(5)]
+        sampled = Sampler(0).sample(logits.to(device), requests)
+        if device == "cuda":
+            assert sampled.token_ids.is_cuda  # stays on the device for the next step's inputs
+        outs[device] = sampled.result()
+    assert outs["cuda"].token_ids == outs["cpu"].token_ids == logits.argmax(-1).tolist()
+    for got, want in zip(outs["cuda"].logprobs, outs["cpu"].logprobs, strict=True):
+        assert got.keys() == want.keys()
+        assert all(abs(got[k] - want[k]) < 1e-4 for k in got)
