@@ -24,7 +24,6 @@ whatever remains, so any length is computed exactly.
 from __future__ import annotations
 
 import gc
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -80,6 +79,14 @@ class DecodeGraphs:
                          for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        # The rows' block tables, kept from step to step: row i holds the first _row_blocks[i]
+        # blocks of the table whose version (KVCacheManager.table_version) is _row_version[i].
+        # A step writes only the blocks a row's table gained, or the whole row when the version
+        # differs (another request, or its table made anew or trimmed): 0.36 -> 0.20 ms for
+        # 512 rows on CPU, where building every row took most of this method.
+        self._tables = np.zeros((n, self.max_blocks), dtype=np.int32)
+        self._row_version = [0] * n
+        self._row_blocks = [0] * n
         self.num_replays = 0  # steps served by a replay (tests, stats)
         self.capture_seconds = 0.0
 
@@ -143,6 +150,19 @@ class DecodeGraphs:
         index = index_on(rows, logits)  # a 1-token chunk
         return logits.index_select(0, index), hidden.index_select(0, index)
 
+    def _update_tables(self, sched) -> int:
+        """Bring rows 0..len(sched)-1 of the kept block tables up to the plan's; returns the
+        longest table's length (blocks)."""
+        versions, written, tables = self._row_version, self._row_blocks, self._tables
+        for i, s in enumerate(sched):
+            table = s.block_table
+            if versions[i] != s.table_version:
+                versions[i], written[i] = s.table_version, 0
+            if written[i] != len(table):  # the blocks it gained
+                tables[i, written[i]:len(table)] = table[written[i]:]
+                written[i] = len(table)
+        return max(written[:len(sched)])
+
     def _copy_inputs(self, plan: StepPlan, size: int) -> None:
         sched, bs = plan.scheduled, self.block_size
         batch = len(sched)
@@ -151,24 +171,19 @@ class DecodeGraphs:
             self._copied[turn].synchronize()  # this set's previous copies have run
         tokens_h, seq_lens_h, tables_h = self._staging[turn]
         tokens = tokens_h[:3 * size].view(3, size).numpy()  # padding: id 0, position 0, slot -1
-        positions = [s.start_position for s in sched]
+        width = self._update_tables(sched)
+        positions = np.fromiter((s.start_position for s in sched), np.int64, batch)
         tokens[0, :batch] = [s.token_ids[0] if s.token_ids else 0 for s in sched]
         tokens[0, batch:] = 0
         tokens[1, :batch] = positions
         tokens[1, batch:] = 0
-        tokens[2, :batch] = [s.block_table[p // bs] * bs + p % bs
-                             for s, p in zip(sched, positions)]
+        tokens[2, :batch] = self._tables[np.arange(batch), positions // bs] * bs + positions % bs
         tokens[2, batch:] = -1
         seq_lens = seq_lens_h.numpy()[:size]
-        seq_lens[:batch] = positions
-        seq_lens[:batch] += 1
+        seq_lens[:batch] = positions + 1
         seq_lens[batch:] = 0
-        lengths = np.array([len(s.block_table) for s in sched])
-        width = int(lengths.max())
         tables = tables_h[:batch * width].view(batch, width)  # beyond a request's length: unread
-        tables.numpy()[np.arange(width) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in sched), np.int32,
-            int(lengths.sum()))  # row by row
+        tables.numpy()[:] = self._tables[:batch, :width]
         for row in range(3):  # ids, positions, slots: contiguous on both sides
             self.tokens[row, :size].copy_(tokens_h[row * size:(row + 1) * size], non_blocking=True)
         self.seq_lens[:size].copy_(seq_lens_h[:size], non_blocking=True)

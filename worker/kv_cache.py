@@ -6,6 +6,7 @@ Pure Python, no torch: this module hands out block ids; the KV tensors live with
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class KVCacheManager:
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
         self._tables: dict[str, list[int]] = {}  # request id -> block table (never empty)
+        # request id -> its table's version: new when the table is made or trimmed, not when
+        # blocks are added at its end (table_version)
+        self._versions: dict[str, int] = {}
+        self._version_ids = itertools.count(1)
         # request id -> how many leading blocks cache_blocks has already dealt with
         self._num_cached: dict[str, int] = {}
         self._events: list[KVEvent] = []
@@ -86,6 +91,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a copy); [] for an unknown request."""
         return list(self._tables.get(request_id, ()))
+
+    def table_version(self, request_id: str) -> int:
+        """A number that changes whenever the request's block table changes other than by
+        blocks added at its end (made anew after a free, trimmed); unique over the manager's
+        life, 0 for a request holding no blocks. Lets a copy of the table be updated by its new
+        tail alone (cuda_graphs.DecodeGraphs)."""
+        return self._versions.get(request_id, 0)
 
     def cached_block_hashes(self) -> list[int]:
         """Every hash in the prefix cache now (in use or evictable): a full dump for the index."""
@@ -142,6 +154,8 @@ class KVCacheManager:
         if table:
             self._tables[request_id] = table
             self._num_cached.setdefault(request_id, len(prefix_block_ids))
+            if request_id not in self._versions:
+                self._versions[request_id] = next(self._version_ids)
         return True
 
     def cache_blocks(
@@ -192,6 +206,7 @@ class KVCacheManager:
         if table:
             num_full = num_tokens // self.block_size
             self._num_cached[request_id] = min(self._num_cached[request_id], num_full)
+            self._versions[request_id] = next(self._version_ids)
         else:
             self._forget(request_id)
 
@@ -271,6 +286,7 @@ class KVCacheManager:
     def _forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        self._versions.pop(request_id, None)
 
     # ---- testing -------------------------------------------------------------------------------
 

@@ -36,6 +36,9 @@ class ScheduledRequest:
     start_position: int  # = request.num_computed_tokens when scheduled
     token_ids: list[int]  # the tokens to compute: all_token_ids[start : start + num_new_tokens]
     block_table: list[int]  # the request's blocks, covering start + num_new_tokens tokens
+    # KVCacheManager.table_version of that table: equal versions, equal tables up to the
+    # shorter one's length (the runner keeps tables across steps by it)
+    table_version: int
     # True when this step reaches the last known token, so its logits yield the next token.
     samples: bool
     # >= 0: the last token to compute is still on the device, in row `inflight_row` of
@@ -168,6 +171,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        rid = request.request_id
         return ScheduledRequest(request, num_new, start, request.all_token_ids[start:end],
-                                self.kv.get_block_ids(request.request_id),
+                                self.kv.get_block_ids(rid), self.kv.table_version(rid),
                                 end == len(request.all_token_ids) + request.num_inflight)

@@ -58,3 +58,43 @@ def test_graph_inputs_are_the_plans_tokens_positions_slots_and_tables(tiny_check
         assert torch.equal(graphs.tokens[0, :5][torch.tensor([s.inflight_row >= 0 for s in sched])],
                            plan.inflight_tokens[[s.inflight_row for s in sched
                                                  if s.inflight_row >= 0]])
+
+
+def test_kept_block_table_rows_follow_growth_new_tables_trims_and_reordering(tiny_checkpoint):
+    """Rows of the graphs' block tables are kept across steps and only what changed is written:
+    check them against each plan, with tables from a real KVCacheManager through growth, a
+    request freed and allocated anew (preemption), rows changing hands, and a trim followed by
+    new blocks (speculation's rollback)."""
+    from mxserve import SamplingParams
+    from mxserve.worker.cuda_graphs import DecodeGraphs
+    from mxserve.worker.kv_cache import KVCacheManager
+    from mxserve.worker.request import Request
+    from mxserve.worker.scheduler import ScheduledRequest, StepPlan
+
+    llm = LLM(model=str(tiny_checkpoint("llama")), device="cpu", load_progress=False,
+              max_num_seqs=4)
+    graphs = DecodeGraphs(llm.engine.runner, llm.engine.max_model_len)
+    kv = KVCacheManager(64, 16)
+    a, b = (Request(rid, [1, 2, 3], SamplingParams()) for rid in "ab")
+
+    def step(*requests_and_tokens):
+        rows = []
+        for r, num_tokens in requests_and_tokens:
+            assert kv.allocate(r.request_id, num_tokens)
+            rows.append(ScheduledRequest(r, 1, num_tokens - 1, [4],
+                                         kv.get_block_ids(r.request_id),
+                                         kv.table_version(r.request_id), True))
+        graphs._copy_inputs(StepPlan(rows, num_decodes=len(rows)), 4)
+        for i, s in enumerate(rows):
+            assert graphs.block_tables[i, :len(s.block_table)].tolist() == s.block_table, i
+
+    step((a, 20), (b, 5))
+    step((a, 40), (b, 5))  # a grew
+    kv.free(b.request_id)
+    kv.allocate("c", 40)  # b's old blocks go elsewhere
+    step((a, 40), (b, 30))  # b preempted and readmitted: a new table
+    step((b, 30), (a, 40))  # rows changed hands
+    kv.trim(a.request_id, 17)
+    kv.allocate("d", 16)  # a's released block goes elsewhere
+    step((b, 30), (a, 40))  # a trimmed and grown back: other blocks at its end
+    kv.check_integrity()

@@ -642,3 +642,18 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_cache_state_machine = KVCacheMachine.TestCase
+
+
+def test_table_version_changes_unless_blocks_are_only_added_at_the_end():
+    kv = KVCacheManager(16, 4)
+    assert kv.table_version("r") == 0  # holds nothing
+    assert kv.allocate("r", 5)
+    first = kv.table_version("r")
+    assert first != 0 and kv.allocate("r", 12) and kv.table_version("r") == first  # grew
+    kv.trim("r", 6)
+    trimmed = kv.table_version("r")
+    assert trimmed not in (0, first)
+    kv.free("r")
+    assert kv.table_version("r") == 0
+    assert kv.allocate("r", 3) and kv.table_version("r") not in (0, first, trimmed)
+    assert kv.allocate("s", 3) and kv.table_version("s") != kv.table_version("r")
