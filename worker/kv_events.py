@@ -53,6 +53,7 @@ class KVEventPublisher:
         self._synced = False
         self._epoch, self._seq = 0, 0
         self._tasks: list[asyncio.Task] = []
+        self._closing = False
         # Counters for tests and metrics.
         self.num_batches = 0
         self.num_resyncs = 0
@@ -70,9 +71,16 @@ class KVEventPublisher:
                        asyncio.create_task(self._heartbeat_loop())]
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # redis-py can swallow a cancellation that lands inside its own timeout block (turned
+        # into a timeout error, which the loops outlive by design; redis-py issues 2028, 2551):
+        # the flag ends the loops at their next turn, and the cancel is repeated until they do.
+        # Seen once in CI as a close() that never returned.
+        self._closing = True
+        pending = [task for task in self._tasks if not task.done()]
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
         try:
             await asyncio.wait_for(self.index.purge(self.worker_id), timeout_s)
         except Exception as e:  # Redis gone: the heartbeat expires and peers purge us
@@ -82,7 +90,7 @@ class KVEventPublisher:
     # ---- publishing ------------------------------------------------------------------------
     async def _publish_loop(self) -> None:
         self.engine.request_kv_snapshot()
-        while True:
+        while not self._closing:
             items = [await self._queue.get()]
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
@@ -154,7 +162,7 @@ class KVEventPublisher:
     # ---- liveness --------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         beats = 0
-        while True:
+        while not self._closing:
             try:
                 await self.index.heartbeat(self.worker_id, self.config.heartbeat_ttl_s)
                 beats += 1

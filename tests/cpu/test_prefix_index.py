@@ -285,3 +285,37 @@ def test_router_side_hashes_match_the_workers(tiny_checkpoint, redis_server):
         run(main())
     finally:
         engine.shutdown()
+
+
+def test_close_returns_when_redis_swallows_the_cancellation(tiny_checkpoint, redis_server):
+    """redis-py may turn a cancellation that lands inside its timeout block into a timeout
+    error (its issues 2028, 2551), which the publisher's loops survive by design: close() must
+    still end them. The index's heartbeat here does exactly that to every cancellation."""
+    (engine,) = make_engines(tiny_checkpoint, 1)
+
+    async def main():
+        index = new_index(redis_server)
+        pub = KVEventPublisher(new_index_like(index), "w", engine, FAST)
+        beat = pub.index.heartbeat
+
+        async def swallowing_heartbeat(*args):
+            try:
+                await asyncio.sleep(0.2)  # where close() finds the loop
+                return await beat(*args)
+            except asyncio.CancelledError:
+                raise TimeoutError("Timeout reading from redis") from None
+
+        pub.index.heartbeat = swallowing_heartbeat
+        engine.start()
+        pub.start()
+        await asyncio.sleep(0.1)  # the heartbeat loop is inside a heartbeat now
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(pub.close(), 10)
+        assert asyncio.get_running_loop().time() - t0 < 3
+        assert all(task.done() for task in pub._tasks)
+        await index.close()
+
+    try:
+        run(main(), timeout_s=30)
+    finally:
+        engine.shutdown()
