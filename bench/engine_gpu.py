@@ -58,6 +58,7 @@ import traceback
 
 import numpy as np
 import torch
+from gpu_timing import timed
 
 from mxserve import LLM, SamplingParams
 from mxserve.worker.model.dummy import DUMMY_MODELS, DummySource
@@ -272,17 +273,8 @@ def time_phases(engine) -> tuple[dict, object]:
     targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
                "sample": (engine.sampler, "sample"), "complete": (engine, "_complete")}
     saved = {key: getattr(obj, name) for key, (obj, name) in targets.items()}
-
-    def timer(key, fn):
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            out = fn(*a, **kw)
-            totals[key] += time.perf_counter() - t0
-            return out
-        return timed
-
     for key, (obj, name) in targets.items():
-        setattr(obj, name, timer(key, saved[key]))
+        setattr(obj, name, timed(totals, key, saved[key]))
 
     def restore() -> None:
         for key, (obj, name) in targets.items():

@@ -1,11 +1,12 @@
-"""Shared by the GPU probes (decode_step_probe.py, decode_gemv_probe.py): device time per call
-inside one CUDA graph, and the header every result JSON starts with."""
+"""Shared by the GPU benches: device time per call inside one CUDA graph, host time spent in a
+wrapped function, and the header every result JSON starts with."""
 
 from __future__ import annotations
 
 import datetime
 import statistics
 import sys
+import time
 
 import torch
 
@@ -32,6 +33,16 @@ def graph_us(calls, reps: int = 30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return round(statistics.median(times), 2)
+
+
+def timed(totals: dict, key: str, fn):
+    """fn wrapped to add its wall time (s) to totals[key] on every call."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        totals[key] += time.perf_counter() - t0
+        return out
+    return wrapper
 
 
 def header(bench: str) -> dict:

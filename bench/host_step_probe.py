@@ -22,19 +22,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
-from gpu_timing import header  # noqa: E402
+from gpu_timing import header, timed  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.worker import cuda_graphs, runner, sampler  # noqa: E402
-
-
-def timed(totals, key, fn):
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        out = fn(*a, **kw)
-        totals[key] += time.perf_counter() - t0
-        return out
-    return wrapper
 
 
 def main() -> None:

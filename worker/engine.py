@@ -45,7 +45,6 @@ from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
 
 logger = logging.getLogger(__name__)
-FINISHED = RequestStatus.FINISHED
 
 
 @dataclass(slots=True)
@@ -234,8 +233,8 @@ class Engine:
             if s.samples:
                 token, lp = next(tokens)
                 request.num_inflight -= 1
-            if request.status is FINISHED:  # aborted, or ended by its previous token: drop this
-                continue
+            if request.status is RequestStatus.FINISHED:  # aborted, or ended by its previous
+                continue  # token: this one is dropped
             end = s.start_position + s.num_new_tokens
             filled_block = end // bs != s.start_position // bs
             if not s.samples:

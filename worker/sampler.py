@@ -250,14 +250,13 @@ def _top_p_threshold(
     in `values` hold that mass; if some row's do not, take _TOP_P_GROWTH times more (CUDA: all).
     Rows with top_p = 1 get -inf (a float cumsum can reach 1 early and would drop the tail).
     """
-    top_p = _column([sp.top_p for sp in params], logits)
+    top_p, vocab = _column([sp.top_p for sp in params], logits), logits.shape[1]
     while True:
         probs = (values - log_total).exp_()  # [rows, num_candidates]
         mass = probs.cumsum(-1)
         short = (mass[:, -1:] < top_p) & (top_p < 1.0)  # rows whose cutoff lies further down
-        if values.shape[1] == logits.shape[1] or not bool(short.any()):
+        if values.shape[1] == vocab or not bool(short.any()):
             break
-        vocab = logits.shape[1]
         num_candidates = vocab if logits.is_cuda else min(values.shape[1] * _TOP_P_GROWTH, vocab)
         # A row with top_k on has all its mass within its first k candidates, so the tokens past
         # them (no longer masked here) never move its cutoff.

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.request import Request, RequestStatus
+from mxserve.worker.stop import reaches_length_limit
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +103,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted to make room for another
                 continue
-            if request.num_inflight and self._ends_by_length(request):
+            if request.num_inflight and reaches_length_limit(request, self.max_model_len,
+                                                             request.num_inflight):
                 continue  # its token in flight is its last one
             num_new = min(len(request.all_token_ids) + request.num_inflight
                           - request.num_computed_tokens, budget)
@@ -116,12 +118,6 @@ class Scheduler:
         if plan.num_decodes != len(plan.scheduled):
             plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return plan
-
-    def _ends_by_length(self, request: Request) -> bool:
-        """max_tokens or the context length is reached once the tokens in flight arrive."""
-        ahead, max_tokens = request.num_inflight, request.sampling_params.max_tokens
-        return (max_tokens is not None and len(request.output_token_ids) + ahead >= max_tokens) \
-            or len(request.all_token_ids) + ahead >= self.max_model_len
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

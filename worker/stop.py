@@ -25,9 +25,16 @@ def check_stop(request: Request, max_model_len: int, text_start: int) -> None:
             return
         if params.stop and _cut_at_stop_string(request, text_start):
             return
-    at_max = params.max_tokens is not None and num_outputs >= params.max_tokens
-    if at_max or len(request.all_token_ids) >= max_model_len:
+    if reaches_length_limit(request, max_model_len):
         request.finish_reason = FinishReason.LENGTH
+
+
+def reaches_length_limit(request: Request, max_model_len: int, ahead: int = 0) -> bool:
+    """max_tokens or the context length is reached, counting `ahead` more output tokens (the
+    scheduler's tokens still in flight, Request.num_inflight)."""
+    max_tokens = request.sampling_params.max_tokens
+    return (max_tokens is not None and len(request.output_token_ids) + ahead >= max_tokens) \
+        or len(request.all_token_ids) + ahead >= max_model_len
 
 
 def _cut_at_stop_string(request: Request, text_start: int) -> bool:
