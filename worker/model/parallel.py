@@ -79,6 +79,19 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, int4: Int4Weight | Non
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): on CUDA for a few rows (decode) the Triton GEMV of kernels/gemv.py,
+    faster there than cuBLAS (imported only then: CPU installs need not have Triton); F.linear
+    otherwise."""
+    if x.is_cuda and x.dim() == 2:
+        from mxserve.kernels import gemv
+
+        if x.shape[0] <= gemv.MAX_ROWS and gemv.supported(x, weight):
+            return gemv.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over ranks; the output stays sharded.
 
@@ -137,7 +150,7 @@ class ColumnParallelLinear(nn.Module):
             return self.weight(x, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.int4, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _dense_linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -171,7 +184,7 @@ class RowParallelLinear(nn.Module):
         elif self.packed is not None:
             y = _packed_linear(x, self.packed, self.int4, None)
         else:
-            y = F.linear(x, self.weight)
+            y = _dense_linear(x, self.weight)
         return self.tp.all_reduce(y)
 
 
@@ -258,4 +271,4 @@ class ParallelLMHead(nn.Module):
         if self.packed is not None:
             return self.tp.all_gather_last_dim(_packed_linear(hidden, self.packed, None, None))
         weight = self.embedding.weight if self.tied else self.weight
-        return self.tp.all_gather_last_dim(F.linear(hidden, weight))
+        return self.tp.all_gather_last_dim(_dense_linear(hidden, weight))

@@ -1,0 +1,176 @@
+"""The few-row dense linear (kernels/gemv.py) against cuBLAS on the H200, and what it does to the
+engine's decode step. One script, side by side in one run:
+
+1. kernels: the 1B and 8B Llama decode shapes (q/k/v, o, gate/up, down, LM head) at M = 1..8
+   rows: F.linear (cuBLAS) vs gemv with its default program shape and two others; every gemv
+   output checked against an fp32 reference first (max error in bf16 ulps of the output).
+   CUDA graphs of 2 passes over weight copies that together exceed L2, per call.
+2. engine: the 1B dummy bf16 model (and MXFP4, whose LM head is bf16), decode batch 1 and 4,
+   with the model's dense linears on gemv (rows <= gemv.MAX_ROWS) vs all on cuBLAS (MAX_ROWS
+   = 0), the CUDA graphs re-captured for each: graph replay p50 and engine step p50 over 128
+   greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
+
+    python bench/gemv_gpu.py --out DIR     (DIR/gemv_gpu.json, DIR/gemv_gpu.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(REPO))
+
+from engine_gpu import step_bytes  # noqa: E402
+from gpu_timing import graph_us, header  # noqa: E402
+
+from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.kernels import gemv as gemv_mod  # noqa: E402
+
+SHAPES = {"1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+                 "down": (2048, 8192), "lm_head": (128256, 2048)},
+          "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                 "down": (4096, 14336), "lm_head": (128256, 4096)}}
+MS = [1, 2, 3, 4, 6, 8]
+COPY_TBS = 4.27
+
+
+def _configs(k: int) -> dict[str, tuple[int, int] | None]:
+    bk = 1 << (k - 1).bit_length()
+    bn = max(1, gemv_mod.TILE // bk)
+    alt = {"default": None, "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
+           "8_warps": (bn, 8)}
+    if bn > 1:
+        alt["rows_half"] = (bn // 2, 4)
+    return alt
+
+
+def kernel_section() -> list[dict]:
+    rows = []
+    for model, shapes in SHAPES.items():
+        for name, (n, k) in shapes.items():
+            copies = max(2, min(8, int(240e6 // (n * k * 2)) + 1))  # > 2x L2 in all
+            gen = torch.Generator(device="cuda").manual_seed(n + k)
+            ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+                  for _ in range(copies)]
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+                ref = x.float() @ ws[0].float().T
+                row = {"model": model, "layer": name, "n": n, "k": k, "m": m,
+                       "cublas_us": graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws * 2])}
+                for cname, cfg in _configs(k).items():
+                    y = gemv_mod.gemv(x, ws[0], config=cfg).float()
+                    ulps = ((y - ref).abs() / (ref.abs() * 2.0**-8 + 1e-6)).max().item()
+                    us = graph_us([lambda w=w, x=x, c=cfg: gemv_mod.gemv(x, w, config=c)
+                                   for w in ws * 2])
+                    row[cname] = {"us": us, "max_err_ulps": round(ulps, 2),
+                                  "x_cublas": round(row["cublas_us"] / us, 3)}
+                rows.append(row)
+                print(json.dumps({k2: (v["x_cublas"] if isinstance(v, dict) else v)
+                                  for k2, v in row.items()}), flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    return rows
+
+
+def engine_section(quantization: str | None) -> list[dict]:
+    llm = LLM(model="llama-3.2-1b", load_format="dummy", dtype="bfloat16", load_progress=False,
+              max_num_seqs=8, kv_cache_memory_gb=2.0, max_model_len=4096,
+              quantization=quantization)
+    engine, runner = llm.engine, llm.engine.runner
+    roofline_ms = step_bytes(llm, 4.25 if quantization else 16) / (COPY_TBS * 1e12) * 1e3
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
+    keep = gemv_mod.MAX_ROWS
+    rows = []
+    for batch in (1, 4):
+        tokens_by = {}
+        for label, max_rows in (("cublas", 0), ("gemv", keep)):
+            gemv_mod.MAX_ROWS = max_rows
+            runner.graphs = None
+            torch.cuda.empty_cache()
+            runner.capture_cuda_graphs(4096)
+            out = {"quantization": quantization or "bf16", "batch": batch, "linears": label,
+                   "roofline_ms": round(roofline_ms, 4)}
+            for rep in range(2):  # warm-up, then measured (distinct prompts: no prefix hits)
+                for b in range(batch):
+                    engine.add_request([(1000 + 7 * b + 131 * rep + i) % 128000
+                                        for i in range(128)], greedy)
+                times, tokens = [], []
+                while engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    for o in engine.step():
+                        tokens += o.new_token_ids
+                    times.append(time.perf_counter() - t0)
+                out["engine_step_ms_p50"] = round(statistics.median(times[3:]) * 1e3, 4)
+            tokens_by[label] = tokens
+            graph = runner.graphs.graphs[batch].graph
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = []
+            for _ in range(200):
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                reps.append(s.elapsed_time(e))
+            out["graph_replay_ms_p50"] = round(statistics.median(reps), 4)
+            out["step_x_roofline"] = round(out["engine_step_ms_p50"] / roofline_ms, 3)
+            rows.append(out)
+            print(json.dumps(out), flush=True)
+        rows[-1]["greedy_tokens_equal_cublas"] = tokens_by["gemv"] == tokens_by["cublas"]
+    gemv_mod.MAX_ROWS = keep
+    del llm, engine, runner
+    torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# gemv_gpu ({res['device']}, {res['date']}, commit {res.get('commit', '?')})",
+             "", f"`{res['command']}`", "",
+             "Few-row dense linear (kernels/gemv.py, default program shape) vs cuBLAS "
+             "(F.linear), us per call, CUDA graphs, weights cycled past L2:", "",
+             "| model | layer | N x K | " + " | ".join(f"M={m}" for m in MS) + " |",
+             "|---|---|---|" + "---|" * len(MS)]
+    by = {}
+    for r in res.get("kernels", []):
+        by.setdefault((r["model"], r["layer"], r["n"], r["k"]), {})[r["m"]] = r
+    for (model, layer, n, k), ms in by.items():
+        cells = [f"{ms[m]['default']['us']:.1f} vs {ms[m]['cublas_us']:.1f} "
+                 f"({ms[m]['default']['x_cublas']:.2f}x)" for m in MS]
+        lines.append(f"| {model} | {layer} | {n}x{k} | " + " | ".join(cells) + " |")
+    lines += ["", "Engine decode step, 1B dummy model (ms, p50), linears on cuBLAS vs gemv:", "",
+              "| weights | batch | linears | graph replay | engine step | x roofline |",
+              "|---|---|---|---|---|---|"]
+    for r in res.get("engine", []):
+        lines.append(f"| {r['quantization']} | {r['batch']} | {r['linears']} | "
+                     f"{r['graph_replay_ms_p50']} | {r['engine_step_ms_p50']} | "
+                     f"{r['step_x_roofline']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--sections", default="kernels,engine")
+    args = p.parse_args()
+    res = header("gemv_gpu")
+    res["max_rows"] = gemv_mod.MAX_ROWS
+    if "kernels" in args.sections:
+        res["kernels"] = kernel_section()
+    if "engine" in args.sections:
+        res["engine"] = engine_section(None) + engine_section("mxfp4")
+    with open(os.path.join(args.out, "gemv_gpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "gemv_gpu.md"), "w") as f:
+        f.write(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
