@@ -1,7 +1,8 @@
 """kernels/gemv.py under the Triton interpreter: the few-row dense linear against an fp32
 reference (different summation order: within one rounding of the output dtype), on odd shapes
 (K not a power of 2, N not a multiple of the program's rows, M past MAX_ROWS, the largest K),
-with bias, fp16, strided and 3-D x; and its errors."""
+with bias, fp16, strided and 3-D x; the add + RMSNorm prologue against layer_ops' reference
+(the new residual exact, the old one untouched); and the errors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
-from mxserve.kernels.gemv import MAX_K, gemv  # noqa: E402
+from mxserve.kernels.gemv import MAX_K, gemv, gemv_after_norm  # noqa: E402
+from mxserve.kernels.layer_ops import add_rms_norm_torch_  # noqa: E402
 
 
 def _reference(x, w, bias):
@@ -90,3 +92,36 @@ def test_gemv_rejects_what_it_cannot_multiply():
         gemv(torch.zeros(1, 64, dtype=torch.bfloat16), w, torch.zeros(7, dtype=torch.bfloat16),
              backend="triton")
     assert not gemv_mod.supported(torch.zeros(1, 64), w)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 37, 576), (2, 20, 2048), (1, 5, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_after_norm_is_add_rms_norm_then_the_linear(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    residual = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    norm_w = (1 + torch.randn(k, generator=gen) * 0.1).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    kept = residual.clone()
+    y, new_res = gemv_after_norm(x, residual, norm_w, 1e-5, w, bias, backend="triton")
+    assert torch.equal(residual, kept)  # not in place: the other programs read it
+    want_res = residual.clone()
+    normed = add_rms_norm_torch_(x, want_res, norm_w, 1e-5)
+    assert torch.equal(new_res, want_res)  # x + residual, rounded once
+    _check(y, normed, w, bias)
+    # the CPU default (torch references) agrees
+    y_cpu, res_cpu = gemv_after_norm(x, residual, norm_w, 1e-5, w, bias)
+    assert torch.equal(res_cpu, want_res) and torch.equal(residual, kept)
+    _check(y_cpu, normed, w, bias)
+
+
+def test_gemv_after_norm_rejects_mismatched_inputs():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv_after_norm(x, torch.zeros(2, 64, dtype=torch.bfloat16), x[0], 1e-6, w,
+                        backend="triton")
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv_after_norm(x, x.clone(), torch.zeros(63, dtype=torch.bfloat16), 1e-6, w,
+                        backend="triton")

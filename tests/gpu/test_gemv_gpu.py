@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
+from mxserve.worker.model.layers import RMSNorm  # noqa: E402
 from mxserve.worker.model.parallel import ColumnParallelLinear, TPGroup  # noqa: E402
 
 SHAPES = [(3072, 2048), (2048, 8192), (128256, 2048), (6144, 4096), (4096, 14336), (37, 576)]
@@ -46,3 +47,20 @@ def test_model_linear_uses_gemv_for_a_few_rows_and_cublas_past_them(monkeypatch)
         ref = x.float() @ lin.weight.float().T + lin.bias.float()
         _within_one_rounding(lin(x), ref)
     assert calls == [1, gemv_mod.MAX_ROWS]
+
+
+def test_forward_after_norm_fuses_one_row_and_matches_the_two_steps():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    norm = RMSNorm(2048, 1e-5, torch.bfloat16, "cuda")
+    norm.weight.data.copy_(1 + torch.randn(2048, device="cuda", generator=gen) * 0.1)
+    lin = ColumnParallelLinear(2048, [3072], False, TPGroup(), torch.bfloat16, "cuda")
+    lin.weight.data.copy_(torch.randn(3072, 2048, device="cuda", generator=gen) * 0.02)
+    for rows in (1, 2):
+        h = torch.randn(rows, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = (torch.randn(rows, 2048, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        want_res = residual.clone()
+        x = norm(h, want_res)
+        y, new_res = lin.forward_after_norm(h, residual, norm)
+        assert torch.equal(new_res, want_res)
+        assert (new_res is residual) == (rows > gemv_mod.MAX_ROWS)  # fused: a new tensor
+        _within_one_rounding(y, x.float() @ lin.weight.float().T)

@@ -41,11 +41,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant)
         self.rope = rope  # the model's one table, shared by every layer
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
                 meta: object) -> torch.Tensor:
-        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        # qkv: qkv_proj's output [T, (Hq + 2 Hkv) * D] (the layer runs it with the norm before)
+        num_tokens, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         self.rope(qkv[:, :num_qk_heads], positions)  # q and k rotated in place
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
@@ -61,8 +62,8 @@ class LlamaMLP(nn.Module):
                                                  dtype, device, quant)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: gate_up_proj's output [T, 2 * intermediate] (run with the norm before it)
         ops = fused_layer_ops(gate_up)  # one kernel (kernels/layer_ops.py, cpu_layer_ops.py)
         if ops is not None:
             return self.down_proj(ops.silu_and_mul(gate_up))
@@ -73,7 +74,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """x = x + attn(norm(x)); x = x + mlp(norm(x)), with the residual stream x kept apart and each
     add folded into the next norm: forward(h, residual) takes the previous layer's output h and
-    the stream before it (residual updated in place) and returns this layer's (h, residual)."""
+    the stream before it and returns this layer's (h, residual). Each norm runs with the
+    projection after it (ColumnParallelLinear.forward_after_norm): one kernel on CUDA at one
+    row, where the stream comes back as a new tensor; otherwise updated in place."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
                  rope: RotaryEmbedding, quant: str | None = None) -> None:
@@ -84,8 +87,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, h, residual, positions, kv_cache, attn, meta):
-        h = self.self_attn(self.input_layernorm(h, residual), positions, kv_cache, attn, meta)
-        return self.mlp(self.post_attention_layernorm(h, residual)), residual
+        qkv, residual = self.self_attn.qkv_proj.forward_after_norm(h, residual,
+                                                                   self.input_layernorm)
+        h = self.self_attn(qkv, positions, kv_cache, attn, meta)
+        gate_up, residual = self.mlp.gate_up_proj.forward_after_norm(
+            h, residual, self.post_attention_layernorm)
+        return self.mlp(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: object) -> torch.Tensor:
         # input_ids, positions [T] -> hidden states [T, hidden]
         self.rope.prepare(positions)
-        residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
+        residual = self.embed_tokens(input_ids)  # the residual stream (each layer returns it)
         h = torch.zeros_like(residual)  # "layer -1's output": the first add is a no-op
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, kv_cache, attn, meta)
