@@ -8,10 +8,7 @@ read once for all of them; at least 16 rows for tl.dot). It walks its context ra
 at a time with an online softmax (running max and sum in fp32, base 2); q k^T and p v run on
 tl.dot with fp32 accumulation, p rounded to the cache dtype for the second (as flash attention).
 - decode (BLOCK_Q = 1, memory bound): the context may be split; each split writes an fp32 partial
-  output and its log-sum-exp, and the last split of a tile to finish (an atomic counter) merges
-  them in split order (_merge; deterministic), in the same launch: at batch 1 a separate merge
-  kernel cost ~20 us a 1B step (16 launches). With the attention mass, _merge_splits_kernel
-  merges instead (same bits), keeping the merged lse.
+  output and its log-sum-exp, merged by _merge_splits_kernel in a fixed order (no atomics).
   Default splits (_decode_splits): none when the batch fills two programs an SM, else four an
   SM, at least MIN_SPLIT_TOKENS tokens a split.
 - prefill/extend: varlen chunks, causal over the cached context plus the chunk (K/V written first).
@@ -107,20 +104,18 @@ def _paged_attention_kernel(
     # pointers: q [T, Hq, D]; caches [num_blocks, PAGE_SIZE, Hkv, D]; block_tables [R, max_blocks];
     # query_start_loc [R + 1] and context_lens [R] (unless IS_DECODE); seq_lens [R];
     # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE)
-    # with MERGE: merged out [T, Hq, D] and per-tile counters (zero on entry and exit)
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
-    lse_ptr, merged_ptr, counter_ptr,
+    lse_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh, stride_mt, stride_mh,
-    # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows.
-    # MERGE (splits, STORE_LSE): the last split of a tile to finish merges them (_merge)
+    stride_os, stride_lt, stride_lh,
+    # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, MERGE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
@@ -157,41 +152,6 @@ def _paged_attention_kernel(
     if STORE_LSE:
         tl.store(lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse,
                  mask=row_ok)
-    if MERGE:  # the last split of this tile to finish merges them, in split order
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        tile = (r * tl.num_programs(1) + kv_head) * tl.num_programs(2) + pid_q
-        if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            part = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
-                    + offs_d[None, :])
-            o, _ = _merge(part, lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh,
-                          stride_os, 1, row_mask, row_ok, NUM_SPLITS)
-            tl.store(merged_ptr + (q_start + qi)[:, None] * stride_mt
-                     + heads[:, None] * stride_mh + offs_d[None, :],
-                     _cast_out(o, merged_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # re-arm for the next call
-
-
-@triton.jit
-def _merge(part_ptrs, lse_ptrs, stride_ps, stride_ls, mask, row_ok, NUM_SPLITS: tl.constexpr):
-    """(out [..., D], lse [...]) of NUM_SPLITS partials (fp32 out and base-2 lse at
-    part_ptrs / lse_ptrs + s * stride): weights 2^(lse_s - max), summed in split order (the
-    fused merge and _merge_splits_kernel give the same bits). Empty splits (lse -inf) weigh 0;
-    all empty: 0 and -inf."""
-    m = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in range(1, NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros(m.shape, tl.float32)
-    acc = tl.zeros(mask.shape, tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - m)
-        den += w
-        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0,
-                                    cache_modifier=".cg")
-    safe = tl.where(den > 0, den, 1.0)
-    return acc / safe[:, None], tl.where(den > 0, m + tl.log2(safe), float("-inf"))
 
 
 @triton.jit
@@ -202,18 +162,24 @@ def _merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
     # shapes and tiling
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     t, h = tl.program_id(0), tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    one = tl.arange(0, 1)  # a [1] row: _merge's shapes
-    mask = (offs_d < HEAD_DIM)[None, :] & (one < 1)[:, None]
-    o, lse = _merge(part_ptr + t * stride_pt + h * stride_ph + one[:, None] * 0 + offs_d[None, :],
-                    part_lse_ptr + (t * NUM_HEADS + h) * NUM_SPLITS + one, stride_ps, 1, mask,
-                    one < 1, NUM_SPLITS)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + offs_d[None, :],
-             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
-    tl.store(lse_out_ptr + t * NUM_HEADS + h + one, lse)
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + (t * NUM_HEADS + h) * NUM_SPLITS + offs_s,
+                  mask=offs_s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S], base 2
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    den = tl.sum(w, axis=0)
+    safe = tl.where(den > 0, den, 1.0)
+    mask = (offs_s < NUM_SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(w[:, None] * part, axis=0) / safe
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
+             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=offs_d < HEAD_DIM)
+    tl.store(lse_out_ptr + t * NUM_HEADS + h, tl.where(den > 0, m + tl.log2(safe), float("-inf")))
 
 
 @triton.jit
@@ -279,21 +245,6 @@ def _write_kv_kernel(
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else 1
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(n: int, device: torch.device) -> torch.Tensor:
-    """The fused merge's per-tile counters on `device` (int32, zero between calls; each call's
-    last split re-arms its own), at least n of them. Shared by every call on the device: calls
-    run one at a time, on one stream. Allocated once, at the first (largest) warm-up, so a CUDA
-    graph never captures the allocation."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def _decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device) -> int:
@@ -367,26 +318,21 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
                 INTERP_BF16=interpreted_bf16(q.dtype, q), **opts)
-    grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    # splits merge in the attention kernel (its last split of each tile) unless the mass needs
-    # the merged lse: then _merge_splits_kernel, which also keeps it
-    merge = num_splits > 1 and not return_mass
-    counters = _merge_counters(grid[0] // num_splits * grid[1] * grid[2], q.device) \
-        if merge else lse_arg
     if total_q and num_seqs:
+        grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, out, counters, scale * LOG2E,
-            tokens_per_split, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-            block_tables.stride(0), part.stride(0), part.stride(1),
-            0 if num_splits == 1 else part.stride(2), lse_arg.stride(0), lse_arg.stride(1),
-            out.stride(0), out.stride(1), NUM_SPLITS=num_splits, STORE_LSE=lse is not None,
-            MERGE=merge, **meta)
-    if num_splits > 1 and total_q and not merge:
+            q, k_cache, v_cache, *index, part, lse_arg, scale * LOG2E, tokens_per_split,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+            part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
+            lse_arg.stride(0), lse_arg.stride(1), NUM_SPLITS=num_splits,
+            STORE_LSE=lse is not None, **meta)
+    if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
         _merge_splits_kernel[(total_q, num_heads)](
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_D=meta["BLOCK_D"], INTERP_BF16=meta["INTERP_BF16"])
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
+            INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
         return out

@@ -271,26 +271,3 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_cache(torch.randn(2, 2, 16), torch.randn(2, 2, 16), k_cache, v_cache,
                        torch.tensor([1.0, 2.0]), backend="triton")
-
-
-def test_fused_split_merge_rearms_its_counters_and_handles_empty_contexts():
-    """Without the mass the last split of each tile merges (atomic counters, re-armed by that
-    split): repeated calls, with another batch size between them, give the same bits as the
-    separate merge kernel (the mass path), and empty contexts give zeros. The references are
-    computed first, so no call finds its partials left in memory by the one before. (The
-    interpreter steps a grid's programs together, so that only the last split may merge is
-    checked on the GPU: tests/gpu/test_paged_attention_gpu.py.)"""
-    gen = seeded("fused-merge")
-    seq_lens = [37, 0, 5, 64]
-    k_cache, v_cache, tables, _ = make_paged(seq_lens, 2, 16, 4, torch.float32, gen)
-    qs = [torch.randn(4, 4, 16, generator=gen) for _ in range(3)]
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    wants = [paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=3,
-                                    return_attn_mass=True, backend="triton")[0] for q in qs]
-    for i, (splits, rows) in enumerate(((3, 4), (5, 2), (3, 4), (3, 4))):
-        q = qs[i % 3]
-        got = paged_decode_attention(q[:rows], k_cache, v_cache, tables[:rows], lens[:rows],
-                                     num_splits=splits, backend="triton")
-        assert (got[1] == 0).all() and not got.isnan().any()
-        if splits == 3:
-            assert got.equal(wants[i % 3][:rows])
