@@ -18,6 +18,8 @@ not stored, so no load needs a row mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,22 +39,43 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 @triton.jit
 def _gemv_kernel(
-    # x [M, K], w [N, K], bias [N] (if HAS_BIAS), out [M, N]; with NORM: residual [M, K],
-    # norm weight [K], new residual [M, K] (written by program 0)
-    x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, norm_w_ptr, new_res_ptr,
-    M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm, stride_nm,
+    # x [M, K], w [N, K], bias [N] (if HAS_BIAS), out [M, N] ([M, N / 2] for SiLU-and-mul);
+    # NORM: residual [M, K], norm weight [K], new residual [M, K] (written by program 0);
+    # ROPE: positions [M], fp32 cos / sin [max_positions, HEAD_DIM / 2]; KV: slots [M] (< 0:
+    # padding, not written), caches [num_blocks, PAGE_SIZE, Hkv, HEAD_DIM]
+    x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, norm_w_ptr, new_res_ptr, pos_ptr, cos_ptr,
+    sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm, stride_nm, stride_c, stride_cb,
+    stride_cs, stride_ch,
+    # EPILOGUE 0: plain, BLOCK_N rows a program; 1: SiLU-and-mul, 2: RoPE (q/k heads in the
+    # first ROT_ROWS rows, Q_ROWS of them queries; v after), each BLOCK_N row pairs a program
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
+    Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1; not stored
+    dtype = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if EPILOGUE == 0:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)  # rows past N read row N - 1; not stored
+    else:  # row pairs (a, b): gate j and up j; a rotated pair (d, d + HALF); two v columns
+        pairs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = pairs < N // 2
+        if EPILOGUE == 1:
+            a = pairs
+            b = pairs + N // 2
+        else:
+            rot = pairs < ROT_ROWS // 2
+            a = tl.where(rot, (pairs // HALF) * HEAD_DIM + pairs % HALF,
+                         ROT_ROWS + 2 * (pairs - ROT_ROWS // 2))
+            b = tl.where(rot, a + HALF, a + 1)
+        rows = tl.minimum(tl.join(a, b), N - 1)  # [BLOCK_N, 2]
+    rows = rows.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=k_mask[None, :],
-                other=0.0)
+    w = tl.load(w_ptr + tl.expand_dims(rows, -1) * stride_wn + offs_k, mask=k_mask, other=0.0)
     w = _to_f32(w, INTERP_BF16)
-    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         bias = _to_f32(tl.load(bias_ptr + rows), INTERP_BF16)
     if NORM:
@@ -68,11 +91,38 @@ def _gemv_kernel(
                          mask=k_mask)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = _round_to(_round_to(x * rstd, dtype, INTERP_BF16) * norm_w, dtype, INTERP_BF16)
-        acc = tl.sum(w * x[None, :], axis=1)
+        acc = tl.sum(w * x, axis=len(w.shape) - 1)
         if HAS_BIAS:
             acc += bias
-        tl.store(out_ptr + m * stride_om + offs_n, _cast_out(acc, out_ptr.dtype.element_ty,
-                                                             INTERP_BF16), mask=offs_n < N)
+        out_row = out_ptr + m * stride_om
+        if EPILOGUE == 0:
+            tl.store(out_row + offs_n, _cast_out(acc, dtype, INTERP_BF16), mask=offs_n < N)
+        elif EPILOGUE == 1:  # layer_ops.silu_and_mul's roundings
+            gate, up = tl.split(_round_to(acc, dtype, INTERP_BF16))
+            silu = _round_to(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
+            tl.store(out_row + pairs, _cast_out(silu * up, dtype, INTERP_BF16), mask=valid)
+        else:  # layer_ops.apply_rotary_'s steps on the rounded products; v as they are
+            lo, hi = tl.split(_round_to(acc, dtype, INTERP_BF16))
+            pos = tl.load(pos_ptr + m).to(tl.int64)
+            cos = tl.load(cos_ptr + pos * stride_c + pairs % HALF, mask=rot, other=1.0)
+            sin = tl.load(sin_ptr + pos * stride_c + pairs % HALF, mask=rot, other=0.0)
+            lo, hi = tl.where(rot, lo * cos - hi * sin, lo), tl.where(rot, hi * cos + lo * sin, hi)
+            lo, hi = _cast_out(lo, dtype, INTERP_BF16), _cast_out(hi, dtype, INTERP_BF16)
+            tl.store(out_row + a, lo, mask=valid)
+            tl.store(out_row + b, hi, mask=valid)
+            if KV:  # the new token's k and v into the caches (paged_attention.write_kv_cache)
+                slot = tl.load(slot_ptr + m).to(tl.int64)
+                is_k = rot & (a >= Q_ROWS)
+                col = tl.where(is_k, a - Q_ROWS, a - ROT_ROWS)  # in the k or v heads
+                at = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs \
+                    + (col // HEAD_DIM) * stride_ch + col % HEAD_DIM
+                step = tl.where(is_k, HALF, 1)  # b's column after a's
+                keep = valid & (pairs * 0 + slot >= 0)  # (a scalar mask: the interpreter balks)
+                tl.store(k_cache_ptr + at, lo, mask=keep & is_k)
+                tl.store(k_cache_ptr + at + step, hi, mask=keep & is_k)
+                is_v = a >= ROT_ROWS
+                tl.store(v_cache_ptr + at, lo, mask=keep & is_v)
+                tl.store(v_cache_ptr + at + step, hi, mask=keep & is_v)
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -88,55 +138,168 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
     (speed is for a few: `MAX_ROWS`). config (BLOCK_N, num_warps) overrides the default
     (bench/). backend "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad
     input."""
-    return _gemv(x, w, bias, None, backend, config)[0]
+    _check(x, w, bias)
+    n, k = w.shape
+    if not _use_triton(backend, x):
+        return torch.nn.functional.linear(x, w, bias)
+    x2 = x.reshape(-1, k)
+    out = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None, None,
+                  config)
+    return out.view(*x.shape[:-1], n)
 
 
-def gemv_after_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    backend: str = "auto", config: tuple[int, int] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(residual + x) @ w.T + bias, residual + x) with layer_ops.add_rms_norm_'s
-    roundings, in one kernel: every program normalizes the row itself (it loads all of K
-    anyway) and program 0 writes the sum, to a new tensor (the others still read `residual`).
-    x, residual [M, K]; norm_weight [K]. backend "auto" on CPU: the torch references."""
-    if residual.shape != x.shape or residual.dtype != x.dtype or x.dim() != 2 \
-            or residual.stride(-1) != 1 or norm_weight.shape != x.shape[-1:] \
-            or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-        raise ValueError(f"gemv_after_norm: need x and residual [M, K] and norm_weight [K] of one "
-                         f"dtype; got {x.dtype} {tuple(x.shape)}, {residual.dtype} "
-                         f"{tuple(residual.shape)}, {norm_weight.dtype} "
-                         f"{tuple(norm_weight.shape)}")
-    return _gemv(x, w, bias, (residual, norm_weight, eps), backend, config)
+@dataclass(frozen=True)
+class Norm:
+    """The prologue: x -> rmsnorm(residual + x) (layer_ops.add_rms_norm_'s roundings); the sum
+    comes back as a new tensor."""
+
+    residual: torch.Tensor  # [M, K]
+    weight: torch.Tensor  # [K]
+    eps: float
 
 
-def _gemv(x, w, bias, norm, backend, config):
+@dataclass(frozen=True)
+class Rope:
+    """The epilogue of a fused q/k/v projection: its first (num_heads + num_kv_heads) * head_dim
+    columns (q heads, then k heads) rotated as layer_ops.apply_rotary_ does, at positions."""
+
+    positions: torch.Tensor  # [M] int
+    cos: torch.Tensor  # fp32 [max_positions, head_dim // 2]
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """With Rope: the rotated k and the v of each row also go to the paged caches at slots (as
+    paged_attention.write_kv_cache; negative slots are skipped)."""
+
+    k_cache: torch.Tensor  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [M] int
+
+
+def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      norm: Norm | None = None, silu_and_mul: bool = False,
+                      rope: Rope | None = None, kv: KVWrite | None = None,
+                      backend: str = "auto", config: tuple[int, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One kernel for a decoder projection with the elementwise steps around it:
+    (epilogue(prologue(x) @ w.T + bias), the new residual or None). x [M, K].
+
+    - norm: the add + RMSNorm before (every program normalizes the row itself: it loads all of
+      K anyway; program 0 writes the sum to a new tensor, as the others still read residual);
+    - silu_and_mul: a fused gate/up projection's activation, out [M, N / 2] (program pairs:
+      gate row j with up row j);
+    - rope (+ kv): RoPE on the q/k columns (programs own the pairs d, d + head_dim / 2), and
+      the new k and v written to the caches.
+    Each step rounds where layer_ops' kernel for it rounds. backend "auto" on CPU: the torch
+    references of those steps. Raises ValueError on bad input."""
+    _check(x, w, bias)
+    n, k = w.shape
+    if x.dim() != 2:
+        raise ValueError(f"decode_projection: x must be [M, K], got {tuple(x.shape)}")
+    _check_steps(x, n, norm, silu_and_mul, rope, kv)
+    if not _use_triton(backend, x):
+        return _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    new_res = torch.empty_like(norm.residual) if norm is not None else None
+    out = _launch(x2, w, bias, n // 2 if silu_and_mul else n, norm, 1 if silu_and_mul else
+                  2 if rope is not None else 0, rope, kv, config, new_res)
+    return out, new_res
+
+
+def _check(x, w, bias) -> None:
     if not supported(x, w):
         raise ValueError(f"gemv: need 16-bit x [..., K] and w [N, K <= {MAX_K}] of one dtype "
                          f"with contiguous rows; got x {x.dtype} {tuple(x.shape)}, w {w.dtype} "
                          f"{tuple(w.shape)} strides {w.stride()}")
-    n, k = w.shape
+    n = w.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"gemv: bias must be {x.dtype} ({n},), got {bias.dtype} "
                          f"{tuple(bias.shape)}")
-    if not _use_triton(backend, x):
-        if norm is None:
-            return torch.nn.functional.linear(x, w, bias), None
-        residual, norm_weight, eps = norm
-        new_res = residual.clone()
-        y = layer_ops.add_rms_norm_torch_(x, new_res, norm_weight, eps)
-        return torch.nn.functional.linear(y, w, bias), new_res
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    res, norm_w, eps = norm if norm is not None else (x2, x2, 0.0)
-    new_res = torch.empty_like(res) if norm is not None else x2
-    if x2.shape[0]:
-        block_k = triton.next_power_of_2(k)
-        block_n, warps = config or (max(1, TILE // block_k), 4 if block_k <= TILE else 8)
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x2, w, bias if bias is not None else w, out, res, norm_w, new_res,
-            x2.shape[0], n, k, eps, x2.stride(0), w.stride(0), out.stride(0), res.stride(0),
-            new_res.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-            NORM=norm is not None, INTERP_BF16=interpreted_bf16(x.dtype, x),
-            **({"num_warps": warps} if x.is_cuda else {}))
-    return out.view(*x.shape[:-1], n), (new_res if norm is not None else None)
+
+
+def _check_steps(x, n, norm, silu_and_mul, rope, kv) -> None:
+    m, k = x.shape
+    if norm is not None and (norm.residual.shape != x.shape or norm.residual.dtype != x.dtype
+                             or norm.residual.stride(-1) != 1 or norm.weight.shape != (k,)
+                             or norm.weight.dtype != x.dtype or not norm.weight.is_contiguous()):
+        raise ValueError(f"decode_projection: norm needs residual [M, K] and weight [K] of x's "
+                         f"dtype; got {norm.residual.dtype} {tuple(norm.residual.shape)}, "
+                         f"{norm.weight.dtype} {tuple(norm.weight.shape)}")
+    if silu_and_mul and (rope is not None or n % 2):
+        raise ValueError(f"decode_projection: silu_and_mul needs an even N and no rope, N = {n}")
+    if rope is not None:
+        d, heads = rope.head_dim, rope.num_heads + 2 * rope.num_kv_heads
+        if d % 2 or heads * d != n or rope.positions.shape != (m,) \
+                or rope.cos.dtype != torch.float32 or rope.cos.shape != rope.sin.shape \
+                or rope.cos.shape[-1] * 2 != d or not rope.cos.is_contiguous() \
+                or not rope.sin.is_contiguous():
+            raise ValueError(f"decode_projection: rope needs N = (heads + 2 kv heads) * head_dim "
+                             f"(even), positions [M] and fp32 cos/sin [max_positions, head_dim "
+                             f"/ 2]; got N {n}, {rope.num_heads}/{rope.num_kv_heads} heads of "
+                             f"{d}, positions {tuple(rope.positions.shape)}, cos "
+                             f"{rope.cos.dtype} {tuple(rope.cos.shape)}")
+    if kv is not None:
+        shape = kv.k_cache.shape
+        if rope is None or kv.k_cache.dim() != 4 or kv.v_cache.shape != shape \
+                or kv.v_cache.stride() != kv.k_cache.stride() or kv.k_cache.stride(-1) != 1 \
+                or shape[2:] != (rope.num_kv_heads, rope.head_dim) or kv.slots.shape != (m,) \
+                or kv.k_cache.dtype != x.dtype or kv.v_cache.dtype != x.dtype:
+            raise ValueError(f"decode_projection: kv needs rope, caches [blocks, page, "
+                             f"kv heads, head_dim] of x's dtype and slots [M]; got caches "
+                             f"{kv.k_cache.dtype} {tuple(shape)}, slots {tuple(kv.slots.shape)}")
+
+
+def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
+    new_res = None
+    if norm is not None:
+        new_res = norm.residual.clone()
+        x = layer_ops.add_rms_norm_torch_(x, new_res, norm.weight, norm.eps)
+    y = torch.nn.functional.linear(x, w, bias)
+    if silu_and_mul:
+        y = layer_ops.silu_and_mul_torch(y)
+    if rope is not None:
+        m, d = y.shape[0], rope.head_dim
+        q_cols, rot = rope.num_heads * d, (rope.num_heads + rope.num_kv_heads) * d
+        layer_ops.apply_rotary_torch_(y[:, :rot].view(m, -1, d), rope.positions, rope.cos,
+                                      rope.sin)
+        if kv is not None:
+            from .paged_attention import write_kv_cache_torch
+
+            write_kv_cache_torch(y[:, q_cols:rot].view(m, -1, d), y[:, rot:].view(m, -1, d),
+                                 kv.k_cache, kv.v_cache, kv.slots)
+    return y, new_res
+
+
+def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None):
+    m, (n, k) = x2.shape[0], w.shape
+    out = torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
+    if not m:
+        return out
+    block_k = triton.next_power_of_2(k)
+    per = 2 if epilogue else 1  # rows a unit: a row, or a pair
+    block_n, warps = config or (max(1, TILE // (per * block_k)),
+                                4 if per * block_k <= TILE else 8)
+    res, norm_w, eps = (norm.residual, norm.weight, norm.eps) if norm is not None else \
+        (x2, x2, 0.0)
+    new_res = x2 if new_res is None else new_res
+    if rope is not None:
+        pos, cos, sin, d = rope.positions, rope.cos, rope.sin, rope.head_dim
+        rot_rows, q_rows = (rope.num_heads + rope.num_kv_heads) * d, rope.num_heads * d
+    else:
+        pos, cos, sin, d, rot_rows, q_rows = x2, x2, x2, 2, 0, 0
+    kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
+    cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
+    _gemv_kernel[(triton.cdiv(n // per, block_n),)](
+        x2, w, bias if bias is not None else w, out, res, norm_w, new_res, pos, cos, sin, slots,
+        kc, vc, m, n, k, eps, x2.stride(0), w.stride(0), out.stride(0), res.stride(0),
+        new_res.stride(0), cos.stride(0) if rope is not None else 0, *cache_strides,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
+        EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows, Q_ROWS=q_rows,
+        PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1,
+        INTERP_BF16=interpreted_bf16(x2.dtype, x2), **({"num_warps": warps} if x2.is_cuda else {}))
+    return out

@@ -37,18 +37,27 @@ class AttentionBatch:
 class AttentionBackend(ABC):
     """Computes attention for one layer; metadata is built once per step and shared by all layers.
 
-    Contract of `forward`: writes the step's new K/V into the caches at their slots first, then
-    returns, for every new token, softmax(q k^T / sqrt(d)) v over its request's context (positions
-    0 .. its own position), shape [num_tokens, num_heads * head_dim] in q's dtype. GQA: query head h
-    uses KV head h // (num_heads // num_kv_heads).
+    Contract of `forward`: writes the step's new K/V into the caches at their slots first (unless
+    kv_written: the model wrote them, at the slots `decode_slots` gave), then returns, for every
+    new token, softmax(q k^T / sqrt(d)) v over its request's context (positions 0 .. its own
+    position), shape [num_tokens, num_heads * head_dim] in q's dtype. GQA: query head h uses KV
+    head h // (num_heads // num_kv_heads).
     """
 
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> object: ...
 
+    def decode_slots(self, meta: object) -> torch.Tensor | None:
+        """The new tokens' flat cache slots [T] int64 (negative: padding, not written) when the
+        model may write their K/V itself in this step (its projection kernel does:
+        kernels/gemv.py) and then call forward with kv_written=True; None: forward writes
+        them."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object) -> torch.Tensor: ...
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object,
+                kv_written: bool = False) -> torch.Tensor: ...
 
 
 @dataclass
@@ -190,13 +199,14 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TorchAttentionMetadata) -> torch.Tensor:
+                meta: TorchAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
-        flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
+        if not kv_written:
+            flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
+            flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
         out = torch.empty_like(q)
         self._decodes(q, k_cache, v_cache, meta, out)
         for first, qlen, blocks, end, mask in meta.prefill_spans:

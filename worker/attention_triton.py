@@ -89,11 +89,16 @@ class TritonAttention(AttentionBackend):
             num_decode_tokens=nd, decode=_group(batch, 0, nd),
             prefill=_group(batch, nd, len(batch.query_lens)))
 
+    def decode_slots(self, meta: TritonAttentionMetadata) -> torch.Tensor | None:
+        """A step of one-token decodes (every CUDA-graph replay): the model may write K/V."""
+        return meta.slot_mapping if meta.prefill is None else None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TritonAttentionMetadata) -> torch.Tensor:
+                meta: TritonAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         nd, dec, pre = meta.num_decode_tokens, meta.decode, meta.prefill
         if dec is not None:

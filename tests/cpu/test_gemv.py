@@ -1,8 +1,9 @@
 """kernels/gemv.py under the Triton interpreter: the few-row dense linear against an fp32
 reference (different summation order: within one rounding of the output dtype), on odd shapes
 (K not a power of 2, N not a multiple of the program's rows, M past MAX_ROWS, the largest K),
-with bias, fp16, strided and 3-D x; the add + RMSNorm prologue against layer_ops' reference
-(the new residual exact, the old one untouched); and the errors."""
+with bias, fp16, strided and 3-D x; decode_projection's steps against layer_ops' references:
+the add + RMSNorm prologue (the new residual exact, the old one untouched), the SiLU-and-mul and
+RoPE epilogues, and the K/V write into paged caches (padding slots skipped); and the errors."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
-from mxserve.kernels.gemv import MAX_K, gemv, gemv_after_norm  # noqa: E402
-from mxserve.kernels.layer_ops import add_rms_norm_torch_  # noqa: E402
+from mxserve.kernels.gemv import MAX_K, KVWrite, Norm, Rope, decode_projection, gemv  # noqa: E402
+from mxserve.kernels.layer_ops import (  # noqa: E402
+    add_rms_norm_torch_,
+    apply_rotary_torch_,
+    silu_and_mul_torch,
+)
 
 
 def _reference(x, w, bias):
@@ -94,34 +99,133 @@ def test_gemv_rejects_what_it_cannot_multiply():
     assert not gemv_mod.supported(torch.zeros(1, 64), w)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 37, 576), (2, 20, 2048), (1, 5, 100)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_after_norm_is_add_rms_norm_then_the_linear(m, n, k, dtype):
-    gen = torch.Generator().manual_seed(m + n + k)
+def _norm_inputs(m, k, dtype, gen):
     x = torch.randn(m, k, generator=gen).to(dtype)
     residual = (torch.randn(m, k, generator=gen) * 4).to(dtype)
     norm_w = (1 + torch.randn(k, generator=gen) * 0.1).to(dtype)
+    return x, residual, norm_w
+
+
+def _close(got, want, ulps=2):
+    """Within `ulps` roundings of the output dtype: the products' sums run in another order,
+    and one rounding before an activation can move its result by one more."""
+    ulp = 2.0**-8 if got.dtype == torch.bfloat16 else 2.0**-11
+    err = (got.float() - want.float()).abs()
+    assert (err <= want.float().abs() * ulps * ulp + 1e-3).all(), err.max()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 37, 576), (2, 20, 2048), (1, 5, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_prologue_is_add_rms_norm_then_the_linear(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, residual, norm_w = _norm_inputs(m, k, dtype, gen)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     kept = residual.clone()
-    y, new_res = gemv_after_norm(x, residual, norm_w, 1e-5, w, bias, backend="triton")
+    y, new_res = decode_projection(x, w, bias, norm=Norm(residual, norm_w, 1e-5),
+                                   backend="triton")
     assert torch.equal(residual, kept)  # not in place: the other programs read it
     want_res = residual.clone()
     normed = add_rms_norm_torch_(x, want_res, norm_w, 1e-5)
     assert torch.equal(new_res, want_res)  # x + residual, rounded once
     _check(y, normed, w, bias)
-    # the CPU default (torch references) agrees
-    y_cpu, res_cpu = gemv_after_norm(x, residual, norm_w, 1e-5, w, bias)
+    y_cpu, res_cpu = decode_projection(x, w, bias, norm=Norm(residual, norm_w, 1e-5))
     assert torch.equal(res_cpu, want_res) and torch.equal(residual, kept)
     _check(y_cpu, normed, w, bias)
 
 
-def test_gemv_after_norm_rejects_mismatched_inputs():
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    w = torch.zeros(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="norm_weight"):
-        gemv_after_norm(x, torch.zeros(2, 64, dtype=torch.bfloat16), x[0], 1e-6, w,
-                        backend="triton")
-    with pytest.raises(ValueError, match="norm_weight"):
-        gemv_after_norm(x, x.clone(), torch.zeros(63, dtype=torch.bfloat16), 1e-6, w,
-                        backend="triton")
+@pytest.mark.parametrize("m,inter,k", [(1, 48, 576), (3, 100, 256), (1, 8, 4096)])
+def test_silu_and_mul_epilogue(m, inter, k):
+    gen = torch.Generator().manual_seed(m + inter + k)
+    x, residual, norm_w = _norm_inputs(m, k, torch.bfloat16, gen)
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.05).to(torch.bfloat16)
+    for norm in (None, Norm(residual, norm_w, 1e-6)):
+        got, _ = decode_projection(x, w, norm=norm, silu_and_mul=True, backend="triton")
+        src = x if norm is None else add_rms_norm_torch_(x, residual.clone(), norm_w, 1e-6)
+        gate_up = (src.float() @ w.float().T).to(torch.bfloat16)
+        assert got.shape == (m, inter)
+        _close(got, silu_and_mul_torch(gate_up))
+
+
+def _rope_case(m, heads, kv_heads, d, k, gen, bias=True):
+    x, residual, norm_w = _norm_inputs(m, k, torch.bfloat16, gen)
+    n = (heads + 2 * kv_heads) * d
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    rope = Rope(torch.randint(0, 64, (m,), generator=gen), angles.cos().contiguous(),
+                angles.sin().contiguous(), heads, kv_heads, d)
+    return x, residual, norm_w, w, b, rope
+
+
+def _rope_reference(x, w, b, rope, norm=None):
+    src = x if norm is None else add_rms_norm_torch_(x, norm.residual.clone(), norm.weight,
+                                                     norm.eps)
+    y = (src.float() @ w.float().T + (b.float() if b is not None else 0)).to(x.dtype)
+    rot = (rope.num_heads + rope.num_kv_heads) * rope.head_dim
+    apply_rotary_torch_(y[:, :rot].view(y.shape[0], -1, rope.head_dim), rope.positions,
+                        rope.cos, rope.sin)
+    return y
+
+
+@pytest.mark.parametrize("m,heads,kv_heads,d,k", [(1, 4, 2, 16, 64), (2, 6, 2, 32, 200),
+                                                  (1, 8, 8, 64, 576)])
+def test_rope_epilogue_rotates_q_and_k_only(m, heads, kv_heads, d, k):
+    gen = torch.Generator().manual_seed(heads * d + k)
+    x, residual, norm_w, w, b, rope = _rope_case(m, heads, kv_heads, d, k, gen)
+    for norm in (None, Norm(residual, norm_w, 1e-5)):
+        got, _ = decode_projection(x, w, b, norm=norm, rope=rope, backend="triton")
+        _close(got, _rope_reference(x, w, b, rope, norm))
+        cpu, _ = decode_projection(x, w, b, norm=norm, rope=rope)
+        _close(cpu, _rope_reference(x, w, b, rope, norm))
+
+
+def test_rope_epilogue_writes_k_and_v_to_their_slots_and_skips_padding():
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, page = 4, 2, 16, 4
+    x, residual, norm_w, w, b, rope = _rope_case(3, heads, kv_heads, d, 64, gen, bias=False)
+    slots = torch.tensor([6, -1, 13])  # the middle row is padding
+    k_cache = torch.full((5, page, kv_heads, d), 7.0).to(torch.bfloat16)
+    v_cache = torch.full((5, page, kv_heads, d), 9.0).to(torch.bfloat16)
+    norm = Norm(residual, norm_w, 1e-6)
+    got, new_res = decode_projection(x, w, norm=norm, rope=rope,
+                                     kv=KVWrite(k_cache, v_cache, slots), backend="triton")
+    q_cols, rot = heads * d, (heads + kv_heads) * d
+    k_new = got[:, q_cols:rot].view(3, kv_heads, d)
+    v_new = got[:, rot:].view(3, kv_heads, d)
+    for row, slot in ((0, 6), (2, 13)):
+        assert torch.equal(k_cache[slot // page, slot % page], k_new[row])
+        assert torch.equal(v_cache[slot // page, slot % page], v_new[row])
+    written = torch.zeros(5 * page, dtype=torch.bool)
+    written[[6, 13]] = True
+    assert (k_cache.view(5 * page, -1)[~written] == 7).all()
+    assert (v_cache.view(5 * page, -1)[~written] == 9).all()
+    # the CPU default writes the same caches
+    k2 = torch.full_like(k_cache, 7.0)
+    v2 = torch.full_like(v_cache, 9.0)
+    cpu, _ = decode_projection(x, w, norm=norm, rope=rope, kv=KVWrite(k2, v2, slots))
+    _close(cpu, got)
+    _close(k2, k_cache)
+    _close(v2, v_cache)
+
+
+def test_decode_projection_rejects_what_it_cannot_fuse():
+    gen = torch.Generator().manual_seed(0)
+    x, residual, norm_w, w, b, rope = _rope_case(1, 4, 2, 16, 64, gen)
+    with pytest.raises(ValueError, match="norm"):
+        decode_projection(x, w, norm=Norm(residual[:, :8], norm_w, 1e-6), backend="triton")
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        decode_projection(x, w[:7], silu_and_mul=True, backend="triton")
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        decode_projection(x, w, silu_and_mul=True, rope=rope, backend="triton")
+    with pytest.raises(ValueError, match="rope"):
+        decode_projection(x, w[:-16], rope=rope, backend="triton")
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv needs rope"):
+        decode_projection(x, w, kv=KVWrite(cache, cache.clone(), torch.zeros(1)),
+                          backend="triton")
+    with pytest.raises(ValueError, match="kv needs rope"):
+        decode_projection(x, w, rope=rope, kv=KVWrite(cache.float(), cache.float(),
+                                                      torch.zeros(1)), backend="triton")
+    with pytest.raises(ValueError, match="M, K"):
+        decode_projection(x.view(1, 1, 64), w, backend="triton")

@@ -1,6 +1,8 @@
 """kernels/gemv.py on CUDA at the decode shapes of the 1B and 8B models, M = 1..8, against an
-fp32 reference (within one bf16 rounding), with a bias; and the model's dense linears take it
-for a few rows and cuBLAS past MAX_ROWS (same values either way, within that rounding)."""
+fp32 reference (within one bf16 rounding), with a bias; the model's dense linears take it for a
+few rows and cuBLAS past MAX_ROWS; decode_projection's fused steps at the 1B shapes against
+their torch references; and a bf16 engine decodes the same tokens with the fused projections
+as without them."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
-from mxserve.worker.model.layers import RMSNorm  # noqa: E402
 from mxserve.worker.model.parallel import ColumnParallelLinear, TPGroup  # noqa: E402
 
 SHAPES = [(3072, 2048), (2048, 8192), (128256, 2048), (6144, 4096), (4096, 14336), (37, 576)]
@@ -49,18 +51,65 @@ def test_model_linear_uses_gemv_for_a_few_rows_and_cublas_past_them(monkeypatch)
     assert calls == [1, gemv_mod.MAX_ROWS]
 
 
-def test_forward_after_norm_fuses_one_row_and_matches_the_two_steps():
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    norm = RMSNorm(2048, 1e-5, torch.bfloat16, "cuda")
-    norm.weight.data.copy_(1 + torch.randn(2048, device="cuda", generator=gen) * 0.1)
-    lin = ColumnParallelLinear(2048, [3072], False, TPGroup(), torch.bfloat16, "cuda")
-    lin.weight.data.copy_(torch.randn(3072, 2048, device="cuda", generator=gen) * 0.02)
-    for rows in (1, 2):
-        h = torch.randn(rows, 2048, device="cuda", generator=gen).to(torch.bfloat16)
-        residual = (torch.randn(rows, 2048, device="cuda", generator=gen) * 4).to(torch.bfloat16)
-        want_res = residual.clone()
-        x = norm(h, want_res)
-        y, new_res = lin.forward_after_norm(h, residual, norm)
-        assert torch.equal(new_res, want_res)
-        assert (new_res is residual) == (rows > gemv_mod.MAX_ROWS)  # fused: a new tensor
-        _within_one_rounding(y, x.float() @ lin.weight.float().T)
+def test_decode_projection_at_the_1b_shapes():
+    """q/k/v with norm, RoPE and the K/V write; gate/up with norm and SiLU-and-mul: against the
+    CPU references of the same steps (within two bf16 roundings), caches written exactly."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    x, residual, norm_w = rnd(1, 2048), rnd(1, 2048, scale=4), 1 + rnd(2048, scale=0.1)
+    norm = gemv_mod.Norm(residual, norm_w, 1e-5)
+    wqkv, wgu = rnd(3072, 2048, scale=0.02), rnd(16384, 2048, scale=0.02)
+    angles = torch.outer(torch.arange(4096.0, device="cuda"),
+                         1.0 / 500000 ** (torch.arange(0, 64, 2, device="cuda") / 64))
+    rope = gemv_mod.Rope(torch.tensor([1234], device="cuda"), angles.cos().contiguous(),
+                         angles.sin().contiguous(), 32, 8, 64)
+    caches = [torch.zeros(40, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.tensor([333], device="cuda")
+    got, new_res = gemv_mod.decode_projection(
+        x, wqkv, norm=norm, rope=rope, kv=gemv_mod.KVWrite(caches[0], caches[1], slots))
+    ref, ref_res = gemv_mod.decode_projection(
+        x, wqkv, norm=norm, rope=rope, kv=gemv_mod.KVWrite(caches[2], caches[3], slots),
+        backend="torch")
+    assert torch.equal(new_res, ref_res)
+    _within_two_roundings(got, ref)
+    assert torch.equal(caches[0][333 // 16, 333 % 16], got[0, 2048:2560].view(8, 64))
+    assert torch.equal(caches[1][333 // 16, 333 % 16], got[0, 2560:].view(8, 64))
+    _within_two_roundings(caches[0], caches[2].float())
+    act, _ = gemv_mod.decode_projection(x, wgu, norm=norm, silu_and_mul=True)
+    act_ref, _ = gemv_mod.decode_projection(x, wgu, norm=norm, silu_and_mul=True,
+                                            backend="torch")
+    _within_two_roundings(act, act_ref.float())
+
+
+def _within_two_roundings(got, ref):
+    err = (got.float() - ref.float()).abs()
+    assert (err <= ref.float().abs() * 2.0**-7 + 2e-3).all(), err.max()
+
+
+def test_bf16_engine_decodes_the_same_with_and_without_the_fused_projections(tiny_checkpoint,
+                                                                            monkeypatch):
+    """Batch-1 decode (CUDA graphs and eager) with the fused kernels vs all of them apart
+    (gemv.MAX_ROWS = 0: cuBLAS, layer_ops, write_kv_cache): the same greedy tokens, and
+    logprobs within bf16 noise."""
+    path = str(tiny_checkpoint("llama", hidden_size=256, intermediate_size=512,
+                               num_attention_heads=4, num_key_value_heads=2,
+                               num_hidden_layers=3))
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gemv_mod, "MAX_ROWS", 1 if fused else 0)
+        for eager in (False, True):
+            llm = LLM(model=path, device="cuda", dtype="bfloat16", load_progress=False,
+                      enforce_eager=eager)
+            out = llm.generate([prompt], params)[0]
+            logprobs = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
+            runs[fused, eager] = (out.token_ids, logprobs)
+            del llm
+    for eager in (False, True):
+        assert runs[True, eager][0] == runs[False, eager][0]
+        diff = [abs(a - b) for a, b in zip(runs[True, eager][1], runs[False, eager][1])]
+        assert max(diff) < 0.05, diff

@@ -41,16 +41,37 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant)
         self.rope = rope  # the model's one table, shared by every layer
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
-                meta: object) -> torch.Tensor:
-        # qkv: qkv_proj's output [T, (Hq + 2 Hkv) * D] (the layer runs it with the norm before)
-        num_tokens, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
-        qkv = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        self.rope(qkv[:, :num_qk_heads], positions)  # q and k rotated in place
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionBackend, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
+        # h, residual [T, hidden] -> (o_proj(attention(norm(residual + h))), residual + h)
+        qkv, residual, kv_written = self._qkv(h, residual, norm, positions, kv_cache, attn, meta)
+        qkv = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
-        return self.o_proj(out)
+        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, kv_written)  # [T, Hq * D]
+        return self.o_proj(out), residual
+
+    def _qkv(self, h, residual, norm, positions, kv_cache, attn, meta):
+        """(q/k/v with q and k rotated [T, (Hq + 2 Hkv) * D], residual + h, whether k and v are
+        in the caches already). On CUDA at one row it is one kernel (kernels/gemv.py's
+        decode_projection: norm, projection, RoPE and, in a step of decodes, the K/V write);
+        otherwise the norm (residual in place), the projection and the rotation."""
+        if not self.qkv_proj.can_fuse_decode(h):
+            qkv = self.qkv_proj(norm(h, residual))
+            rotated = qkv.view(qkv.shape[0], -1, self.head_dim)[:, :self.num_heads
+                                                                + self.num_kv_heads]
+            self.rope(rotated, positions)  # q and k rotated in place
+            return qkv, residual, False
+        from mxserve.kernels import gemv
+
+        slots = attn.decode_slots(meta)
+        kv = None if slots is None else gemv.KVWrite(kv_cache[0], kv_cache[1], slots)
+        qkv, residual = gemv.decode_projection(
+            h, self.qkv_proj.weight, self.qkv_proj.bias,
+            norm=gemv.Norm(residual, norm.weight, norm.eps),
+            rope=gemv.Rope(positions, self.rope.cos, self.rope.sin, self.num_heads,
+                           self.num_kv_heads, self.head_dim), kv=kv)
+        return qkv, residual, kv is not None
 
 
 class LlamaMLP(nn.Module):
@@ -62,21 +83,31 @@ class LlamaMLP(nn.Module):
                                                  dtype, device, quant)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # gate_up: gate_up_proj's output [T, 2 * intermediate] (run with the norm before it)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        # h, residual [T, hidden] -> (down(silu(gate) * up of norm(residual + h)), residual + h)
+        if self.gate_up_proj.can_fuse_decode(h):  # one kernel (kernels/gemv.py) up to down
+            from mxserve.kernels import gemv
+
+            act, residual = gemv.decode_projection(
+                h, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                norm=gemv.Norm(residual, norm.weight, norm.eps), silu_and_mul=True)
+            return self.down_proj(act), residual
+        gate_up = self.gate_up_proj(norm(h, residual))  # [T, 2 * intermediate]
         ops = fused_layer_ops(gate_up)  # one kernel (kernels/layer_ops.py, cpu_layer_ops.py)
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj(ops.silu_and_mul(gate_up)), residual
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
     """x = x + attn(norm(x)); x = x + mlp(norm(x)), with the residual stream x kept apart and each
     add folded into the next norm: forward(h, residual) takes the previous layer's output h and
-    the stream before it and returns this layer's (h, residual). Each norm runs with the
-    projection after it (ColumnParallelLinear.forward_after_norm): one kernel on CUDA at one
-    row, where the stream comes back as a new tensor; otherwise updated in place."""
+    the stream before it and returns this layer's (h, residual). Each block gets its norm and
+    runs it with its first projection: on CUDA at one row one kernel does the norm, the
+    projection and what follows it (RoPE and the K/V write, or SiLU-and-mul; kernels/gemv.py)
+    and the stream comes back as a new tensor; otherwise it is updated in place."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
                  rope: RotaryEmbedding, quant: str | None = None) -> None:
@@ -87,12 +118,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, h, residual, positions, kv_cache, attn, meta):
-        qkv, residual = self.self_attn.qkv_proj.forward_after_norm(h, residual,
-                                                                   self.input_layernorm)
-        h = self.self_attn(qkv, positions, kv_cache, attn, meta)
-        gate_up, residual = self.mlp.gate_up_proj.forward_after_norm(
-            h, residual, self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        h, residual = self.self_attn(h, residual, self.input_layernorm, positions, kv_cache,
+                                     attn, meta)
+        return self.mlp(h, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -152,19 +152,15 @@ class ColumnParallelLinear(nn.Module):
             return _packed_linear(x, self.packed, self.int4, self.bias)
         return _dense_linear(x, self.weight, self.bias)
 
-    def forward_after_norm(self, h: torch.Tensor, residual: torch.Tensor,
-                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h, residual)), residual + h) for an RMSNorm `norm` in its residual form.
-        On CUDA, for one row and a dense 16-bit weight, one kernel (kernels/gemv.py's
-        gemv_after_norm: the norm in its prologue, the sum in a new tensor); otherwise the norm
-        (residual updated in place) and then this layer."""
-        if h.is_cuda and h.dim() == 2 and not self.quant and self.packed is None:
-            from mxserve.kernels import gemv
+    def can_fuse_decode(self, x: torch.Tensor) -> bool:
+        """kernels/gemv.py's decode_projection takes this layer at x: CUDA, at most
+        gemv.MAX_ROWS rows, a dense 16-bit weight (the model then calls it with the steps
+        around the projection)."""
+        if not (x.is_cuda and x.dim() == 2 and not self.quant and self.packed is None):
+            return False
+        from mxserve.kernels import gemv
 
-            if h.shape[0] <= gemv.MAX_ROWS and gemv.supported(h, self.weight):
-                return gemv.gemv_after_norm(h, residual, norm.weight, norm.eps, self.weight,
-                                            self.bias)
-        return self(norm(h, residual)), residual
+        return x.shape[0] <= gemv.MAX_ROWS and gemv.supported(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
