@@ -55,12 +55,12 @@ def _kv_offsets(bt_row_ptr, pos, valid, kv_head, offs_d, stride_cb, stride_cs, s
 def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16: tl.constexpr):
     """One online-softmax step over a gathered K/V tile; keep [M, N] marks attended pairs."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    s = tl.where(keep, _qk(q, k, INTERP_BF16) * qk_scale, float("-inf"))  # [M, BLOCK_N]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # issued with k: a short decode split is one
+    s = tl.where(keep, _qk(q, k, INTERP_BF16) * qk_scale, float("-inf"))  # tile, all latency
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     den = den * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None]
     if INTERP_BF16:
         acc = tl.dot(_round_bf16(p), _to_f32(v, INTERP_BF16), acc, input_precision="ieee")

@@ -63,7 +63,9 @@ class DecodeGraphs:
         self.sizes = capture_sizes(runner.config.max_num_seqs)
         n, dev = self.sizes[-1], runner.device
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.tokens = torch.zeros(3, n, dtype=torch.long, device=dev)  # ids, positions, slots
+        # ids, positions and slots of a graph of `size` rows: tokens(size), [3, size] at the
+        # front of one buffer, so a step's token inputs are one copy
+        self._tokens = torch.zeros(3 * n, dtype=torch.long, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, _Graph] = {}
@@ -90,6 +92,10 @@ class DecodeGraphs:
         self.num_replays = 0  # steps served by a replay (tests, stats)
         self.capture_seconds = 0.0
 
+    def tokens(self, size: int) -> torch.Tensor:
+        """[3, size]: the ids, positions and slots the graph of `size` rows reads."""
+        return self._tokens[:3 * size].view(3, size)
+
     def can_run(self, plan: StepPlan) -> bool:
         """Every scheduled request decodes one token and the batch fits the captured sizes."""
         return (bool(self.graphs) and plan.num_decodes == len(plan.scheduled) <= self.sizes[-1]
@@ -113,8 +119,8 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self.tokens[2].fill_(-1)  # capture runs the step once: padding rows only
         for size in reversed(self.sizes):
+            self.tokens(size)[2].fill_(-1)  # capture runs the step once: padding rows only
             side = torch.cuda.Stream()  # warm up off the capture stream: compiles, workspaces
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -128,9 +134,10 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
-        meta = static_decode_metadata(self.tokens[2, :size], self.block_tables[:size],
-                                      self.seq_lens[:size], self.max_model_len)
-        hidden = model(self.tokens[0, :size], self.tokens[1, :size], self.runner.kv_caches,
+        tokens = self.tokens(size)
+        meta = static_decode_metadata(tokens[2], self.block_tables[:size], self.seq_lens[:size],
+                                      self.max_model_len)
+        hidden = model(tokens[0], tokens[1], self.runner.kv_caches,
                        self.runner.attn, meta)  # [size, hidden]
         return hidden, model.compute_logits(hidden)
 
@@ -184,13 +191,12 @@ class DecodeGraphs:
         seq_lens[batch:] = 0
         tables = tables_h[:batch * width].view(batch, width)  # beyond a request's length: unread
         tables.numpy()[:] = self._tables[:batch, :width]
-        for row in range(3):  # ids, positions, slots: contiguous on both sides
-            self.tokens[row, :size].copy_(tokens_h[row * size:(row + 1) * size], non_blocking=True)
+        self._tokens[:3 * size].copy_(tokens_h[:3 * size], non_blocking=True)  # contiguous both
         self.seq_lens[:size].copy_(seq_lens_h[:size], non_blocking=True)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
-        if self.tokens.is_cuda:
+        if self._tokens.is_cuda:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
         inflight = [(i, s.inflight_row) for i, s in enumerate(sched) if s.inflight_row >= 0]
         if inflight:
-            fill_inflight_tokens(self.tokens[0], inflight, plan.inflight_tokens)
+            fill_inflight_tokens(self.tokens(size)[0], inflight, plan.inflight_tokens)

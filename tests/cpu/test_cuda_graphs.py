@@ -49,13 +49,14 @@ def test_graph_inputs_are_the_plans_tokens_positions_slots_and_tables(tiny_check
             p = s.start_position
             want_id = int(plan.inflight_tokens[s.inflight_row]) if s.inflight_row >= 0 \
                 else s.token_ids[0]
-            assert graphs.tokens[:, i].tolist() == [want_id, p,
-                                                    s.block_table[p // bs] * bs + p % bs]
+            assert graphs.tokens(8)[:, i].tolist() == [want_id, p,
+                                                       s.block_table[p // bs] * bs + p % bs]
             assert int(graphs.seq_lens[i]) == p + 1
             assert graphs.block_tables[i, :len(s.block_table)].tolist() == s.block_table
-        assert graphs.tokens[:, 5:8].tolist() == [[0] * 3, [0] * 3, [-1] * 3]
+        assert graphs.tokens(8)[:, 5:8].tolist() == [[0] * 3, [0] * 3, [-1] * 3]
         assert graphs.seq_lens[5:8].tolist() == [0] * 3
-        assert torch.equal(graphs.tokens[0, :5][torch.tensor([s.inflight_row >= 0 for s in sched])],
+        assert torch.equal(graphs.tokens(8)[0, :5][torch.tensor([s.inflight_row >= 0
+                                                                 for s in sched])],
                            plan.inflight_tokens[[s.inflight_row for s in sched
                                                  if s.inflight_row >= 0]])
 
