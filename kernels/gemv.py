@@ -39,8 +39,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 @triton.jit
 def _gemv_kernel(
-    # x [M, K], w [N, K], bias [N] (if HAS_BIAS), out [M, N] ([M, N / 2] for SiLU-and-mul);
-    # NORM: residual [M, K], norm weight [K], new residual [M, K] (written by program 0);
+    # x [M, K], w [N, K], bias [N] (if HAS_BIAS), out [M, N] ([M, N / 2] for SiLU-and-mul; of
+    # x's dtype, or fp32 holding values rounded to it);
+    # NORM: norm weight [K]; with ADD residual [M, K] and new residual [M, K] (program 0);
     # ROPE: positions [M], fp32 cos / sin [max_positions, HEAD_DIM / 2]; KV: slots [M] (< 0:
     # padding, not written), caches [num_blocks, PAGE_SIZE, Hkv, HEAD_DIM]
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, norm_w_ptr, new_res_ptr, pos_ptr, cos_ptr,
@@ -50,11 +51,12 @@ def _gemv_kernel(
     # EPILOGUE 0: plain, BLOCK_N rows a program; 1: SiLU-and-mul, 2: RoPE (q/k heads in the
     # first ROT_ROWS rows, Q_ROWS of them queries; v after), each BLOCK_N row pairs a program
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-    Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # every rounding is to it
     HALF: tl.constexpr = HEAD_DIM // 2
     if EPILOGUE == 0:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,20 +85,22 @@ def _gemv_kernel(
     for m in range(M):
         x = _to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
         if NORM:  # layer_ops.add_rms_norm_'s steps and roundings, the sum kept apart
-            r = _to_f32(tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0),
-                        INTERP_BF16)
-            x = _round_to(x + r, dtype, INTERP_BF16)
-            if pid == 0:
-                tl.store(new_res_ptr + m * stride_nm + offs_k, _cast_out(x, dtype, INTERP_BF16),
-                         mask=k_mask)
+            if ADD:
+                r = _to_f32(tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0),
+                            INTERP_BF16)
+                x = _round_to(x + r, dtype, INTERP_BF16)
+                if pid == 0:
+                    tl.store(new_res_ptr + m * stride_nm + offs_k,
+                             _cast_out(x, dtype, INTERP_BF16), mask=k_mask)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = _round_to(_round_to(x * rstd, dtype, INTERP_BF16) * norm_w, dtype, INTERP_BF16)
         acc = tl.sum(w * x, axis=len(w.shape) - 1)
         if HAS_BIAS:
             acc += bias
         out_row = out_ptr + m * stride_om
-        if EPILOGUE == 0:
-            tl.store(out_row + offs_n, _cast_out(acc, dtype, INTERP_BF16), mask=offs_n < N)
+        if EPILOGUE == 0:  # (fp32 out: the value rounded to x's dtype, as a cast after would)
+            y = _cast_out(acc, dtype, INTERP_BF16)
+            tl.store(out_row + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
         elif EPILOGUE == 1:  # layer_ops.silu_and_mul's roundings
             gate, up = tl.split(_round_to(acc, dtype, INTERP_BF16))
             silu = _round_to(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
@@ -133,27 +137,31 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-         backend: str = "auto", config: tuple[int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, backend: str = "auto",
+         config: tuple[int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ w.T + bias -> [..., N] in x's dtype, fp32 accumulation; any number of rows
-    (speed is for a few: `MAX_ROWS`). config (BLOCK_N, num_warps) overrides the default
+    (speed is for a few: `MAX_ROWS`). out_dtype float32: the same values, stored as fp32 (the
+    LM head's logits: no cast kernel after). config (BLOCK_N, num_warps) overrides the default
     (bench/). backend "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad
     input."""
     _check(x, w, bias)
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
     n, k = w.shape
     if not _use_triton(backend, x):
-        return torch.nn.functional.linear(x, w, bias)
+        return torch.nn.functional.linear(x, w, bias).to(out_dtype or x.dtype)
     x2 = x.reshape(-1, k)
     out = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None, None,
-                  config)
+                  config, out_dtype=out_dtype)
     return out.view(*x.shape[:-1], n)
 
 
 @dataclass(frozen=True)
 class Norm:
     """The prologue: x -> rmsnorm(residual + x) (layer_ops.add_rms_norm_'s roundings); the sum
-    comes back as a new tensor."""
+    comes back as a new tensor. residual None: x is the stream itself (rmsnorm(x); x back)."""
 
-    residual: torch.Tensor  # [M, K]
+    residual: torch.Tensor | None  # [M, K]
     weight: torch.Tensor  # [K]
     eps: float
 
@@ -205,10 +213,11 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     if not _use_triton(backend, x):
         return _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
-    new_res = torch.empty_like(norm.residual) if norm is not None else None
+    adds = norm is not None and norm.residual is not None
+    new_res = torch.empty_like(norm.residual) if adds else None
     out = _launch(x2, w, bias, n // 2 if silu_and_mul else n, norm, 1 if silu_and_mul else
                   2 if rope is not None else 0, rope, kv, config, new_res)
-    return out, new_res
+    return out, (new_res if adds else x if norm is not None else None)
 
 
 def _check(x, w, bias) -> None:
@@ -224,11 +233,14 @@ def _check(x, w, bias) -> None:
 
 def _check_steps(x, n, norm, silu_and_mul, rope, kv) -> None:
     m, k = x.shape
-    if norm is not None and (norm.residual.shape != x.shape or norm.residual.dtype != x.dtype
-                             or norm.residual.stride(-1) != 1 or norm.weight.shape != (k,)
-                             or norm.weight.dtype != x.dtype or not norm.weight.is_contiguous()):
-        raise ValueError(f"decode_projection: norm needs residual [M, K] and weight [K] of x's "
-                         f"dtype; got {norm.residual.dtype} {tuple(norm.residual.shape)}, "
+    res = norm.residual if norm is not None else None
+    if norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype
+                             or not norm.weight.is_contiguous() or res is not None and (
+                                 res.shape != x.shape or res.dtype != x.dtype
+                                 or res.stride(-1) != 1)):
+        raise ValueError(f"decode_projection: norm needs residual [M, K] (or None) and weight "
+                         f"[K] of x's dtype; got residual "
+                         f"{None if res is None else (res.dtype, tuple(res.shape))}, weight "
                          f"{norm.weight.dtype} {tuple(norm.weight.shape)}")
     if silu_and_mul and (rope is not None or n % 2):
         raise ValueError(f"decode_projection: silu_and_mul needs an even N and no rope, N = {n}")
@@ -256,7 +268,9 @@ def _check_steps(x, n, norm, silu_and_mul, rope, kv) -> None:
 
 def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
     new_res = None
-    if norm is not None:
+    if norm is not None and norm.residual is None:
+        new_res, x = x, layer_ops.rms_norm_torch(x, norm.weight, norm.eps)
+    elif norm is not None:
         new_res = norm.residual.clone()
         x = layer_ops.add_rms_norm_torch_(x, new_res, norm.weight, norm.eps)
     y = torch.nn.functional.linear(x, w, bias)
@@ -275,9 +289,10 @@ def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
     return y, new_res
 
 
-def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None):
+def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
+            out_dtype=None):
     m, (n, k) = x2.shape[0], w.shape
-    out = torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(m, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
     if not m:
         return out
     block_k = triton.next_power_of_2(k)
@@ -286,6 +301,8 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None):
                                 4 if per * block_k <= TILE else 8)
     res, norm_w, eps = (norm.residual, norm.weight, norm.eps) if norm is not None else \
         (x2, x2, 0.0)
+    adds = norm is not None and res is not None
+    res = x2 if res is None else res
     new_res = x2 if new_res is None else new_res
     if rope is not None:
         pos, cos, sin, d = rope.positions, rope.cos, rope.sin, rope.head_dim
@@ -299,7 +316,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None):
         kc, vc, m, n, k, eps, x2.stride(0), w.stride(0), out.stride(0), res.stride(0),
         new_res.stride(0), cos.stride(0) if rope is not None else 0, *cache_strides,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
-        EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows, Q_ROWS=q_rows,
-        PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1,
+        ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
+        Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1,
         INTERP_BF16=interpreted_bf16(x2.dtype, x2), **({"num_warps": warps} if x2.is_cuda else {}))
     return out

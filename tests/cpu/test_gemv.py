@@ -19,6 +19,7 @@ from mxserve.kernels.gemv import MAX_K, KVWrite, Norm, Rope, decode_projection, 
 from mxserve.kernels.layer_ops import (  # noqa: E402
     add_rms_norm_torch_,
     apply_rotary_torch_,
+    rms_norm_torch,
     silu_and_mul_torch,
 )
 
@@ -229,3 +230,27 @@ def test_decode_projection_rejects_what_it_cannot_fuse():
                                                       torch.zeros(1)), backend="triton")
     with pytest.raises(ValueError, match="M, K"):
         decode_projection(x.view(1, 1, 64), w, backend="triton")
+
+
+def test_float32_out_holds_the_rounded_values():
+    """The LM head's logits: fp32 out equal to the 16-bit result cast up (no cast kernel)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 300, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(70, 300, generator=gen) * 0.05).to(torch.bfloat16)
+    got = gemv(x, w, out_dtype=torch.float32, backend="triton")
+    assert got.dtype == torch.float32
+    assert torch.equal(got, gemv(x, w, backend="triton").float())
+    assert gemv(x, w, out_dtype=torch.float32).dtype == torch.float32  # CPU default
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemv(x, w, out_dtype=torch.float16, backend="triton")
+
+
+def test_norm_without_a_residual_normalizes_x_and_returns_it_as_the_stream():
+    """The first layer: the stream is the embedding itself (no add, nothing written)."""
+    gen = torch.Generator().manual_seed(10)
+    x, _, norm_w = _norm_inputs(1, 576, torch.bfloat16, gen)
+    w = (torch.randn(30, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    for backend in ("triton", "auto"):
+        y, stream = decode_projection(x, w, norm=Norm(None, norm_w, 1e-6), backend=backend)
+        assert stream is x
+        _check(y, rms_norm_torch(x, norm_w, 1e-6), w, None)

@@ -52,12 +52,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out), residual
 
     def _qkv(self, h, residual, norm, positions, kv_cache, attn, meta):
-        """(q/k/v with q and k rotated [T, (Hq + 2 Hkv) * D], residual + h, whether k and v are
+        """(q/k/v with q and k rotated [T, (Hq + 2 Hkv) * D], residual + h (h when residual is
+        None: the first layer), whether k and v are
         in the caches already). On CUDA at one row it is one kernel (kernels/gemv.py's
         decode_projection: norm, projection, RoPE and, in a step of decodes, the K/V write);
         otherwise the norm (residual in place), the projection and the rotation."""
         if not self.qkv_proj.can_fuse_decode(h):
             qkv = self.qkv_proj(norm(h, residual))
+            residual = h if residual is None else residual
             rotated = qkv.view(qkv.shape[0], -1, self.head_dim)[:, :self.num_heads
                                                                 + self.num_kv_heads]
             self.rope(rotated, positions)  # q and k rotated in place
@@ -157,14 +159,15 @@ class LlamaForCausalLM(nn.Module):
                 meta: object) -> torch.Tensor:
         # input_ids, positions [T] -> hidden states [T, hidden]
         self.rope.prepare(positions)
-        residual = self.embed_tokens(input_ids)  # the residual stream (each layer returns it)
-        h = torch.zeros_like(residual)  # "layer -1's output": the first add is a no-op
+        # the stream starts as the embedding: the first norm adds nothing (residual None);
+        # each block returns the stream
+        h, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, kv_cache, attn, meta)
         return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [R, vocab]
+        return self.lm_head(hidden, torch.float32)  # [R, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up and slicing for this rank."""

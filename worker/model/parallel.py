@@ -79,17 +79,18 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, int4: Int4Weight | Non
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): on CUDA for a few rows (decode) the Triton GEMV of kernels/gemv.py,
-    faster there than cuBLAS (imported only then: CPU installs need not have Triton); F.linear
-    otherwise."""
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), in out_dtype (x's, or float32: the same values): on CUDA for a few
+    rows (decode) the Triton GEMV of kernels/gemv.py, faster there than cuBLAS (imported only
+    then: CPU installs need not have Triton); F.linear otherwise."""
     if x.is_cuda and x.dim() == 2:
         from mxserve.kernels import gemv
 
         if x.shape[0] <= gemv.MAX_ROWS and gemv.supported(x, weight):
-            return gemv.gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+            return gemv.gemv(x, weight, bias, out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -274,11 +275,15 @@ class ParallelLMHead(nn.Module):
         if not self.tied:
             self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # hidden [T, hidden] -> logits [T, vocab] in out_dtype (None: the model's dtype)
         if self.pairs is not None:  # [T, vocab / tp] float32
             logits = cpu_linear.linear_f32(hidden, self.pairs, self.vocab_local)
-            return self.tp.all_gather_last_dim(logits)
-        if self.packed is not None:
-            return self.tp.all_gather_last_dim(_packed_linear(hidden, self.packed, None, None))
-        weight = self.embedding.weight if self.tied else self.weight
-        return self.tp.all_gather_last_dim(_dense_linear(hidden, weight))
+        elif self.packed is not None:
+            logits = _packed_linear(hidden, self.packed, None, None)
+        else:
+            weight = self.embedding.weight if self.tied else self.weight
+            logits = _dense_linear(hidden, weight, out_dtype=out_dtype)
+        if out_dtype is not None:
+            logits = logits.to(out_dtype)  # (a no-op where it already is)
+        return self.tp.all_gather_last_dim(logits)
