@@ -6,9 +6,9 @@ engine's decode step. One script, side by side in one run:
    output checked against an fp32 reference first (max error in bf16 ulps of the output).
    CUDA graphs of 2 passes over weight copies that together exceed L2, per call.
 2. engine: the 1B dummy bf16 model (and MXFP4, whose LM head is bf16), decode batch 1 and 4,
-   with the model's dense linears on gemv (rows <= gemv.MAX_ROWS) vs all on cuBLAS (MAX_ROWS
-   = 0), the CUDA graphs re-captured for each: graph replay p50 and engine step p50 over 128
-   greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
+   with the model's dense linears on gemv (rows <= gemv.MAX_ROWS; with and without PDL) vs all
+   on cuBLAS (MAX_ROWS = 0), the CUDA graphs re-captured for each: graph replay p50 and engine
+   step p50 over 128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
 
     python bench/gemv_gpu.py --out DIR     (DIR/gemv_gpu.json, DIR/gemv_gpu.md)
 """
@@ -87,12 +87,13 @@ def engine_section(quantization: str | None) -> list[dict]:
     engine, runner = llm.engine, llm.engine.runner
     roofline_ms = step_bytes(llm, 4.25 if quantization else 16) / (COPY_TBS * 1e12) * 1e3
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
-    keep = gemv_mod.MAX_ROWS
+    keep, keep_pdl = gemv_mod.MAX_ROWS, gemv_mod.PDL
     rows = []
     for batch in (1, 4):
         tokens_by = {}
-        for label, max_rows in (("cublas", 0), ("gemv", keep)):
-            gemv_mod.MAX_ROWS = max_rows
+        for label, max_rows, pdl in (("cublas", 0, False), ("gemv", keep, False),
+                                     ("gemv_pdl", keep, True)):
+            gemv_mod.MAX_ROWS, gemv_mod.PDL = max_rows, pdl
             runner.graphs = None
             torch.cuda.empty_cache()
             runner.capture_cuda_graphs(4096)
@@ -124,7 +125,8 @@ def engine_section(quantization: str | None) -> list[dict]:
             rows.append(out)
             print(json.dumps(out), flush=True)
         rows[-1]["greedy_tokens_equal_cublas"] = tokens_by["gemv"] == tokens_by["cublas"]
-    gemv_mod.MAX_ROWS = keep
+        rows[-1]["greedy_tokens_equal_without_pdl"] = tokens_by["gemv_pdl"] == tokens_by["gemv"]
+    gemv_mod.MAX_ROWS, gemv_mod.PDL = keep, keep_pdl
     del llm, engine, runner
     torch.cuda.empty_cache()
     return rows

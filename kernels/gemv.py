@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import layer_ops
 from .layer_ops import _round_to
@@ -35,6 +36,9 @@ MAX_ROWS = 1
 MAX_K = 16384  # the tile holds a whole row of w
 TILE = 8192  # elements of w per program
 DTYPES = (torch.bfloat16, torch.float16)
+# Programmatic dependent launch on sm_90+: the kernel may start while the one before it runs,
+# loading its weights (constant) until gdc_wait, which waits for that kernel's writes
+PDL = True
 
 
 @triton.jit
@@ -53,8 +57,10 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
+    if LAUNCH_PDL:
+        gdc_launch_dependents()  # the next kernel may start loading its own weights
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty  # every rounding is to it
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -82,6 +88,8 @@ def _gemv_kernel(
         bias = _to_f32(tl.load(bias_ptr + rows), INTERP_BF16)
     if NORM:
         norm_w = _to_f32(tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
+    if LAUNCH_PDL:
+        gdc_wait()  # everything above is constant; x and the rest come from earlier kernels
     for m in range(M):
         x = _to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
         if NORM:  # layer_ops.add_rms_norm_'s steps and roundings, the sum kept apart
@@ -310,6 +318,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
     else:
         pos, cos, sin, d, rot_rows, q_rows = x2, x2, x2, 2, 0, 0
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
+    pdl = PDL and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
     _gemv_kernel[(triton.cdiv(n // per, block_n),)](
         x2, w, bias if bias is not None else w, out, res, norm_w, new_res, pos, cos, sin, slots,
@@ -318,5 +327,6 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
         ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
         Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1,
-        INTERP_BF16=interpreted_bf16(x2.dtype, x2), **({"num_warps": warps} if x2.is_cuda else {}))
+        LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),
+        **({"num_warps": warps, "launch_pdl": pdl} if x2.is_cuda else {}))
     return out

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .triton_compat import _cast_out, _to_f32, interpreted_bf16
 from .triton_compat import use_triton as _use_triton
@@ -41,8 +42,11 @@ def _rms_norm_kernel(
     # scalars and strides (last dims contiguous)
     eps, N, stride_x, stride_r, stride_o,
     # meta
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, INTERP_BF16: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, TRIGGER: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (the LM head's GEMV) may start loading its weights
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -137,7 +141,7 @@ def _rms_norm(x, residual, weight, eps, backend):
         _rms_norm_kernel[(x.shape[0],)](
             x, res, weight, out, eps, x.shape[1], x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(x.shape[1]),
-            INTERP_BF16=interpreted_bf16(x.dtype, x))
+            TRIGGER=x.is_cuda, INTERP_BF16=interpreted_bf16(x.dtype, x))
     return out
 
 

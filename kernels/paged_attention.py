@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16
 from .triton_compat import use_triton as _use_triton
@@ -162,8 +163,11 @@ def _merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
     # shapes and tiling
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
+        gdc_launch_dependents()
     t, h = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     lse = tl.load(part_lse_ptr + (t * NUM_HEADS + h) * NUM_SPLITS + offs_s,
@@ -332,7 +336,7 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
-            INTERP_BF16=meta["INTERP_BF16"])
+            TRIGGER=q.is_cuda, INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
         return out
