@@ -1,6 +1,8 @@
 """The few-row dense linear (kernels/gemv.py) against cuBLAS on the H200, and what it does to the
 engine's decode step. One script, side by side in one run:
 
+0. mx: MX weights (MXFP4, MXFP6 e2m3) at M = 1, mx_linear's tensor-core decode vs gemv's
+   whole-row kernel, 1B and 8B decoder shapes, each checked against mx_linear_torch.
 1. kernels: the 1B and 8B Llama decode shapes (q/k/v, o, gate/up, down, LM head) at M = 1..8
    rows: F.linear (cuBLAS) vs gemv with its default program shape and two others; every gemv
    output checked against an fp32 reference first (max error in bf16 ulps of the output).
@@ -80,6 +82,38 @@ def kernel_section() -> list[dict]:
     return rows
 
 
+def mx_section() -> list[dict]:
+    """MX weights at one row: mx_linear (its tensor-core decode) vs gemv's whole-row kernel, on
+    the 1B and 8B shapes, MXFP4 and MXFP6 (e2m3); both checked against mx_linear_torch."""
+    from mxserve.kernels.mx import quantize_mx
+    from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch, prepare_mx_weight
+
+    rows = []
+    for model, shapes in SHAPES.items():
+        for name, (n, k) in shapes.items():
+            if name == "lm_head":
+                continue  # bf16 in MX checkpoints
+            gen = torch.Generator(device="cuda").manual_seed(n + k)
+            x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for fmt in ("e2m1", "e2m3"):
+                copies = max(2, min(8, int(240e6 // (n * k * 0.55)) + 1))
+                ws = [prepare_mx_weight(quantize_mx(torch.randn(n, k, device="cuda",
+                                                                generator=gen) * 0.02, fmt))
+                      for _ in range(copies)]
+                ref = mx_linear_torch(x, ws[0]).float()
+                row = {"model": model, "layer": name, "n": n, "k": k, "fmt": fmt}
+                for label, fn in (("mx_linear", mx_linear), ("gemv", gemv_mod.gemv)):
+                    y = fn(x, ws[0]).float()
+                    row[label + "_err"] = round(((y - ref).norm() / ref.norm()).item(), 6)
+                    row[label + "_us"] = graph_us([lambda w=w, f=fn, x=x: f(x, w)
+                                                   for w in ws * 2])
+                row["gemv_x_mx_linear"] = round(row["mx_linear_us"] / row["gemv_us"], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del ws
+    return rows
+
+
 def engine_section(quantization: str | None) -> list[dict]:
     llm = LLM(model="llama-3.2-1b", load_format="dummy", dtype="bfloat16", load_progress=False,
               max_num_seqs=8, kv_cache_memory_gb=2.0, max_model_len=4096,
@@ -146,6 +180,14 @@ def markdown(res: dict) -> str:
         cells = [f"{ms[m]['default']['us']:.1f} vs {ms[m]['cublas_us']:.1f} "
                  f"({ms[m]['default']['x_cublas']:.2f}x)" for m in MS]
         lines.append(f"| {model} | {layer} | {n}x{k} | " + " | ".join(cells) + " |")
+    if res.get("mx"):
+        lines += ["", "MX weights at M = 1: mx_linear (tensor-core decode) vs gemv (whole row), "
+                  "us:",
+                  "", "| model | layer | N x K | format | mx_linear | gemv | gemv speed-up |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["mx"]:
+            lines.append(f"| {r['model']} | {r['layer']} | {r['n']}x{r['k']} | {r['fmt']} | "
+                         f"{r['mx_linear_us']} | {r['gemv_us']} | {r['gemv_x_mx_linear']}x |")
     lines += ["", "Engine decode step, 1B dummy model (ms, p50), linears on cuBLAS vs gemv:", "",
               "| weights | batch | linears | graph replay | engine step | x roofline |",
               "|---|---|---|---|---|---|"]
@@ -159,12 +201,14 @@ def markdown(res: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--sections", default="kernels,engine")
+    p.add_argument("--sections", default="kernels,mx,engine")
     args = p.parse_args()
     res = header("gemv_gpu")
     res["max_rows"] = gemv_mod.MAX_ROWS
     if "kernels" in args.sections:
         res["kernels"] = kernel_section()
+    if "mx" in args.sections:
+        res["mx"] = mx_section()
     if "engine" in args.sections:
         res["engine"] = engine_section(None) + engine_section("mxfp4")
     with open(os.path.join(args.out, "gemv_gpu.json"), "w") as f:

@@ -1,5 +1,5 @@
-"""Few-row dense linear (decode GEMV): y [M, N] = x [M, K] @ w.T (+ bias), 16-bit x and w, on
-the CUDA cores.
+"""Few-row linear (decode GEMV): y [M, N] = x [M, K] @ w.T (+ bias), 16-bit x, w dense of x's
+dtype or MX (mx_linear's layout, decoded exactly in registers), on the CUDA cores.
 
 A program owns BLOCK_N rows of w and loads its whole [BLOCK_N, K] tile at once, before it reads
 x: every load of a program is in flight together (16-byte vectors), with no K loop and no
@@ -8,14 +8,20 @@ pipeline to fill. Then each of the M rows of x is reduced against the tile held 
 1B model's decode shapes at M = 1 (q/k/v 5.2 vs 6.8 us, o 4.3 vs 6.2, gate/up 17.4 vs 18.4,
 down 9.8 vs 13.7, LM head 118.7 vs 127.3: bench/results/pdl_probe.json), where cuBLAS's
 kernels sit at a latency floor (12 MB of weights took 5.4 us even from L2:
-bench/results/l2_prefetch_probe.json). Past a few rows the CUDA-core products cost more than
-the tensor cores': bench/gemv_gpu.py measures where cuBLAS wins again (`MAX_ROWS`).
+bench/results/l2_prefetch_probe.json); from M = 2 cuBLAS wins again (bench/results/gemv_gpu.md:
+`MAX_ROWS`). With PDL (sm_90+) a GEMV starts while the kernel before it runs and loads its
+weights until gdc_wait: 1B batch-1 step 0.884 -> 0.847 ms.
 
-The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): BLOCK_N = 8192 / K'
-rows, at least 1, on 4 warps (8 for K' = 16384). Rows of w past N are read as row N - 1 and
-not stored, so no load needs a row mask.
+`decode_projection` runs a decoder block's first projection with what surrounds it, one kernel:
+the add + RMSNorm before (each program normalizes the row: it holds all of K), and after it
+RoPE with the new K/V written to the paged caches (q/k/v), or SiLU-and-mul (gate/up). Programs
+then own row pairs: the two halves of a rotation, or gate j with up j. The 1B batch-1 step
+lost ~110 launches: 1.012 -> 0.885 ms (bench/results/gemv_gpu.engine_fused.md).
+
+The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): ~8k elements a
+program, on 4 warps (8 for K' = 16384). Rows of w past N are read as row N - 1 and not stored,
+so no load needs a row mask.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import layer_ops
 from .layer_ops import _round_to
+from .mx_linear import MXLinearWeight, _format_args, _weight_tile, mx_linear_torch
 from .triton_compat import _cast_out, _to_f32, interpreted_bf16
 from .triton_compat import use_triton as _use_triton
 
@@ -39,6 +46,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Programmatic dependent launch on sm_90+: the kernel may start while the one before it runs,
 # loading its weights (constant) until gdc_wait, which waits for that kernel's writes
 PDL = True
+# MX weights at one row take this kernel too (MXWeight.forward), not mx_linear's tensor-core
+# decode (bench/gemv_gpu.py compares them)
+MX_DECODE = True
 
 
 @triton.jit
@@ -48,15 +58,19 @@ def _gemv_kernel(
     # NORM: norm weight [K]; with ADD residual [M, K] and new residual [M, K] (program 0);
     # ROPE: positions [M], fp32 cos / sin [max_positions, HEAD_DIM / 2]; KV: slots [M] (< 0:
     # padding, not written), caches [num_blocks, PAGE_SIZE, Hkv, HEAD_DIM]
+    # MX: w is the int32 word planes [P, N, K // E] and scales [N, K // 32] (mx_linear's layout)
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, norm_w_ptr, new_res_ptr, pos_ptr, cos_ptr,
-    sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scales_ptr,
     M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm, stride_nm, stride_c, stride_cb,
-    stride_cs, stride_ch,
+    stride_cs, stride_ch, stride_plane, stride_sn,
     # EPILOGUE 0: plain, BLOCK_N rows a program; 1: SiLU-and-mul, 2: RoPE (q/k heads in the
     # first ROT_ROWS rows, Q_ROWS of them queries; v after), each BLOCK_N row pairs a program
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    # MX weights: their element format and layout (mx_linear._format_args)
+    MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
+    E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
     LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     if LAUNCH_PDL:
@@ -82,8 +96,20 @@ def _gemv_kernel(
     rows = rows.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    w = tl.load(w_ptr + tl.expand_dims(rows, -1) * stride_wn + offs_k, mask=k_mask, other=0.0)
-    w = _to_f32(w, INTERP_BF16)
+    if MX:  # decoded exactly to fp32 (mx_linear's tile builder) over the whole row
+        if EPILOGUE == 0:
+            w = _weight_tile(w_ptr, scales_ptr, rows, 0, N, K // E, stride_plane, stride_wn,
+                             stride_sn, EBITS, MBITS, NAN_CODE, E, P, S, FOLD, 23, BLOCK_N,
+                             BLOCK_K)
+        else:
+            w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [2 * BLOCK_N]), 0, N, K // E,
+                             stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
+                             FOLD, 23, 2 * BLOCK_N, BLOCK_K)
+            w = tl.reshape(w, [BLOCK_N, 2, BLOCK_K])
+    else:
+        w = tl.load(w_ptr + tl.expand_dims(rows, -1) * stride_wn + offs_k, mask=k_mask,
+                    other=0.0)
+        w = _to_f32(w, INTERP_BF16)
     if HAS_BIAS:
         bias = _to_f32(tl.load(bias_ptr + rows), INTERP_BF16)
     if NORM:
@@ -137,9 +163,11 @@ def _gemv_kernel(
                 tl.store(v_cache_ptr + at + step, hi, mask=keep & is_v)
 
 
-def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The kernel takes this product: 16-bit x and w of one dtype, w [N, K <= MAX_K] with
-    contiguous rows, x [..., K]."""
+def supported(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
+    """The kernel takes this product: 16-bit x [..., K] and w [N, K <= MAX_K], either of x's
+    dtype with contiguous rows or an MX weight in mx_linear's layout (prepare_mx_weight)."""
+    if isinstance(w, MXLinearWeight):
+        return x.dtype in DTYPES and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1]
     return (x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.stride(-1) == 1
             and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1])
 
@@ -157,7 +185,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
         raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
     n, k = w.shape
     if not _use_triton(backend, x):
-        return torch.nn.functional.linear(x, w, bias).to(out_dtype or x.dtype)
+        return _linear_torch(x, w, bias).to(out_dtype or x.dtype)
     x2 = x.reshape(-1, k)
     out = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None, None,
                   config, out_dtype=out_dtype)
@@ -230,9 +258,10 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 def _check(x, w, bias) -> None:
     if not supported(x, w):
-        raise ValueError(f"gemv: need 16-bit x [..., K] and w [N, K <= {MAX_K}] of one dtype "
-                         f"with contiguous rows; got x {x.dtype} {tuple(x.shape)}, w {w.dtype} "
-                         f"{tuple(w.shape)} strides {w.stride()}")
+        about = f"MX {w.fmt} {w.shape}" if isinstance(w, MXLinearWeight) else \
+            f"{w.dtype} {tuple(w.shape)} strides {w.stride()}"
+        raise ValueError(f"gemv: need 16-bit x [..., K] and w [N, K <= {MAX_K}] (x's dtype with "
+                         f"contiguous rows, or MX); got x {x.dtype} {tuple(x.shape)}, w {about}")
     n = w.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"gemv: bias must be {x.dtype} ({n},), got {bias.dtype} "
@@ -281,7 +310,7 @@ def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
     elif norm is not None:
         new_res = norm.residual.clone()
         x = layer_ops.add_rms_norm_torch_(x, new_res, norm.weight, norm.eps)
-    y = torch.nn.functional.linear(x, w, bias)
+    y = _linear_torch(x, w, bias)
     if silu_and_mul:
         y = layer_ops.silu_and_mul_torch(y)
     if rope is not None:
@@ -295,6 +324,12 @@ def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
             write_kv_cache_torch(y[:, q_cols:rot].view(m, -1, d), y[:, rot:].view(m, -1, d),
                                  kv.k_cache, kv.v_cache, kv.slots)
     return y, new_res
+
+
+def _linear_torch(x, w, bias):
+    if isinstance(w, MXLinearWeight):
+        return mx_linear_torch(x, w, bias)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
@@ -319,14 +354,22 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
         pos, cos, sin, d, rot_rows, q_rows = x2, x2, x2, 2, 0, 0
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
     pdl = PDL and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+    if isinstance(w, MXLinearWeight):
+        mx, fmt = True, _format_args(w)
+        w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \
+            w.planes.stride(0)
+    else:
+        mx, fmt = False, dict(EBITS=1, MBITS=1, NAN_CODE=-1, E=8, P=1, S=1, FOLD=True)
+        w_arg, scales, stride_wn, stride_plane = w, w, w.stride(0), 0
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
     _gemv_kernel[(triton.cdiv(n // per, block_n),)](
-        x2, w, bias if bias is not None else w, out, res, norm_w, new_res, pos, cos, sin, slots,
-        kc, vc, m, n, k, eps, x2.stride(0), w.stride(0), out.stride(0), res.stride(0),
-        new_res.stride(0), cos.stride(0) if rope is not None else 0, *cache_strides,
+        x2, w_arg, bias if bias is not None else x2, out, res, norm_w, new_res, pos, cos, sin,
+        slots, kc, vc, scales, m, n, k, eps, x2.stride(0), stride_wn, out.stride(0),
+        res.stride(0), new_res.stride(0), cos.stride(0) if rope is not None else 0,
+        *cache_strides, stride_plane, scales.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
         ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
-        Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1,
+        Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1, MX=mx, **fmt,
         LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),
         **({"num_warps": warps, "launch_pdl": pdl} if x2.is_cuda else {}))
     return out

@@ -22,6 +22,8 @@ from mxserve.kernels.layer_ops import (  # noqa: E402
     rms_norm_torch,
     silu_and_mul_torch,
 )
+from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
+from mxserve.kernels.mx_linear import mx_linear_torch, prepare_mx_weight  # noqa: E402
 
 
 def _reference(x, w, bias):
@@ -85,7 +87,7 @@ def test_gemv_rejects_what_it_cannot_multiply():
     w = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit"):
         gemv(torch.zeros(1, 64), w.float(), backend="triton")
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="x.s dtype"):
         gemv(torch.zeros(1, 64, dtype=torch.float16), w, backend="triton")
     with pytest.raises(ValueError, match="K <="):
         gemv(torch.zeros(1, 63, dtype=torch.bfloat16), w, backend="triton")
@@ -254,3 +256,39 @@ def test_norm_without_a_residual_normalizes_x_and_returns_it_as_the_stream():
         y, stream = decode_projection(x, w, norm=Norm(None, norm_w, 1e-6), backend=backend)
         assert stream is x
         _check(y, rms_norm_torch(x, norm_w, 1e-6), w, None)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2", "e4m3"])
+def test_mx_weights_decode_exactly_in_every_step(fmt):
+    """MX weights (mx_linear's layout) in the same kernel: the plain product against mx_linear's
+    reference, and the fused q/k/v (norm, RoPE, K/V write) and gate/up (SiLU) steps against the
+    torch path on the dequantized weight."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, k = 4, 2, 16, 256
+    n = (heads + 2 * kv_heads) * d
+    wf = torch.randn(n, k, generator=gen) * 0.05
+    mxw = prepare_mx_weight(quantize_mx(wf, fmt))
+    dense = dequantize_mx(quantize_mx(wf, fmt), torch.float32).to(torch.bfloat16)  # exact
+    x, residual, norm_w = _norm_inputs(1, k, torch.bfloat16, gen)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = gemv(x, mxw, bias, backend="triton")
+    want = mx_linear_torch(x, mxw, bias)
+    _close(got, want, ulps=1)
+    _close(got, gemv(x, dense, bias, backend="triton"), ulps=1)
+    _, _, _, _, _, rope = _rope_case(1, heads, kv_heads, d, k, gen)
+    norm = Norm(residual, norm_w, 1e-6)
+    caches = [torch.zeros(3, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.tensor([5])
+    y_mx, res_mx = decode_projection(x, mxw, bias, norm=norm, rope=rope,
+                                     kv=KVWrite(caches[0], caches[1], slots), backend="triton")
+    y_d, res_d = decode_projection(x, dense, bias, norm=norm, rope=rope,
+                                   kv=KVWrite(caches[2], caches[3], slots), backend="triton")
+    assert torch.equal(res_mx, res_d)
+    _close(y_mx, y_d, ulps=1)
+    _close(caches[0], caches[2], ulps=1)
+    _close(caches[1], caches[3], ulps=1)
+    act_mx, _ = decode_projection(x, mxw, norm=norm, silu_and_mul=True, backend="triton")
+    act_d, _ = decode_projection(x, dense, norm=norm, silu_and_mul=True, backend="triton")
+    _close(act_mx, act_d, ulps=2)
+    cpu, _ = decode_projection(x, mxw, bias, norm=norm, rope=rope)  # the CPU default: reference
+    _close(cpu, y_d, ulps=2)

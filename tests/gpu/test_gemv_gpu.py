@@ -84,16 +84,40 @@ def test_decode_projection_at_the_1b_shapes():
     _within_two_roundings(act, act_ref.float())
 
 
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3"])
+def test_mx_decode_projection_matches_its_dequantized_weight(fmt):
+    """MX weights in the same kernel at the 1B q/k/v shape: as the dense dequantized weight."""
+    from mxserve.kernels.mx import dequantize_mx, quantize_mx
+    from mxserve.kernels.mx_linear import prepare_mx_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    wf = torch.randn(3072, 2048, device="cuda", generator=gen) * 0.02
+    mxw = prepare_mx_weight(quantize_mx(wf, fmt))
+    dense = dequantize_mx(quantize_mx(wf, fmt), torch.float32).to(torch.bfloat16)
+    x = torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(1, 2048, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    norm = gemv_mod.Norm(residual, torch.ones(2048, device="cuda", dtype=torch.bfloat16), 1e-5)
+    angles = torch.outer(torch.arange(64.0, device="cuda"),
+                         1.0 / 10000 ** (torch.arange(0, 64, 2, device="cuda") / 64))
+    rope = gemv_mod.Rope(torch.tensor([9], device="cuda"), angles.cos().contiguous(),
+                         angles.sin().contiguous(), 32, 8, 64)
+    got, _ = gemv_mod.decode_projection(x, mxw, norm=norm, rope=rope)
+    want, _ = gemv_mod.decode_projection(x, dense, norm=norm, rope=rope)
+    _within_two_roundings(got, want.float())
+
+
 def _within_two_roundings(got, ref):
     err = (got.float() - ref.float()).abs()
     assert (err <= ref.float().abs() * 2.0**-7 + 2e-3).all(), err.max()
 
 
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
 def test_bf16_engine_decodes_the_same_with_and_without_the_fused_projections(tiny_checkpoint,
-                                                                            monkeypatch):
+                                                                            monkeypatch,
+                                                                            quantization):
     """Batch-1 decode (CUDA graphs and eager) with the fused kernels vs all of them apart
-    (gemv.MAX_ROWS = 0: cuBLAS, layer_ops, write_kv_cache): the same greedy tokens, and
-    logprobs within bf16 noise."""
+    (gemv.MAX_ROWS = 0: cuBLAS or mx_linear, layer_ops, write_kv_cache): the same greedy
+    tokens, and logprobs within bf16 noise; bf16 and MXFP4 weights."""
     path = str(tiny_checkpoint("llama", hidden_size=256, intermediate_size=512,
                                num_attention_heads=4, num_key_value_heads=2,
                                num_hidden_layers=3))
@@ -104,7 +128,7 @@ def test_bf16_engine_decodes_the_same_with_and_without_the_fused_projections(tin
         monkeypatch.setattr(gemv_mod, "MAX_ROWS", 1 if fused else 0)
         for eager in (False, True):
             llm = LLM(model=path, device="cuda", dtype="bfloat16", load_progress=False,
-                      enforce_eager=eager)
+                      enforce_eager=eager, quantization=quantization)
             out = llm.generate([prompt], params)[0]
             logprobs = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
             runs[fused, eager] = (out.token_ids, logprobs)

@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         slots = attn.decode_slots(meta)
         kv = None if slots is None else gemv.KVWrite(kv_cache[0], kv_cache[1], slots)
         qkv, residual = gemv.decode_projection(
-            h, self.qkv_proj.weight, self.qkv_proj.bias,
+            h, self.qkv_proj.decode_weight(), self.qkv_proj.bias,
             norm=gemv.Norm(residual, norm.weight, norm.eps),
             rope=gemv.Rope(positions, self.rope.cos, self.rope.sin, self.num_heads,
                            self.num_kv_heads, self.head_dim), kv=kv)
@@ -92,7 +92,7 @@ class LlamaMLP(nn.Module):
             from mxserve.kernels import gemv
 
             act, residual = gemv.decode_projection(
-                h, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                h, self.gate_up_proj.decode_weight(), self.gate_up_proj.bias,
                 norm=gemv.Norm(residual, norm.weight, norm.eps), silu_and_mul=True)
             return self.down_proj(act), residual
         gate_up = self.gate_up_proj(norm(h, residual))  # [T, 2 * intermediate]

@@ -153,15 +153,21 @@ class ColumnParallelLinear(nn.Module):
             return _packed_linear(x, self.packed, self.int4, self.bias)
         return _dense_linear(x, self.weight, self.bias)
 
+    def decode_weight(self):
+        """The weight as kernels/gemv.py takes it: the dense tensor, or an MX layer's prepared
+        MXLinearWeight (None before loading ends, or off CUDA)."""
+        return self.weight.prepared if self.quant else self.weight
+
     def can_fuse_decode(self, x: torch.Tensor) -> bool:
         """kernels/gemv.py's decode_projection takes this layer at x: CUDA, at most
-        gemv.MAX_ROWS rows, a dense 16-bit weight (the model then calls it with the steps
-        around the projection)."""
-        if not (x.is_cuda and x.dim() == 2 and not self.quant and self.packed is None):
+        gemv.MAX_ROWS rows, a dense 16-bit or a prepared MX weight (the model then calls it
+        with the steps around the projection)."""
+        if not (x.is_cuda and x.dim() == 2 and self.packed is None):
             return False
         from mxserve.kernels import gemv
 
-        return x.shape[0] <= gemv.MAX_ROWS and gemv.supported(x, self.weight)
+        w = self.decode_weight()
+        return x.shape[0] <= gemv.MAX_ROWS and w is not None and gemv.supported(x, w)
 
 
 class RowParallelLinear(nn.Module):
