@@ -46,9 +46,11 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Programmatic dependent launch on sm_90+: the kernel may start while the one before it runs,
 # loading its weights (constant) until gdc_wait, which waits for that kernel's writes
 PDL = True
-# MX weights at one row take this kernel too (MXWeight.forward), not mx_linear's tensor-core
-# decode (bench/gemv_gpu.py compares them)
-MX_DECODE = True
+# MX weights take this kernel at one row (MXWeight.forward, the fused projections) up to this
+# many elements: it beat mx_linear's tensor-core decode on the 1B q/k/v and o (1.2-2.0x) and
+# lost from the 1B down (16.8M: 0.87-1.05x) and gate/up (0.55-0.62x) up, where a program's
+# fp32 products outweigh the load (bench/results/gemv_gpu.mx.md)
+MX_MAX_ELEMENTS = 8 << 20
 
 
 @triton.jit
@@ -170,6 +172,14 @@ def supported(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
         return x.dtype in DTYPES and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1]
     return (x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.stride(-1) == 1
             and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1])
+
+
+def preferred(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
+    """The model takes this kernel for x @ w.T: on CUDA, at most MAX_ROWS rows, supported, and
+    an MX weight no larger than MX_MAX_ELEMENTS."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and supported(x, w)
+            and (not isinstance(w, MXLinearWeight)
+                 or w.shape[0] * w.shape[1] <= MX_MAX_ELEMENTS))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

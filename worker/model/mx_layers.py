@@ -238,10 +238,10 @@ class MXWeight(nn.Module):
             return F.linear(x, self.weight, bias)
         if self.prepared is None:
             raise RuntimeError("MXWeight used before finish_loading()")
-        if x.dim() == 2 and x.is_cuda:  # decode at one row: the whole-row GEMV (kernels/gemv.py)
+        if x.is_cuda:  # decode at one row, small weights: the whole-row GEMV (kernels/gemv.py)
             from mxserve.kernels import gemv
 
-            if x.shape[0] <= gemv.MAX_ROWS and gemv.MX_DECODE and gemv.supported(x, self.prepared):
+            if gemv.preferred(x, self.prepared):
                 return gemv.gemv(x, self.prepared, bias)
         return mx_linear(x, self.prepared, bias)
 

@@ -84,10 +84,10 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x @ weight.T (+ bias), in out_dtype (x's, or float32: the same values): on CUDA for a few
     rows (decode) the Triton GEMV of kernels/gemv.py, faster there than cuBLAS (imported only
     then: CPU installs need not have Triton); F.linear otherwise."""
-    if x.is_cuda and x.dim() == 2:
+    if x.is_cuda:
         from mxserve.kernels import gemv
 
-        if x.shape[0] <= gemv.MAX_ROWS and gemv.supported(x, weight):
+        if gemv.preferred(x, weight):
             return gemv.gemv(x, weight, bias, out_dtype=out_dtype)
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
@@ -159,15 +159,15 @@ class ColumnParallelLinear(nn.Module):
         return self.weight.prepared if self.quant else self.weight
 
     def can_fuse_decode(self, x: torch.Tensor) -> bool:
-        """kernels/gemv.py's decode_projection takes this layer at x: CUDA, at most
-        gemv.MAX_ROWS rows, a dense 16-bit or a prepared MX weight (the model then calls it
-        with the steps around the projection)."""
-        if not (x.is_cuda and x.dim() == 2 and self.packed is None):
+        """kernels/gemv.py's decode_projection takes this layer at x (gemv.preferred: CUDA, at
+        most gemv.MAX_ROWS rows, a dense 16-bit or a small enough MX weight); the model then
+        calls it with the steps around the projection."""
+        if not (x.is_cuda and self.packed is None):
             return False
         from mxserve.kernels import gemv
 
         w = self.decode_weight()
-        return x.shape[0] <= gemv.MAX_ROWS and w is not None and gemv.supported(x, w)
+        return w is not None and gemv.preferred(x, w)
 
 
 class RowParallelLinear(nn.Module):
