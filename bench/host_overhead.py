@@ -185,6 +185,19 @@ def measure_gc(batch: int, steps: int, prompt_len: int, freeze: bool) -> dict:
                           for g, p in pauses.items()}}
 
 
+def _best(runs: list[list[dict]]) -> list[dict]:
+    """Per batch, each phase's minimum over the runs (the total: their sum)."""
+    rows = []
+    for per_batch in zip(*runs):
+        row = dict(per_batch[0])
+        row["us_per_step"] = {k: min(r["us_per_step"][k] for r in per_batch) for k in PHASES}
+        row["us_per_step_total"] = round(sum(row["us_per_step"].values()), 1)
+        row["us_per_request"] = {k: round(v / row["batch"], 3)
+                                 for k, v in row["us_per_step"].items()}
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256,512")
@@ -193,6 +206,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="a git revision to measure the same way, for ratios")
     ap.add_argument("--out", default="/tmp/host_overhead.json")
     ap.add_argument("--gc-steps", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds, best kept")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gc", choices=["on", "off"], help=argparse.SUPPRESS)  # with --inner
     args = ap.parse_args()
@@ -202,10 +216,17 @@ def main() -> None:
                          if args.gc else
                          [measure(b, args.steps, args.prompt_len) for b in batches]))
         return
-    rows = [measure(b, args.steps, args.prompt_len) for b in batches]
     inner = ["--batches", args.batches, "--steps", str(args.steps), "--prompt-len",
              str(args.prompt_len)]
-    base = run_inner(__file__, inner, args.baseline) if args.baseline else None
+    # Both sides in fresh subprocesses, alternating, each phase's best of --repeats: measured
+    # in this process, or first, a side ran up to 1.5x slower (HEAD against itself: 0.65x)
+    runs, base_runs = [], []
+    for _ in range(args.repeats):
+        runs.append(run_inner(__file__, inner))
+        if args.baseline:
+            base_runs.append(run_inner(__file__, inner, args.baseline))
+    rows = _best(runs)
+    base = _best(base_runs) if args.baseline else None
     gc_rows = [run_inner(__file__, ["--gc", on, "--batches", args.batches, "--gc-steps",
                                     str(args.gc_steps), "--prompt-len", str(args.prompt_len)])
                for on in ("off", "on")]
