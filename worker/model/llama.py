@@ -53,10 +53,10 @@ class LlamaAttention(nn.Module):
 
     def _qkv(self, h, residual, norm, positions, kv_cache, attn, meta):
         """(q/k/v with q and k rotated [T, (Hq + 2 Hkv) * D], residual + h (h when residual is
-        None: the first layer), whether k and v are
-        in the caches already). On CUDA at one row it is one kernel (kernels/gemv.py's
-        decode_projection: norm, projection, RoPE and, in a step of decodes, the K/V write);
-        otherwise the norm (residual in place), the projection and the rotation."""
+        None: the first layer), whether k and v are in the caches already). On CUDA at one row
+        it is one kernel (kernels/gemv.py's decode_projection: norm, projection, RoPE and, in a
+        step of decodes, the K/V write); otherwise the norm (residual in place), the projection
+        and the rotation."""
         if not self.qkv_proj.can_fuse_decode(h):
             qkv = self.qkv_proj(norm(h, residual))
             residual = h if residual is None else residual
