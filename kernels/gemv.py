@@ -257,7 +257,7 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"decode_projection: x must be [M, K], got {tuple(x.shape)}")
     _check_steps(x, n, norm, silu_and_mul, rope, kv)
     if not _use_triton(backend, x):
-        return _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
+        return decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     adds = norm is not None and norm.residual is not None
     new_res = torch.empty_like(norm.residual) if adds else None
@@ -313,7 +313,12 @@ def _check_steps(x, n, norm, silu_and_mul, rope, kv) -> None:
                              f"{kv.k_cache.dtype} {tuple(shape)}, slots {tuple(kv.slots.shape)}")
 
 
-def _decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv):
+def decode_projection_torch(x: torch.Tensor, w: torch.Tensor | MXLinearWeight,
+                            bias: torch.Tensor | None, norm: Norm | None, silu_and_mul: bool,
+                            rope: Rope | None, kv: KVWrite | None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference: layer_ops' and paged_attention's torch references of each step around
+    F.linear (mx_linear_torch for MX weights). decode_projection's CPU path."""
     new_res = None
     if norm is not None and norm.residual is None:
         new_res, x = x, layer_ops.rms_norm_torch(x, norm.weight, norm.eps)
