@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from . import layer_ops
 from .layer_ops import _round_to
 from .mx_linear import MXLinearWeight, _format_args, _weight_tile, mx_linear_torch
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16
+from .triton_compat import _cast_out, _to_f32, interpreted_bf16, pdl_supported
 from .triton_compat import use_triton as _use_triton
 
 # rows of x up to which the model uses the kernel on a GPU: it wins at 1 row on every 1B and 8B
@@ -368,7 +368,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
     else:
         pos, cos, sin, d, rot_rows, q_rows = x2, x2, x2, 2, 0, 0
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
-    pdl = PDL and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+    pdl = PDL and pdl_supported(x2)
     if isinstance(w, MXLinearWeight):
         mx, fmt = True, _format_args(w)
         w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \

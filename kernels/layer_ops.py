@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16
+from .triton_compat import _cast_out, _to_f32, interpreted_bf16, pdl_supported
 from .triton_compat import use_triton as _use_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -141,7 +141,7 @@ def _rms_norm(x, residual, weight, eps, backend):
         _rms_norm_kernel[(x.shape[0],)](
             x, res, weight, out, eps, x.shape[1], x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(x.shape[1]),
-            TRIGGER=x.is_cuda, INTERP_BF16=interpreted_bf16(x.dtype, x))
+            TRIGGER=pdl_supported(x), INTERP_BF16=interpreted_bf16(x.dtype, x))
     return out
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16
+from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16, pdl_supported
 from .triton_compat import use_triton as _use_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -336,7 +336,7 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
-            TRIGGER=q.is_cuda, INTERP_BF16=meta["INTERP_BF16"])
+            TRIGGER=pdl_supported(q), INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
         return out

@@ -9,6 +9,8 @@ helpers here, which are exact; on a GPU the flag is false and the plain casts ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,17 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
         raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "mxserve.kernels is first imported")
     return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch applies to kernels on `t`'s device: CUDA sm_90+. (Below,
+    griddepcontrol does not assemble: a kernel must not even contain it.)"""
+    return t.is_cuda and _capability_major(t.device.index or 0) >= 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:  # (asked once a device: a launch path calls this)
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def interpreted_bf16(dtype: torch.dtype, t: torch.Tensor) -> bool:

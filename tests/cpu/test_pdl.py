@@ -1,0 +1,80 @@
+"""Programmatic dependent launch stays out of GPUs that lack it. `griddepcontrol` (Triton's
+gdc_wait / gdc_launch_dependents) assembles only for sm_90+, so the kernels that use it take a
+constexpr flag the wrappers set from triton_compat.pdl_supported: compiled here (no GPU needed)
+for an sm_80 target with the flag off they carry none of it and assemble; for sm_90 with it on
+they carry it. (A wrapper that set the flag off CUDA would fail the kernels' CPU tests: the
+interpreter has no gdc calls.)"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mxserve.kernels.triton_compat import pdl_supported  # noqa: E402
+
+# Compiled in a subprocess: under TRITON_INTERPRET (tests/cpu) kernels are not JITFunctions
+COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxserve.kernels import gemv, layer_ops, paged_attention
+
+POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "scales_ptr": "*u8", "part_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            "lse_out_ptr": "*fp32"}
+
+def ptx(fn, target, constexprs):
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16")
+                 if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+                 for n in fn.arg_names}
+    source = ASTSource(fn, signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", target, 32)).asm["ptx"]
+
+def cases(flag):
+    return {
+        "gemv": (gemv._gemv_kernel, dict(
+            BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True, EPILOGUE=0, KV=False,
+            HEAD_DIM=2, ROT_ROWS=0, Q_ROWS=0, PAGE_SIZE=1, MX=False, EBITS=1, MBITS=1,
+            NAN_CODE=-1, E=8, P=1, S=1, FOLD=True, LAUNCH_PDL=flag, INTERP_BF16=False)),
+        "rms_norm": (layer_ops._rms_norm_kernel, dict(
+            HAS_RESIDUAL=True, BLOCK_N=2048, TRIGGER=flag, INTERP_BF16=False)),
+        "merge_splits": (paged_attention._merge_splits_kernel, dict(
+            NUM_HEADS=32, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=64, TRIGGER=flag,
+            INTERP_BF16=False)),
+    }
+
+out = {}
+for name in cases(False):
+    fn, off = cases(False)[name]
+    sm80 = "griddepcontrol" in ptx(fn, 80, off)  # ptxas assembles it for sm_80, or raises
+    fn, on = cases(True)[name]
+    out[name] = [sm80, "griddepcontrol" in ptx(fn, 90, on)]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["gemv", "rms_norm", "merge_splits"])
+def test_kernels_assemble_without_pdl_below_sm90_and_carry_it_from_sm90(compiled, name):
+    without_on_sm80, with_on_sm90 = compiled[name]
+    assert not without_on_sm80 and with_on_sm90
+
+
+def test_pdl_is_off_off_cuda():
+    assert not pdl_supported(torch.zeros(1))
