@@ -29,12 +29,18 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import layer_ops
 from .layer_ops import _round_to
 from .mx_linear import MXLinearWeight, _format_args, _weight_tile, mx_linear_torch
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16, pdl_supported
+from .triton_compat import (
+    _cast_out,
+    _to_f32,
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreted_bf16,
+    pdl_supported,
+)
 from .triton_compat import use_triton as _use_triton
 
 # rows of x up to which the model uses the kernel on a GPU: it wins at 1 row on every 1B and 8B

@@ -21,9 +21,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16, pdl_supported
+from .triton_compat import (
+    _cast_out,
+    _to_f32,
+    gdc_launch_dependents,
+    interpreted_bf16,
+    pdl_supported,
+)
 from .triton_compat import use_triton as _use_triton
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -15,6 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch's grid dependency control, Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton: pdl_supported says no, and no kernel reaches these
+    gdc_launch_dependents = gdc_wait = None
+
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -41,7 +46,7 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
 def pdl_supported(t: torch.Tensor) -> bool:
     """Programmatic dependent launch applies to kernels on `t`'s device: CUDA sm_90+. (Below,
     griddepcontrol does not assemble: a kernel must not even contain it.)"""
-    return t.is_cuda and _capability_major(t.device.index or 0) >= 9
+    return gdc_wait is not None and t.is_cuda and _capability_major(t.device.index or 0) >= 9
 
 
 @functools.cache

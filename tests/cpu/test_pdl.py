@@ -78,3 +78,27 @@ def test_kernels_assemble_without_pdl_below_sm90_and_carry_it_from_sm90(compiled
 
 def test_pdl_is_off_off_cuda():
     assert not pdl_supported(torch.zeros(1))
+
+
+def test_without_gdc_in_triton_the_kernels_still_import_and_run():
+    """Triton < 3.3 has no gdc_wait: the kernels import, pdl_supported says no, and a wrapper
+    runs (here in the interpreter)."""
+    code = r"""
+import builtins
+real_import = builtins.__import__
+def old_triton_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if name == "triton.language.extra.cuda" and "gdc_wait" in (fromlist or ()):
+        raise ImportError("cannot import name 'gdc_wait'")  # as an older Triton
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = old_triton_import
+import torch
+from mxserve.kernels import gemv, triton_compat
+assert triton_compat.gdc_wait is None and not triton_compat.pdl_supported(torch.zeros(1))
+x, w = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+y = gemv.gemv(x, w, backend="triton")
+assert torch.allclose(y.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
