@@ -44,9 +44,11 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
 
 
 def pdl_supported(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch applies to kernels on `t`'s device: CUDA sm_90+. (Below,
-    griddepcontrol does not assemble: a kernel must not even contain it.)"""
-    return gdc_wait is not None and t.is_cuda and _capability_major(t.device.index or 0) >= 9
+    """Programmatic dependent launch applies to kernels on `t`'s device: NVIDIA sm_90+ (below,
+    griddepcontrol does not assemble: a kernel must not even contain it; ROCm reports its own
+    capability numbers through the same call) with a Triton that has it."""
+    return (gdc_wait is not None and t.is_cuda and torch.version.hip is None
+            and _capability_major(t.device.index or 0) >= 9)
 
 
 @functools.cache
