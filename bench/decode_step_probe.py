@@ -25,7 +25,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
-from gpu_timing import graph_us, header  # noqa: E402
+from gpu_timing import graph_us, header, replay_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import paged_attention  # noqa: E402
@@ -58,15 +58,7 @@ def engine_batch1(min_split: int) -> dict:
             times.append(time.perf_counter() - t0)
         out["engine_step_ms_p50"] = round(statistics.median(times[2:]) * 1e3, 4)
     graph = engine.runner.graphs.graphs[1].graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = []
-    for _ in range(100):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        replays.append(start.elapsed_time(end))
-    out["graph_replay_ms_p50"] = round(statistics.median(replays), 4)
+    out["graph_replay_ms_p50"] = replay_ms(graph, 100)
     out["min_split_tokens"] = min_split
     del llm, engine, graph
     torch.cuda.empty_cache()

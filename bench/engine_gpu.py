@@ -58,7 +58,7 @@ import traceback
 
 import numpy as np
 import torch
-from gpu_timing import timed
+from gpu_timing import replay_ms, timed
 
 from mxserve import LLM, SamplingParams
 from mxserve.worker.model.dummy import DUMMY_MODELS, DummySource
@@ -364,19 +364,6 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
         for i in ids:
             engine.abort(i)
     return {"rows": rows}
-
-
-def replay_ms(graph, n: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(n + 5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
 
 
 def load_hf(args, shape: str):

@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
 from engine_gpu import step_bytes  # noqa: E402
-from gpu_timing import graph_us, header  # noqa: E402
+from gpu_timing import graph_us, header, replay_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
@@ -146,15 +146,7 @@ def engine_section(quantization: str | None) -> list[dict]:
                 out["engine_step_ms_p50"] = round(statistics.median(times[3:]) * 1e3, 4)
             tokens_by[label] = tokens
             graph = runner.graphs.graphs[batch].graph
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            reps = []
-            for _ in range(200):
-                s.record()
-                graph.replay()
-                e.record()
-                e.synchronize()
-                reps.append(s.elapsed_time(e))
-            out["graph_replay_ms_p50"] = round(statistics.median(reps), 4)
+            out["graph_replay_ms_p50"] = replay_ms(graph, 200)
             out["step_x_roofline"] = round(out["engine_step_ms_p50"] / roofline_ms, 3)
             rows.append(out)
             print(json.dumps(out), flush=True)

@@ -11,9 +11,9 @@ import time
 import torch
 
 
-def graph_us(calls, reps: int = 30) -> float:
-    """Per-call device time (us, median of `reps` replays) of the no-argument functions `calls`,
-    captured in order into one CUDA graph after a warm-up run on a side stream."""
+def capture(calls) -> torch.cuda.CUDAGraph:
+    """The no-argument functions `calls`, in order, in one CUDA graph (after a warm-up run on a
+    side stream: compiles, workspaces)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -24,15 +24,37 @@ def graph_us(calls, reps: int = 30) -> float:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
+    return graph
+
+
+def replay_times_ms(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 0) -> list[float]:
+    """Device time (ms) of each of `reps` replays, after `warmup` untimed ones."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(reps):
+    for i in range(warmup + reps):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return round(statistics.median(times), 2)
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median replay time (ms) over `reps`, after 5 warm-up replays."""
+    return round(statistics.median(replay_times_ms(graph, reps, warmup=5)), 4)
+
+
+def graph_total_us(calls, reps: int = 30) -> float:
+    """Device time (us, median of `reps` replays) of one graph of all of `calls`."""
+    return statistics.median(replay_times_ms(capture(calls), reps)) * 1e3
+
+
+def graph_us(calls, reps: int = 30) -> float:
+    """Per-call device time (us) of the no-argument functions `calls`, captured in order into
+    one CUDA graph: graph_total_us / len(calls)."""
+    return round(graph_total_us(calls, reps) / len(calls), 2)
 
 
 def timed(totals: dict, key: str, fn):

@@ -34,7 +34,7 @@ import triton.language as tl
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
-from gpu_timing import header  # noqa: E402
+from gpu_timing import graph_total_us, header, replay_times_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 
@@ -80,28 +80,6 @@ def prefetcher(kind: str):
 
 
 KINDS = ["lines", "lines_last", "bulk16", "bulk64"]
-
-
-def graph_total_us(calls, reps: int = 30) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
 
 
 def micro_section() -> list[dict]:
@@ -231,14 +209,7 @@ def engine_section() -> list[dict]:
                 times.append(time.perf_counter() - t0)
             out["engine_step_ms_p50"] = round(statistics.median(times[2:]) * 1e3, 4)
         graph = runner.graphs.graphs[1].graph
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps = []
-        for _ in range(200):
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            reps.append(s.elapsed_time(e))
+        reps = replay_times_ms(graph, 200)
         out["graph_replay_ms_p50"] = round(statistics.median(reps), 4)
         out["graph_replay_ms_min"] = round(min(reps), 4)
         if ref_tokens is None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -37,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
-from gpu_timing import header  # noqa: E402
+from gpu_timing import graph_total_us, header  # noqa: E402
 
 
 @triton.jit
@@ -147,23 +146,7 @@ def vec(x, y, n, mode, variant):
 
 
 def graph_ms(fn, reps=50) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return graph_total_us([fn], reps) / 1e3
 
 
 def per_call_us(x, ws, out, variant) -> float:

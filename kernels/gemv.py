@@ -203,8 +203,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
     if not _use_triton(backend, x):
         return _linear_torch(x, w, bias).to(out_dtype or x.dtype)
     x2 = x.reshape(-1, k)
-    out = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None, None,
-                  config, out_dtype=out_dtype)
+    out, _ = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None,
+                     None, config, out_dtype=out_dtype)
     return out.view(*x.shape[:-1], n)
 
 
@@ -265,11 +265,11 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     if not _use_triton(backend, x):
         return decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
-    adds = norm is not None and norm.residual is not None
-    new_res = torch.empty_like(norm.residual) if adds else None
-    out = _launch(x2, w, bias, n // 2 if silu_and_mul else n, norm, 1 if silu_and_mul else
-                  2 if rope is not None else 0, rope, kv, config, new_res)
-    return out, (new_res if adds else x if norm is not None else None)
+    out, new_res = _launch(x2, w, bias, n // 2 if silu_and_mul else n, norm,
+                           1 if silu_and_mul else 2 if rope is not None else 0, rope, kv, config)
+    if new_res is None and norm is not None:
+        new_res = x  # no residual to add: x is the stream
+    return out, new_res
 
 
 def _check(x, w, bias) -> None:
@@ -353,21 +353,20 @@ def _linear_torch(x, w, bias):
     return torch.nn.functional.linear(x, w, bias)
 
 
-def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
-            out_dtype=None):
+def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None):
+    """(out, the new residual when norm adds one, else None)."""
     m, (n, k) = x2.shape[0], w.shape
     out = torch.empty(m, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
+    adds = norm is not None and norm.residual is not None
+    new_res = torch.empty_like(norm.residual) if adds else None
     if not m:
-        return out
+        return out, new_res
     block_k = triton.next_power_of_2(k)
     per = 2 if epilogue else 1  # rows a unit: a row, or a pair
     block_n, warps = config or (max(1, TILE // (per * block_k)),
                                 4 if per * block_k <= TILE else 8)
-    res, norm_w, eps = (norm.residual, norm.weight, norm.eps) if norm is not None else \
-        (x2, x2, 0.0)
-    adds = norm is not None and res is not None
-    res = x2 if res is None else res
-    new_res = x2 if new_res is None else new_res
+    norm_w, eps = (norm.weight, norm.eps) if norm is not None else (x2, 0.0)
+    res, res_out = (norm.residual, new_res) if adds else (x2, x2)  # (unread without ADD)
     if rope is not None:
         pos, cos, sin, d = rope.positions, rope.cos, rope.sin, rope.head_dim
         rot_rows, q_rows = (rope.num_heads + rope.num_kv_heads) * d, rope.num_heads * d
@@ -384,13 +383,13 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, new_res=None,
         w_arg, scales, stride_wn, stride_plane = w, w, w.stride(0), 0
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
     _gemv_kernel[(triton.cdiv(n // per, block_n),)](
-        x2, w_arg, bias if bias is not None else x2, out, res, norm_w, new_res, pos, cos, sin,
+        x2, w_arg, bias if bias is not None else x2, out, res, norm_w, res_out, pos, cos, sin,
         slots, kc, vc, scales, m, n, k, eps, x2.stride(0), stride_wn, out.stride(0),
-        res.stride(0), new_res.stride(0), cos.stride(0) if rope is not None else 0,
+        res.stride(0), res_out.stride(0), cos.stride(0) if rope is not None else 0,
         *cache_strides, stride_plane, scales.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
         ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
         Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1, MX=mx, **fmt,
         LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),
         **({"num_warps": warps, "launch_pdl": pdl} if x2.is_cuda else {}))
-    return out
+    return out, new_res
