@@ -2,7 +2,8 @@
 engine's decode step. One script, side by side in one run:
 
 0. mx: MX weights (MXFP4, MXFP6 e2m3) at M = 1, mx_linear's tensor-core decode vs gemv's
-   whole-row kernel, 1B and 8B decoder shapes, each checked against mx_linear_torch.
+   whole-row kernel (each of its program shapes), 1B and 8B decoder shapes and issue 3's
+   linear shapes, with cuBLAS bf16 on each shape; each output checked against mx_linear_torch.
 1. kernels: the 1B and 8B Llama decode shapes (q/k/v, o, gate/up, down, LM head) at M = 1..8
    rows: F.linear (cuBLAS) vs gemv with its default program shape and two others; every gemv
    output checked against an fp32 reference first (max error in bf16 ulps of the output).
@@ -11,6 +12,7 @@ engine's decode step. One script, side by side in one run:
    with the model's dense linears on gemv (rows <= gemv.MAX_ROWS; with and without PDL) vs all
    on cuBLAS (MAX_ROWS = 0), the CUDA graphs re-captured for each: graph replay p50 and engine
    step p50 over 128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
+   MXFP4 also with every MX weight on gemv at one row (MX_MAX_ELEMENTS lifted).
 
     python bench/gemv_gpu.py --out DIR     (DIR/gemv_gpu.json, DIR/gemv_gpu.md)
 """
@@ -82,52 +84,76 @@ def kernel_section() -> list[dict]:
     return rows
 
 
+ISSUE3_SHAPES = {"up": (14336, 4096), "down": (4096, 14336), "gate_up": (28672, 8192)}
+
+
 def mx_section() -> list[dict]:
-    """MX weights at one row: mx_linear (its tensor-core decode) vs gemv's whole-row kernel, on
-    the 1B and 8B shapes, MXFP4 and MXFP6 (e2m3); both checked against mx_linear_torch."""
+    """MX weights at one row: mx_linear (its tensor-core decode) vs gemv's whole-row kernel (its
+    default program shape and the others of _configs), on the 1B and 8B decoder shapes and
+    issue 3's linear shapes, MXFP4 and MXFP6 (e2m3), with cuBLAS bf16 on the same shape; each
+    output checked against mx_linear_torch."""
     from mxserve.kernels.mx import quantize_mx
     from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch, prepare_mx_weight
 
     rows = []
-    for model, shapes in SHAPES.items():
-        for name, (n, k) in shapes.items():
-            if name == "lm_head":
-                continue  # bf16 in MX checkpoints
-            gen = torch.Generator(device="cuda").manual_seed(n + k)
-            x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            for fmt in ("e2m1", "e2m3"):
-                copies = max(2, min(8, int(240e6 // (n * k * 0.55)) + 1))
-                ws = [prepare_mx_weight(quantize_mx(torch.randn(n, k, device="cuda",
-                                                                generator=gen) * 0.02, fmt))
-                      for _ in range(copies)]
-                ref = mx_linear_torch(x, ws[0]).float()
-                row = {"model": model, "layer": name, "n": n, "k": k, "fmt": fmt}
-                for label, fn in (("mx_linear", mx_linear), ("gemv", gemv_mod.gemv)):
-                    y = fn(x, ws[0]).float()
-                    row[label + "_err"] = round(((y - ref).norm() / ref.norm()).item(), 6)
-                    row[label + "_us"] = graph_us([lambda w=w, f=fn, x=x: f(x, w)
-                                                   for w in ws * 2])
-                row["gemv_x_mx_linear"] = round(row["mx_linear_us"] / row["gemv_us"], 3)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                del ws
+    shapes = [(m, name, nk) for m, by in SHAPES.items() for name, nk in by.items()
+              if name != "lm_head"]  # (bf16 in MX checkpoints)
+    shapes += [("issue3", name, nk) for name, nk in ISSUE3_SHAPES.items()]
+    for model, name, (n, k) in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        copies = max(2, min(8, int(240e6 // (n * k * 2)) + 1))
+        dense = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+                 for _ in range(copies)]
+        bf16_us = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense * 2])
+        del dense
+        for fmt in ("e2m1", "e2m3"):
+            copies = max(2, min(8, int(240e6 // (n * k * 0.55)) + 1))
+            ws = [prepare_mx_weight(quantize_mx(torch.randn(n, k, device="cuda",
+                                                            generator=gen) * 0.02, fmt))
+                  for _ in range(copies)]
+            ref = mx_linear_torch(x, ws[0]).float()
+            row = {"model": model, "layer": name, "n": n, "k": k, "fmt": fmt,
+                   "bf16_us": round(bf16_us, 2)}
+            fns = {"mx_linear": mx_linear}
+            for label, cfg in _configs(k).items():
+                fns["gemv" if label == "default" else "gemv_" + label] = \
+                    lambda x, w, cfg=cfg: gemv_mod.gemv(x, w, config=cfg)
+            for label, fn in fns.items():
+                y = fn(x, ws[0]).float()
+                row[label + "_err"] = round(((y - ref).norm() / ref.norm()).item(), 6)
+                row[label + "_us"] = round(graph_us([lambda w=w, f=fn, x=x: f(x, w)
+                                                     for w in ws * 2]), 2)
+            best = min((v, key[:-3]) for key, v in row.items()
+                       if key.startswith("gemv") and key.endswith("_us"))
+            row["gemv_best"] = best[1]
+            row["gemv_x_mx_linear"] = round(row["mx_linear_us"] / row["gemv_us"], 3)
+            row["mx_linear_x_bf16"] = round(bf16_us / row["mx_linear_us"], 3)
+            row["gemv_x_bf16"] = round(bf16_us / row["gemv_us"], 3)
+            row["best_x_bf16"] = round(bf16_us / min(best[0], row["mx_linear_us"]), 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del ws
     return rows
 
 
-def engine_section(quantization: str | None) -> list[dict]:
+def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
     llm = LLM(model="llama-3.2-1b", load_format="dummy", dtype="bfloat16", load_progress=False,
               max_num_seqs=8, kv_cache_memory_gb=2.0, max_model_len=4096,
               quantization=quantization)
     engine, runner = llm.engine, llm.engine.runner
     roofline_ms = step_bytes(llm, 4.25 if quantization else 16) / (COPY_TBS * 1e12) * 1e3
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
-    keep, keep_pdl = gemv_mod.MAX_ROWS, gemv_mod.PDL
+    keep, keep_pdl, keep_mx = gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS
+    variants = [("cublas", 0, False, keep_mx), ("gemv", keep, False, keep_mx),
+                ("gemv_pdl", keep, True, keep_mx)]
+    if quantization:  # every MX weight on gemv at one row, whatever its size
+        variants.append(("gemv_pdl_mx_all", keep, True, 1 << 62))
     rows = []
-    for batch in (1, 4):
+    for batch in batches:
         tokens_by = {}
-        for label, max_rows, pdl in (("cublas", 0, False), ("gemv", keep, False),
-                                     ("gemv_pdl", keep, True)):
-            gemv_mod.MAX_ROWS, gemv_mod.PDL = max_rows, pdl
+        for label, max_rows, pdl, mx_max in variants:
+            gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS = max_rows, pdl, mx_max
             runner.graphs = None
             torch.cuda.empty_cache()
             runner.capture_cuda_graphs(4096)
@@ -152,7 +178,10 @@ def engine_section(quantization: str | None) -> list[dict]:
             print(json.dumps(out), flush=True)
         rows[-1]["greedy_tokens_equal_cublas"] = tokens_by["gemv"] == tokens_by["cublas"]
         rows[-1]["greedy_tokens_equal_without_pdl"] = tokens_by["gemv_pdl"] == tokens_by["gemv"]
-    gemv_mod.MAX_ROWS, gemv_mod.PDL = keep, keep_pdl
+        if "gemv_pdl_mx_all" in tokens_by:
+            rows[-1]["greedy_tokens_equal_mx_rule"] = \
+                tokens_by["gemv_pdl_mx_all"] == tokens_by["gemv_pdl"]
+    gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS = keep, keep_pdl, keep_mx
     del llm, engine, runner
     torch.cuda.empty_cache()
     return rows
@@ -173,13 +202,16 @@ def markdown(res: dict) -> str:
                  f"({ms[m]['default']['x_cublas']:.2f}x)" for m in MS]
         lines.append(f"| {model} | {layer} | {n}x{k} | " + " | ".join(cells) + " |")
     if res.get("mx"):
-        lines += ["", "MX weights at M = 1: mx_linear (tensor-core decode) vs gemv (whole row), "
-                  "us:",
-                  "", "| model | layer | N x K | format | mx_linear | gemv | gemv speed-up |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "MX weights at M = 1: mx_linear (tensor-core decode) vs gemv (whole row, "
+                  "default shape; best of its shapes), us, and cuBLAS bf16 on the same shape:",
+                  "", "| model | layer | N x K | format | bf16 | mx_linear (x bf16) | gemv "
+                  "(x bf16) | gemv best | gemv vs mx_linear |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in res["mx"]:
             lines.append(f"| {r['model']} | {r['layer']} | {r['n']}x{r['k']} | {r['fmt']} | "
-                         f"{r['mx_linear_us']} | {r['gemv_us']} | {r['gemv_x_mx_linear']}x |")
+                         f"{r['bf16_us']} | {r['mx_linear_us']} ({r['mx_linear_x_bf16']}x) | "
+                         f"{r['gemv_us']} ({r['gemv_x_bf16']}x) | {r['gemv_best']} "
+                         f"{r[r['gemv_best'] + '_us']} | {r['gemv_x_mx_linear']}x |")
     lines += ["", "Engine decode step, 1B dummy model (ms, p50), linears on cuBLAS vs gemv:", "",
               "| weights | batch | linears | graph replay | engine step | x roofline |",
               "|---|---|---|---|---|---|"]
@@ -194,6 +226,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--sections", default="kernels,mx,engine")
+    p.add_argument("--batches", default="1,4", help="engine section: decode batch sizes")
     args = p.parse_args()
     res = header("gemv_gpu")
     res["max_rows"] = gemv_mod.MAX_ROWS
@@ -202,7 +235,8 @@ def main() -> None:
     if "mx" in args.sections:
         res["mx"] = mx_section()
     if "engine" in args.sections:
-        res["engine"] = engine_section(None) + engine_section("mxfp4")
+        batches = tuple(int(b) for b in args.batches.split(","))
+        res["engine"] = engine_section(None, batches) + engine_section("mxfp4", batches)
     with open(os.path.join(args.out, "gemv_gpu.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(args.out, "gemv_gpu.md"), "w") as f:

@@ -32,7 +32,14 @@ import triton.language as tl
 
 from . import layer_ops
 from .layer_ops import _round_to
-from .mx_linear import MXLinearWeight, _format_args, _weight_tile, mx_linear_torch
+from .mx_linear import (
+    MXLinearWeight,
+    _format_args,
+    _row_words,
+    _tc_pair,
+    _weight_tile,
+    mx_linear_torch,
+)
 from .triton_compat import (
     _cast_out,
     _to_f32,
@@ -79,7 +86,7 @@ def _gemv_kernel(
     # MX weights: their element format and layout (mx_linear._format_args)
     MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
     E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
-    LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
+    NAN_SCALES: tl.constexpr, LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     if LAUNCH_PDL:
         gdc_launch_dependents()  # the next kernel may start loading its own weights
@@ -102,17 +109,37 @@ def _gemv_kernel(
             b = tl.where(rot, a + HALF, a + 1)
         rows = tl.minimum(tl.join(a, b), N - 1)  # [BLOCK_N, 2]
     rows = rows.to(tl.int64)
+    ROWS: tl.constexpr = BLOCK_N if EPILOGUE == 0 else 2 * BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    if MX:  # decoded exactly to fp32 (mx_linear's tile builder) over the whole row
-        if EPILOGUE == 0:
-            w = _weight_tile(w_ptr, scales_ptr, rows, 0, N, K // E, stride_plane, stride_wn,
-                             stride_sn, EBITS, MBITS, NAN_CODE, E, P, S, FOLD, 23, BLOCK_N,
-                             BLOCK_K)
-        else:
-            w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [2 * BLOCK_N]), 0, N, K // E,
-                             stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
-                             FOLD, 23, 2 * BLOCK_N, BLOCK_K)
+    MX_PAIRS: tl.constexpr = MX and S == 16 and NAN_CODE < 0
+    if MX_PAIRS:  # words in spread groups of 16: pairs decoded as bf16x2, widened to fp32
+        w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), K // E,
+                                        stride_plane, stride_wn, stride_sn, E, P, BLOCK_K)
+        # p_u [.., K' / E, 2]: elements 2u, 2u + 1 of each word (k order: _x_pairs)
+        p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p4, p5, p6, p7 = p0, p0, p0, p0
+        if E == 16:
+            p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+    elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
+        w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
+                         stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
+                         FOLD, 23, ROWS, BLOCK_K)
+        if EPILOGUE != 0:
             w = tl.reshape(w, [BLOCK_N, 2, BLOCK_K])
     else:
         w = tl.load(w_ptr + tl.expand_dims(rows, -1) * stride_wn + offs_k, mask=k_mask,
@@ -136,7 +163,14 @@ def _gemv_kernel(
                              _cast_out(x, dtype, INTERP_BF16), mask=k_mask)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = _round_to(_round_to(x * rstd, dtype, INTERP_BF16) * norm_w, dtype, INTERP_BF16)
-        acc = tl.sum(w * x, axis=len(w.shape) - 1)
+        if MX_PAIRS:  # one product chain per element slot, then one reduction
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(x, E, BLOCK_K)
+            prod = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
+            if E == 16:
+                prod += p4 * x4 + p5 * x5 + p6 * x6 + p7 * x7
+            acc = tl.sum(tl.sum(prod, axis=len(prod.shape) - 1), axis=len(prod.shape) - 2)
+        else:
+            acc = tl.sum(w * x, axis=len(w.shape) - 1)
         if HAS_BIAS:
             acc += bias
         out_row = out_ptr + m * stride_om
@@ -169,6 +203,55 @@ def _gemv_kernel(
                 is_v = a >= ROT_ROWS
                 tl.store(v_cache_ptr + at, lo, mask=keep & is_v)
                 tl.store(v_cache_ptr + at + step, hi, mask=keep & is_v)
+
+
+@triton.jit
+def _row_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+              E: tl.constexpr, FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
+              EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 pair U of each word [ROWS, G, 2] (mx_linear._tc_pair), as [BLOCK_N, 2, G, 2] when
+    programs own row pairs."""
+    p = _tc_pair(w0, w1, w2, sw, U, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, True)
+    if EPILOGUE != 0:
+        p = tl.reshape(p, [BLOCK_N, 2, p.shape[1], 2])
+    return p
+
+
+@triton.jit
+def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_K] in natural k order -> per pair u (8 results; E = 8 fills the last four with
+    copies) [BLOCK_K // E, 2]: x at k = 16 E t + 32 u + 2 jj + h for word j = 16 t + jj, the
+    elements p_u of _row_pair multiply (mx_linear's spread groups of 16)."""
+    T: tl.constexpr = BLOCK_K // (16 * E)
+    G: tl.constexpr = BLOCK_K // E
+    if E == 8:  # u = 2 u1 + u0
+        x = tl.permute(tl.reshape(x, [T, 2, 2, 16, 2]), (0, 3, 4, 2, 1))  # [t, jj, h, u0, u1]
+        a, b = tl.split(x)
+        x0, x1 = tl.split(a)
+        x2, x3 = tl.split(b)
+        x0 = tl.reshape(x0, [G, 2])
+        x1 = tl.reshape(x1, [G, 2])
+        x2 = tl.reshape(x2, [G, 2])
+        x3 = tl.reshape(x3, [G, 2])
+        x4, x5, x6, x7 = x0, x1, x2, x3
+    else:  # u = 4 u2 + 2 u1 + u0
+        x = tl.permute(tl.reshape(x, [T, 2, 2, 2, 16, 2]), (0, 4, 5, 3, 2, 1))
+        a, b = tl.split(x)  # u2
+        aa, ab = tl.split(a)  # u1
+        ba, bb = tl.split(b)
+        x0, x1 = tl.split(aa)
+        x2, x3 = tl.split(ab)
+        x4, x5 = tl.split(ba)
+        x6, x7 = tl.split(bb)
+        x0 = tl.reshape(x0, [G, 2])
+        x1 = tl.reshape(x1, [G, 2])
+        x2 = tl.reshape(x2, [G, 2])
+        x3 = tl.reshape(x3, [G, 2])
+        x4 = tl.reshape(x4, [G, 2])
+        x5 = tl.reshape(x5, [G, 2])
+        x6 = tl.reshape(x6, [G, 2])
+        x7 = tl.reshape(x7, [G, 2])
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 def supported(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
@@ -375,11 +458,12 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
     pdl = PDL and pdl_supported(x2)
     if isinstance(w, MXLinearWeight):
-        mx, fmt = True, _format_args(w)
+        mx, fmt = True, dict(_format_args(w), NAN_SCALES=w.nan_scales)
         w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \
             w.planes.stride(0)
     else:
-        mx, fmt = False, dict(EBITS=1, MBITS=1, NAN_CODE=-1, E=8, P=1, S=1, FOLD=True)
+        mx, fmt = False, dict(EBITS=1, MBITS=1, NAN_CODE=-1, E=8, P=1, S=1, FOLD=True,
+                              NAN_SCALES=False)
         w_arg, scales, stride_wn, stride_plane = w, w, w.stride(0), 0
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
     _gemv_kernel[(triton.cdiv(n // per, block_n),)](

@@ -493,27 +493,102 @@ def _bf16x2_mul(bits, f, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _bf16x2_mul_bits(bits, f, INTERP: tl.constexpr):
+    """The bf16x2 bit pattern (int32) of bits * f, as _bf16x2_mul."""
+    if INTERP:
+        lo, hi = _bf16x2_mul(bits, f, True)
+        return _bf16x2_bits(lo, hi)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, f],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
              E: tl.constexpr, FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
-             INTERP: tl.constexpr):
-    """[BLOCK_N, S, 2] bf16: pair U of each word group; sw [BLOCK_N] int32 holds the scale
-    bytes of pairs 4 (U // 4) .. 4 (U // 4) + 3 (one block each, see _PLANES). NAN_SCALES: some
-    byte may be 0xFF (NaN); without it the factor is one multiply-add of the byte."""
+             INTERP: tl.constexpr, F32: tl.constexpr = False):
+    """[..., 2] bf16 (F32: the same values in fp32): pair U of each word group (words [...]);
+    sw int32, broadcastable to the words, holds the scale bytes of pairs 4 (U // 4) ..
+    4 (U // 4) + 3 (one block each, see _PLANES). NAN_SCALES: some byte may be 0xFF (NaN);
+    without it the factor is one multiply-add of the byte."""
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
-    s = ((sw >> (8 * (U % 4))) & 0xFF)[:, None]
+    s = (sw >> (8 * (U % 4))) & 0xFF
     f1 = (s + (127 - BIAS)) << 7  # 2^(s - bias), see _scale_factors
     if NAN_SCALES:
         f1 = tl.where(s == 255, 0x7FC0, f1)
     bits = _placed_bits(w0, w1, w2, 2 * U, EBITS, MBITS, -1, E, 7, True)
-    if FOLD:
-        lo, hi = _bf16x2_mul(bits, f1 * 65537, INTERP)
-    else:  # 2^(127 - bias) then 2^(s - 127)
-        f2 = tl.where(s == 0, 1 << 6, s << 7)
-        if NAN_SCALES:
-            f2 = tl.where(s == 255, 0x7FC0, f2)
-        lo, hi = _bf16x2_mul(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
-        lo, hi = _bf16x2_mul(_bf16x2_bits(lo, hi), f2 * 65537, INTERP)
-    return tl.join(lo, hi)
+    if F32:  # the product's bf16x2 bits, each half widened by one integer op
+        if FOLD:
+            p = _bf16x2_mul_bits(bits, f1 * 65537, INTERP)
+        else:
+            f2 = tl.where(s == 0, 1 << 6, s << 7)
+            if NAN_SCALES:
+                f2 = tl.where(s == 255, 0x7FC0, f2)
+            p = _bf16x2_mul_bits(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
+            p = _bf16x2_mul_bits(p, f2 * 65537, INTERP)
+        out = tl.join((p << 16).to(tl.float32, bitcast=True),
+                      (p & -65536).to(tl.float32, bitcast=True))
+    else:
+        if FOLD:
+            lo, hi = _bf16x2_mul(bits, f1 * 65537, INTERP)
+        else:  # 2^(127 - bias) then 2^(s - 127)
+            f2 = tl.where(s == 0, 1 << 6, s << 7)
+            if NAN_SCALES:
+                f2 = tl.where(s == 255, 0x7FC0, f2)
+            lo, hi = _bf16x2_mul(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
+            lo, hi = _bf16x2_mul(_bf16x2_bits(lo, hi), f2 * 65537, INTERP)
+        out = tl.join(lo, hi)
+    return out
+
+
+@triton.jit
+def _decoded_groups(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                    E: tl.constexpr, FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """bf16 [BLOCK_N, BLOCK_K] in natural k order from the words
+    [BLOCK_N, BLOCK_K // E] of whole spread groups of 16 (each pair decoded in the registers
+    that hold its words, joined with no data exchange: _spread_tile4/8); sa, sb: the groups'
+    scale words (_tc_scales), broadcastable to the words."""
+    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+    if E == 8:
+        w = _spread_tile4(p0, p1, p2, p3, 16, BLOCK_N, BLOCK_K)
+    else:
+        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+        w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, 16, BLOCK_N, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _row_words(planes_ptr, scales_ptr, rows, num_words, stride_plane, stride_wn, stride_sn,
+               E: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(w0, w1, w2, sa, sb): the words [len(rows), BLOCK_K // E] of whole rows (0 past K =
+    E * num_words) of a weight in spread groups of 16, and the scale words of each word's group
+    (_tc_scales, one per word), for kernels that hold whole rows (kernels/gemv.py): every
+    load at once. rows in range; decode with _tc_pair."""
+    G: tl.constexpr = BLOCK_K // E  # words a row (BLOCK_K a power of 2 >= E * 16)
+    j = tl.arange(0, G)
+    mask = j[None, :] < (num_words // 16) * 16  # (whole groups: 16-byte loads)
+    ptrs = planes_ptr + rows[:, None] * stride_wn + j[None, :]
+    w0 = tl.load(ptrs, mask=mask, other=0)
+    w1 = w0
+    w2 = w0
+    if P > 1:
+        w1 = tl.load(ptrs + stride_plane, mask=mask, other=0)
+    if P > 2:
+        w2 = tl.load(ptrs + 2 * stride_plane, mask=mask, other=0)
+    blk = (E * 16 * (j // 16)) // 128  # int32 word of the group's first scale byte
+    sw = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
+    sa = tl.load(sw[:, None] + blk[None, :], mask=mask, other=0)
+    sb = sa
+    if E == 16:
+        sb = tl.load(sw[:, None] + blk[None, :] + 1, mask=mask, other=0)
+    return w0, w1, w2, sa, sb
 
 
 @triton.jit
@@ -557,18 +632,8 @@ def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm,
     (_tc_scales)."""
     S: tl.constexpr = 16
     BLOCK_K: tl.constexpr = E * S
-    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-    if E == 8:
-        w = _spread_tile4(p0, p1, p2, p3, S, BLOCK_N, BLOCK_K)
-    else:
-        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP_BF16)
-        w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, S, BLOCK_N, BLOCK_K)
+    w = _decoded_groups(w0, w1, w2, sa[:, None], sb[:, None], EBITS, MBITS, E, FOLD, NAN_SCALES,
+                        BLOCK_N, BLOCK_K, INTERP_BF16)
     offs_k = j0 * E + tl.arange(0, BLOCK_K)
     xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                  mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, BLOCK_M]

@@ -292,3 +292,36 @@ def test_mx_weights_decode_exactly_in_every_step(fmt):
     _close(act_mx, act_d, ulps=2)
     cpu, _ = decode_projection(x, mxw, bias, norm=norm, rope=rope)  # the CPU default: reference
     _close(cpu, y_d, ulps=2)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2"])
+@pytest.mark.parametrize("n, k, fold", [(24, 384, True), (24, 768, False), (7, 4096, True),
+                                        (24, 96, True)])
+def test_mx_pair_path_edges(fmt, n, k, fold):
+    """MX rows in spread groups of 16 decode pair by pair (bf16x2, one multiply for the scale):
+    K not a power of 2 (words past K masked: 384 = 3 groups of FP4, 768 = 3 of FP6), several
+    scale words a row, N not a multiple of the rows a program holds, scale bytes above
+    127 + bias (no fold) and byte 0, and a NaN scale. Rows without groups of 16 (K = 96, FP6 at
+    384) decode element by element. Against mx_linear's reference and the dense kernel on the
+    exact weight."""
+    gen = torch.Generator().manual_seed(k + n)
+    w = quantize_mx(torch.randn(n, k, generator=gen) * 0.05, fmt)
+    if not fold:
+        w.scales.copy_(torch.randint(100, 140, w.scales.shape, generator=gen, dtype=torch.uint8))
+        w.scales[0, 0] = 0
+        w.scales[1, :] = 150
+    p = prepare_mx_weight(w)
+    e = 8 if fmt == "e2m1" else 16  # elements a word group
+    assert p.fold == fold and not p.nan_scales and (p.group == 16) == (k % (16 * e) == 0)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = gemv(x, p, bias, backend="triton")
+    _close(got, mx_linear_torch(x, p, bias), ulps=1)
+    dense = dequantize_mx(w, torch.float32).to(torch.bfloat16)
+    assert torch.equal(dense.float(), dequantize_mx(w, torch.float32))  # exact in bf16
+    _close(got, gemv(x, dense, bias, backend="triton"), ulps=1)
+    w.scales[5, 1] = 255
+    p = prepare_mx_weight(w)
+    assert p.nan_scales
+    y = gemv(x, p, bias, backend="triton")
+    assert y[:, 5].isnan().all() and not y[:, :5].isnan().any() and not y[:, 6:].isnan().any()
