@@ -46,9 +46,9 @@ MS = [1, 2, 3, 4, 6, 8]
 COPY_TBS = 4.27
 
 
-def _configs(k: int) -> dict[str, tuple[int, int] | None]:
+def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | None]:
     bk = 1 << (k - 1).bit_length()
-    bn = max(1, gemv_mod.TILE // bk)
+    bn = max(1, tile // bk)
     alt = {"default": None, "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
            "8_warps": (bn, 8)}
     if bn > 1:
@@ -116,7 +116,7 @@ def mx_section() -> list[dict]:
             row = {"model": model, "layer": name, "n": n, "k": k, "fmt": fmt,
                    "bf16_us": round(bf16_us, 2)}
             fns = {"mx_linear": mx_linear}
-            for label, cfg in _configs(k).items():
+            for label, cfg in _configs(k, gemv_mod.MX_TILE).items():
                 fns["gemv" if label == "default" else "gemv_" + label] = \
                     lambda x, w, cfg=cfg: gemv_mod.gemv(x, w, config=cfg)
             for label, fn in fns.items():

@@ -19,8 +19,11 @@ then own row pairs: the two halves of a rotation, or gate j with up j. The 1B ba
 lost ~110 launches: 1.012 -> 0.885 ms (bench/results/gemv_gpu.engine_fused.md).
 
 The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): ~8k elements a
-program, on 4 warps (8 for K' = 16384). Rows of w past N are read as row N - 1 and not stored,
-so no load needs a row mask.
+program (16k for MX weights), on 4 warps (8 past that). MX rows in spread groups of 16 decode
+pair by pair: bf16x2 bit placement and one mul.rn.bf16x2 for the scale (mx_linear._tc_pair),
+each half widened to fp32 by one integer op, and x split into the pairs' k order, so each
+element costs ~4.6 instructions (sm_90 SASS) where the element-by-element fp32 decode cost ~8.
+Rows of w past N are read as row N - 1 and not stored, so no load needs a row mask.
 """
 from __future__ import annotations
 
@@ -60,10 +63,12 @@ DTYPES = (torch.bfloat16, torch.float16)
 # loading its weights (constant) until gdc_wait, which waits for that kernel's writes
 PDL = True
 # MX weights take this kernel at one row (MXWeight.forward, the fused projections) up to this
-# many elements: it beat mx_linear's tensor-core decode on the 1B q/k/v and o (1.2-2.0x) and
-# lost from the 1B down (16.8M: 0.87-1.05x) and gate/up (0.55-0.62x) up, where a program's
-# fp32 products outweigh the load (bench/results/gemv_gpu.mx.md)
-MX_MAX_ELEMENTS = 8 << 20
+# many elements: decoded pair by pair (bf16x2), it beat mx_linear's tensor-core decode on every
+# 1B and 8B shape up to the 8B q/k/v (24M: 1.07-2.6x) and lost from the 1B gate/up (32M, MXFP4
+# 0.88x) up, where a program's decode and products, not its loads, set the time
+# (bench/results/gemv_gpu.mx_pairs.md)
+MX_MAX_ELEMENTS = 24 << 20
+MX_TILE = 2 * TILE  # elements of an MX weight per program: best on 18 of the 22 shapes there
 
 
 @triton.jit
@@ -446,8 +451,9 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
         return out, new_res
     block_k = triton.next_power_of_2(k)
     per = 2 if epilogue else 1  # rows a unit: a row, or a pair
-    block_n, warps = config or (max(1, TILE // (per * block_k)),
-                                4 if per * block_k <= TILE else 8)
+    tile = MX_TILE if isinstance(w, MXLinearWeight) else TILE
+    block_n, warps = config or (max(1, tile // (per * block_k)),
+                                4 if per * block_k <= tile else 8)
     norm_w, eps = (norm.weight, norm.eps) if norm is not None else (x2, 0.0)
     res, res_out = (norm.residual, new_res) if adds else (x2, x2)  # (unread without ADD)
     if rope is not None:
