@@ -91,8 +91,7 @@ def _gemv_kernel(
     # MX weights: their element format and layout (mx_linear._format_args)
     MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
     E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
-    NAN_SCALES: tl.constexpr, ONE_ROW: tl.constexpr, LAUNCH_PDL: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    NAN_SCALES: tl.constexpr, LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     if LAUNCH_PDL:
         gdc_launch_dependents()  # the next kernel may start loading its own weights
@@ -122,10 +121,25 @@ def _gemv_kernel(
     if MX_PAIRS:  # words in spread groups of 16: pairs decoded as bf16x2, widened to fp32
         w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), K // E,
                                         stride_plane, stride_wn, stride_sn, E, P, BLOCK_K)
-        if not ONE_ROW:  # decoded once for all rows (one row: after x, fewer live registers)
-            p0, p1, p2, p3, p4, p5, p6, p7 = _row_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
-                                                        NAN_SCALES, EPILOGUE, BLOCK_N,
-                                                        INTERP_BF16)
+        # p_u [.., K' / E, 2]: elements 2u, 2u + 1 of each word (k order: _x_pairs)
+        p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP_BF16)
+        p4, p5, p6, p7 = p0, p0, p0, p0
+        if E == 16:
+            p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
+            p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
+                           BLOCK_N, INTERP_BF16)
     elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
         w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
                          stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
@@ -142,11 +156,7 @@ def _gemv_kernel(
         norm_w = _to_f32(tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
     if LAUNCH_PDL:
         gdc_wait()  # everything above is constant; x and the rest come from earlier kernels
-    if ONE_ROW:  # (no loop for the decode to be hoisted out of, ahead of x)
-        rows_of_x = 1
-    else:
-        rows_of_x = M
-    for m in range(rows_of_x):
+    for m in range(M):
         x = _to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
         if NORM:  # layer_ops.add_rms_norm_'s steps and roundings, the sum kept apart
             if ADD:
@@ -159,10 +169,6 @@ def _gemv_kernel(
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
             x = _round_to(_round_to(x * rstd, dtype, INTERP_BF16) * norm_w, dtype, INTERP_BF16)
         if MX_PAIRS:  # one product chain per element slot, then one reduction
-            if ONE_ROW:
-                p0, p1, p2, p3, p4, p5, p6, p7 = _row_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E,
-                                                            FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                                                            INTERP_BF16)
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(x, E, BLOCK_K)
             prod = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
             if E == 16:
@@ -214,32 +220,6 @@ def _row_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
     if EPILOGUE != 0:
         p = tl.reshape(p, [BLOCK_N, 2, p.shape[1], 2])
     return p
-
-
-@triton.jit
-def _row_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
-               FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, EPILOGUE: tl.constexpr,
-               BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """The pairs p_u of every word (_row_pair; E = 8 fills the last four with copies)."""
-    p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p4, p5, p6, p7 = p0, p1, p2, p3
-    if E == 16:
-        p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-    return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
@@ -500,6 +480,6 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
         ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
         Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1, MX=mx, **fmt,
-        ONE_ROW=m == 1, LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),
+        LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),
         **({"num_warps": warps, "launch_pdl": pdl} if x2.is_cuda else {}))
     return out, new_res
