@@ -48,6 +48,12 @@ VARIANTS = {
     "n64s3p6": ((64, 4, 3), 6),
     "n128s3p4": ((128, 4, 3), 4),
     "n128s3p6": ((128, 4, 3), 6),
+    "n64s3p2": ((64, 4, 3), 2),
+    "n64s3p16": ((64, 4, 3), 16),
+    "n64s4p4": ((64, 4, 4), 4),
+    "n64s2p8": ((64, 4, 2), 8),
+    "n128s3p2": ((128, 4, 3), 2),
+    "n128w8s3p4": ((128, 8, 3), 4),
 }
 
 
@@ -98,6 +104,11 @@ def main() -> None:
     ap.add_argument("--fmts", default="e2m1,e2m3", help="comma list of e2m1, e2m3, e3m2")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of VARIANTS")
     ap.add_argument("--no-load-probe", action="store_true")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="comma list of NxK")
+    ap.add_argument("--ms", default="1,16", help="rows of x")
+    ap.add_argument("--past-l2", action="store_true",
+                    help="cycle weight copies that together exceed L2")
     args = ap.parse_args()
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     t0 = time.time()
@@ -109,7 +120,7 @@ def main() -> None:
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in r.items()), flush=True)
 
-    for n, k in SHAPES:
+    for n, k in [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]:
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
         w_bf16 = w.to(torch.bfloat16)
         for fmt in args.fmts.split(","):
@@ -124,26 +135,33 @@ def main() -> None:
                 t = us(lambda cfg=cfg, pps=pps, wq=wq, sink=sink: load_probe(wq, sink, *cfg, pps))
                 record(N=n, K=k, fmt=fmt, M=0, var=f"load{cfg[0]}w{cfg[1]}s{cfg[2]}p{pps}", us=t,
                        tbs=mbytes / t / 1e6)
-            for m in (1, 16):
+            for m in [int(v) for v in args.ms.split(",")]:
                 if time.time() - t0 > args.budget:
                     break
                 x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
                 ref = x.float() @ deq.T
-                t_bf16 = us(lambda x=x, w_bf16=w_bf16: F.linear(x, w_bf16))
+                dense = [w_bf16] + ([w_bf16.clone() for _ in range(int(120e6 // (2 * n * k)))]
+                                    if args.past_l2 else [])
+                t_bf16 = us(lambda x=x, ws=dense: [F.linear(x, w_i) for w_i in ws]) / len(dense)
                 record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
                        tbs=n * k * 2 / t_bf16 / 1e6)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                # --past-l2: the kernel cycles over weight copies that together exceed L2 (as
+                # in a model, where each weight is read once a step), time per call
+                copies = [wq] + ([prepare_mx_weight(q) for _ in range(int(120e6 // mbytes))]
+                                 if args.past_l2 else [])
                 for name, (cfg, pps) in variants.items():
                     if fmt != "e2m1" and cfg[0] == 128:
                         continue  # FP6: 161 registers already, 128 rows need more
-                    def fn(cfg=cfg, pps=pps, x=x, out=out, wq=wq):
-                        _launch_decode(x, wq, out, None, None, config=cfg, tc=True,
-                                       programs_per_sm=pps)
+                    def fn(cfg=cfg, pps=pps, x=x, out=out, ws=copies):
+                        for w_i in ws:
+                            _launch_decode(x, w_i, out, None, None, config=cfg, tc=True,
+                                           programs_per_sm=pps)
                     out.fill_(float("nan"))
                     try:
                         fn()
                         err = ((out.float() - ref).norm() / ref.norm()).item()
-                        t = us(fn)
+                        t = us(fn) / len(copies)
                     except Exception as exc:  # a config Triton cannot compile: say so, go on
                         record(N=n, K=k, fmt=fmt, M=m, var=name, error=str(exc)[:200])
                         continue
