@@ -821,9 +821,20 @@ _DECODE_FMA = (8, 512, 4, 1)
 _DECODE_DOT = (32, 256, 4, 1)
 _DECODE_TARGET_PROGRAMS_PER_SM = 4
 _DECODE_PREFETCH = True
-# the tensor-core decode kernel (bf16 x): (BLOCK_N, num_warps, num_stages)
-_DECODE_TC = (64, 4, 3)
-_DECODE_TC_PROGRAMS_PER_SM = {8: 8, 16: 8}  # by E: FP4/FP8, FP6 (bench/results/mx_decode_probe)
+
+
+def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], int]:
+    """The tensor-core decode's (BLOCK_N, num_warps, num_stages) and programs per SM (split-K),
+    from an H200 sweep over the 1B/8B decode shapes with the weights cycled past L2, as a model
+    reads them (bench/results/mx_decode_probe.past_l2.json; the earlier 64 rows and 8 programs
+    came from one weight read again and again, half of it from L2):
+    - FP4 at one row: 128-row tiles, 4 programs an SM (summed over the shapes 8% under 64 / 8);
+      at more rows 64 / 4 (4% under; 128-row tiles lose there);
+    - FP6 (~160 registers: ~3 programs fit an SM): 2 programs an SM, one wave, unless the tiles
+      alone outnumber that, then 8, finer splits evening out the waves (13% under 64 / 8)."""
+    if e == 8:
+        return ((128, 4, 3), 4) if m == 1 else ((64, 4, 3), 4)
+    return (64, 4, 3), (2 if triton.cdiv(n, 64) <= 2 * sms else 8)
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
@@ -834,12 +845,13 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
 def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
-    block_n, num_warps, num_stages = (config or _DECODE_TC) if on_gpu else (16, 4, 1)
     e, _ = _PLANES[get_format(w.fmt).bits]
+    tuned, tuned_pps = _tc_config(e, m, n, _num_sms(x2.device))
+    block_n, num_warps, num_stages = (config or tuned) if on_gpu else (16, 4, 1)
     tiles = triton.cdiv(n, block_n)
     groups = k // (e * MAX_GROUP)
     if split_k is None:
-        want = (programs_per_sm or _DECODE_TC_PROGRAMS_PER_SM[e]) * _num_sms(x2.device)
+        want = (programs_per_sm or tuned_pps) * _num_sms(x2.device)
         split_k = max(1, min(want // tiles, groups))
     split_k = triton.cdiv(groups, triton.cdiv(groups, max(1, min(split_k, groups))))
     words_per_split = triton.cdiv(groups, split_k) * MAX_GROUP
