@@ -829,12 +829,14 @@ def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], 
     reads them (bench/results/mx_decode_probe.past_l2.json; the earlier 64 rows and 8 programs
     came from one weight read again and again, half of it from L2):
     - FP4 at one row: 128-row tiles, 4 programs an SM (summed over the shapes 8% under 64 / 8);
-      at more rows 64 / 4 (4% under; 128-row tiles lose there);
+      at more rows 64-row tiles (128 lose there), 4 programs an SM unless the tiles alone
+      outnumber 2 an SM, then 8 (the 28672-row weights: 57 -> 63 us at 4, kernels_gpu);
     - FP6 (~160 registers: ~3 programs fit an SM): 2 programs an SM, one wave, unless the tiles
       alone outnumber that, then 8, finer splits evening out the waves (13% under 64 / 8)."""
+    many_tiles = triton.cdiv(n, 64) > 2 * sms
     if e == 8:
-        return ((128, 4, 3), 4) if m == 1 else ((64, 4, 3), 4)
-    return (64, 4, 3), (2 if triton.cdiv(n, 64) <= 2 * sms else 8)
+        return ((128, 4, 3), 4) if m == 1 else ((64, 4, 3), 8 if many_tiles else 4)
+    return (64, 4, 3), (8 if many_tiles else 2)
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
