@@ -54,6 +54,13 @@ VARIANTS = {
     "n64s2p8": ((64, 4, 2), 8),
     "n128s3p2": ((128, 4, 3), 2),
     "n128w8s3p4": ((128, 8, 3), 4),
+    # ncu (results/ncu_mx_decode.*): 128 registers and ~50 KB of shared memory hold the FP4
+    # kernel to 4 programs an SM, ~1 eligible warp a scheduler; capped registers, fewer stages
+    "n128s3p4r96": ((128, 4, 3, 96), 4),
+    "n128s2p4": ((128, 4, 2), 4),
+    "n128s2p4r96": ((128, 4, 2, 96), 4),
+    "n64s3p4r96": ((64, 4, 3, 96), 4),
+    "n64s2p8r80": ((64, 4, 2, 80), 8),
 }
 
 

@@ -849,7 +849,10 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
     on_gpu = x2.is_cuda
     e, _ = _PLANES[get_format(w.fmt).bits]
     tuned, tuned_pps = _tc_config(e, m, n, _num_sms(x2.device))
-    block_n, num_warps, num_stages = (config or tuned) if on_gpu else (16, 4, 1)
+    block_n, num_warps, num_stages, *maxnreg = (config or tuned) if on_gpu else (16, 4, 1)
+    launch = dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}
+    if maxnreg:  # (bench/: a register cap for ptxas)
+        launch["maxnreg"] = maxnreg[0]
     tiles = triton.cdiv(n, block_n)
     groups = k // (e * MAX_GROUP)
     if split_k is None:
@@ -872,8 +875,7 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
         NAN_SCALES=w.nan_scales, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
         SPLIT=split_k > 1,
-        HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
-        **(dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}))
+        HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16, **launch)
 
 
 def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
