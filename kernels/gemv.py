@@ -22,8 +22,9 @@ The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): ~8k 
 program (16k for MX weights), on 4 warps (8 past that). MX rows in spread groups of 16 decode
 pair by pair: bf16x2 bit placement and one mul.rn.bf16x2 for the scale (mx_linear._tc_pair),
 each half widened to fp32 by one integer op, and x split into the pairs' k order, so each
-element costs ~4.6 instructions (sm_90 SASS) where the element-by-element fp32 decode cost ~8.
-Rows of w past N are read as row N - 1 and not stored, so no load needs a row mask.
+element costs ~4.6 instructions (sm_90 SASS from Triton 3.9) where the element-by-element
+fp32 decode cost ~8. Rows of w past N are read as row N - 1 and not stored, so no load needs
+a row mask.
 """
 from __future__ import annotations
 
