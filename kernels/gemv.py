@@ -123,24 +123,8 @@ def _gemv_kernel(
         w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), K // E,
                                         stride_plane, stride_wn, stride_sn, E, P, BLOCK_K)
         # p_u [.., K' / E, 2]: elements 2u, 2u + 1 of each word (k order: _x_pairs)
-        p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP_BF16)
-        p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP_BF16)
-        p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP_BF16)
-        p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP_BF16)
-        p4, p5, p6, p7 = p0, p0, p0, p0
-        if E == 16:
-            p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
-                           BLOCK_N, INTERP_BF16)
-            p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
-                           BLOCK_N, INTERP_BF16)
-            p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
-                           BLOCK_N, INTERP_BF16)
-            p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE,
-                           BLOCK_N, INTERP_BF16)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _row_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
+                                                    NAN_SCALES, EPILOGUE, BLOCK_N, INTERP_BF16)
     elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
         w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
                          stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
@@ -221,6 +205,32 @@ def _row_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
     if EPILOGUE != 0:
         p = tl.reshape(p, [BLOCK_N, 2, p.shape[1], 2])
     return p
+
+
+@triton.jit
+def _row_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
+               FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, EPILOGUE: tl.constexpr,
+               BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """The pairs p_u of every word (_row_pair; E = 8 fills the last four with copies)."""
+    p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                   INTERP)
+    p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                   INTERP)
+    p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                   INTERP)
+    p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                   INTERP)
+    p4, p5, p6, p7 = p0, p1, p2, p3
+    if E == 16:
+        p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP)
+        p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP)
+        p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP)
+        p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
+                       INTERP)
+    return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
