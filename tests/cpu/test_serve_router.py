@@ -193,7 +193,9 @@ def test_worker_freezes_the_heap_for_its_process_and_thaws_it_on_shutdown(tiny_c
             return sum(len(o.new_token_ids) for o in outs), outs[-1].finished
 
         assert asyncio.run(run()) == (8, True)
-        assert gc.get_freeze_count() == frozen  # requests' objects stay collectable
+        # requests' objects stay collectable: nothing joins the frozen set (which only shrinks,
+        # as frozen objects still die by reference count: a CI run saw 2 go during the request)
+        assert gc.get_freeze_count() <= frozen
     finally:
         worker.shutdown()
     assert gc.get_freeze_count() == 0 and any(o is engine for o in gc.get_objects())
