@@ -366,6 +366,18 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
     return {"rows": rows}
 
 
+def top_p_on_device_sweep(args, llm) -> dict:
+    """The top_p sweep again with top_p's candidate check and whole-row search on the device
+    (worker/sampler.py TOP_P_ON_DEVICE): no host wait in the sampler."""
+    from mxserve.worker import sampler
+
+    keep, sampler.TOP_P_ON_DEVICE = sampler.TOP_P_ON_DEVICE, True
+    try:
+        return decode_sweep(args, llm, TOP_P, args.top_p_batches)
+    finally:
+        sampler.TOP_P_ON_DEVICE = keep
+
+
 def load_hf(args, shape: str):
     import transformers
 
@@ -606,8 +618,10 @@ def markdown(d: dict) -> str:
             lines += [f"Async scheduling off, same requests: {m['sync']['output_tok_s']} output "
                       f"tok/s (async: {m['async_vs_sync_tok_s']}x), TPOT p50/p99 "
                       f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
-    for key, what in (("1b_decode_sweep", "greedy"), ("1b_decode_sweep_top_p",
-                                                       "temperature 0.7, top_p 0.9")):
+    for key, what in (("1b_decode_sweep", "greedy"),
+                      ("1b_decode_sweep_top_p", "temperature 0.7, top_p 0.9"),
+                      ("1b_decode_sweep_top_p_on_device",
+                       "temperature 0.7, top_p 0.9, cutoff decided on the device")):
         if not s.get(key):
             continue
         lines += ["", f"Decode sweep ({what}):", "", "| decode batch | engine step ms, async | "
@@ -712,6 +726,7 @@ def main() -> None:
             report.run("1b_decode_sweep", decode_sweep, args, llm)
             report.run("1b_decode_sweep_top_p", decode_sweep, args, llm, TOP_P,
                        args.top_p_batches)
+            report.run("1b_decode_sweep_top_p_on_device", top_p_on_device_sweep, args, llm)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)
             report.run("1b_prefix_fp32", prefix_fp32_check, args, shape)

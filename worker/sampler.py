@@ -37,6 +37,12 @@ _NEG_INF = float("-inf")
 # H200 (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
+# Decide on the device whether a row's candidates hold top_p's mass, and search the whole row
+# when not (kernels/sampling_ops.top_p_threshold_rows; off CUDA its torch rule, a full sort): no
+# wait for the device, so a top_p step overlaps the next one as a greedy step does. Off until
+# measured on the GPU against the path above (bench/engine_gpu.py's sweep runs both;
+# tests/gpu/test_sampler_gpu.py checks both).
+TOP_P_ON_DEVICE = False
 _TRITON_ARGMAX_ROWS = 64
 
 
@@ -233,6 +239,12 @@ def _top_k_top_p_threshold(
     log_total = values.logsumexp(-1, keepdim=True)
     if not all(k < vocab for k in top_k):
         log_total = torch.where(k_on, log_total, logits.logsumexp(-1, keepdim=True))
+    if TOP_P_ON_DEVICE:
+        from mxserve.kernels.sampling_ops import top_p_threshold_rows
+
+        top_p = _column([sp.top_p for sp in params], logits)
+        cut = top_p_threshold_rows(logits, values, log_total, top_p, ~k_on.view(-1))
+        return torch.maximum(threshold, cut)
     return torch.maximum(threshold, _top_p_threshold(logits, values, log_total, params))
 
 

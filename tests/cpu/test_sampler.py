@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from mxserve.worker import sampler as sampler_mod
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler, apply_penalties, filter_threshold
 from mxserve.worker.sampling_params import SamplingParams
@@ -144,14 +145,20 @@ PROBS = [0.05, 0.3, 0.1, 0.4, 0.15]  # descending: id 3, 1, 4, 2, 0
         ({"top_k": 4, "min_p": 0.3, "top_p": 0.99}, {3, 1, 4}),
     ],
 )
-def test_filters_keep_exactly_the_allowed_tokens(params, kept):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
+def test_filters_keep_exactly_the_allowed_tokens(params, kept, on_device, monkeypatch):
+    """Both top_p paths: candidates grown from the host, and the device rule (TOP_P_ON_DEVICE:
+    kernels/sampling_ops' cutoff, here its torch form), wired with top_k's survivors."""
+    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     logits = [math.log(p) for p in PROBS]
     emitted = set(sample_many(logits, 4000, temperature=1.0, **params))
     assert emitted == kept
 
 
-def test_top_p_on_a_large_vocab_matches_reference():
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
+def test_top_p_on_a_large_vocab_matches_reference(on_device, monkeypatch):
     # A flat row needs thousands of tokens to reach top_p, more than the first candidate pass holds.
+    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(3, 5000, generator=gen) * 0.5).tolist()
     params, expected = [], []

@@ -1,5 +1,7 @@
-"""kernels/sampling_ops.py's argmax under the Triton interpreter, against torch.argmax: the first
-maximal index of each row, ties within and across chunks, -inf rows and masked tails."""
+"""kernels/sampling_ops.py under the Triton interpreter: the argmax against torch.argmax (the first
+maximal index of each row, ties within and across chunks, -inf rows and masked tails), and top_p's
+cutoff against the sampler's own (candidates that hold the mass, the whole-row search, ties,
+top_k rows)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mxserve.kernels.sampling_ops import BLOCK, argmax_rows  # noqa: E402
+from mxserve.kernels.sampling_ops import BLOCK, argmax_rows, top_p_threshold_rows  # noqa: E402
+from mxserve.worker.sampler import _top_p_threshold  # noqa: E402
+from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (3, BLOCK), (2, BLOCK + 1), (5, 3 * BLOCK - 17),
@@ -43,3 +47,66 @@ def test_argmax_rows_rejects_what_it_cannot_reduce():
         argmax_rows(torch.zeros(8, 4).t(), backend="triton")
     with pytest.raises(ValueError, match="empty"):
         argmax_rows(torch.zeros(3, 0), backend="triton")
+
+
+def _sampler_inputs(logits, top_p, top_k=None):
+    """values, log_total, top_p and whole as worker/sampler.py's top_p step builds them."""
+    vocab = logits.shape[1]
+    values = logits.topk(min(256, vocab), dim=-1).values
+    log_total = logits.logsumexp(-1, keepdim=True)
+    whole = torch.ones(logits.shape[0], dtype=torch.bool)
+    if top_k is not None:  # rows with top_k on: candidates past k masked, mass over the k
+        for i, k in enumerate(top_k):
+            if k is not None:
+                values[i, k:] = float("-inf")
+                log_total[i] = values[i, :k].logsumexp(-1)
+                whole[i] = False
+    return values, log_total, torch.tensor(top_p).view(-1, 1), whole
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
+@pytest.mark.parametrize("vocab", [5000, 300])
+def test_top_p_threshold_rows_keeps_the_samplers_nucleus(scale, vocab):
+    """The kernel's cutoff against the sampler's own (candidates grown 16x at a time on CPU):
+    flat rows send every top_p < 1 past the 256 candidates (the whole-row bisection), peaked
+    ones stay within them; the vocabulary spans two bisection blocks and a masked tail."""
+    gen = torch.Generator().manual_seed(vocab + int(scale * 100))
+    top_p = [0.5, 0.9, 0.95, 0.99, 0.3, 1.0]
+    logits = torch.randn(len(top_p), vocab, generator=gen) * scale
+    values, log_total, p, whole = _sampler_inputs(logits, top_p)
+    want = _top_p_threshold(logits, values.clone(), log_total,
+                            [SamplingParams(temperature=1.0, top_p=q) for q in top_p])
+    got = top_p_threshold_rows(logits, values, log_total, p, whole, backend="triton")
+    kept_want, kept_got = (logits >= want).sum(-1), (logits >= got).sum(-1)
+    # the same cutoff, but for a float-summation difference at the boundary token
+    assert ((kept_got - kept_want).abs() <= 1).all(), (kept_want, kept_got)
+    assert kept_got[-1] == vocab and torch.isinf(got[-1]).all()  # top_p = 1: everything
+    if scale == 0.01:  # the bisection ran: its cutoff is a logit of the row
+        assert all((logits[i] == got[i]).any() for i in range(len(top_p) - 1))
+    assert torch.equal(top_p_threshold_rows(logits, values, log_total, p, whole), want) or \
+        ((logits >= top_p_threshold_rows(logits, values, log_total, p, whole)).sum(-1)
+         - kept_want).abs().max() <= 1  # the torch path (CPU default) agrees too
+
+
+def test_top_p_threshold_rows_keeps_ties_and_respects_top_k():
+    vocab = 1000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5))
+    logits[0] = 0.0  # all tied, past the candidates: the cutoff is their value, all kept
+    logits[1, :600] = 2.0  # 600 tied at the top hold > 0.5: all 600 kept
+    logits[1, 600:] = logits[1, 600:].clamp(max=1.0)
+    values, log_total, p, whole = _sampler_inputs(logits, [0.5, 0.5, 0.9, 0.9],
+                                                  top_k=[None, None, 5, None])
+    got = top_p_threshold_rows(logits, values, log_total, p, whole, backend="triton")
+    kept = (logits >= got).sum(-1)
+    assert kept[0] == vocab and kept[1] == 600
+    assert 1 <= kept[2] <= 5  # top_k's 5 hold all of row 2's mass: its cutoff is among them
+    assert (logits[2] >= got[2]).sum() == ((values[2, :5] >= got[2]).sum())
+
+
+def test_top_p_threshold_rows_rejects_what_it_cannot_read():
+    with pytest.raises(ValueError, match="fp32 logits"):
+        top_p_threshold_rows(torch.zeros(2, 10, dtype=torch.float64), torch.zeros(2, 3),
+                             torch.zeros(2, 1), torch.ones(2, 1), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="values"):
+        top_p_threshold_rows(torch.zeros(2, 10), torch.zeros(2, 11), torch.zeros(2, 1),
+                             torch.ones(2, 1), torch.ones(2, dtype=torch.bool))

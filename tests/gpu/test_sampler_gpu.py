@@ -10,13 +10,18 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from mxserve.worker import sampler as sampler_mod  # noqa: E402
 from mxserve.worker.request import Request  # noqa: E402
 from mxserve.worker.sampler import Sampler, filter_threshold  # noqa: E402
 from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
 @pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
-def test_top_p_keeps_the_cpu_nucleus(scale):
+def test_top_p_keeps_the_cpu_nucleus(scale, on_device, monkeypatch):
+    """Both CUDA paths: the candidates checked from the host (the default), and the check and
+    whole-row search on the device (sampler.TOP_P_ON_DEVICE)."""
+    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 50000, generator=gen) * scale
     params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.99, 0.3, 1.0)]
