@@ -80,7 +80,8 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 
 BISECT_BLOCK = 4096  # vocabulary entries a program sums at a time in the whole-row search
-KEY_NEG_INF, KEY_POS_INF = -2139095041, 2139095040  # _ordered keys of -inf and +inf
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _ordered keys of -inf and +inf
+KEY_POS_INF = tl.constexpr(2139095040)
 
 
 @triton.jit

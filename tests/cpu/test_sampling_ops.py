@@ -6,6 +6,8 @@ top_k rows)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -110,3 +112,27 @@ def test_top_p_threshold_rows_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="values"):
         top_p_threshold_rows(torch.zeros(2, 10), torch.zeros(2, 11), torch.zeros(2, 1),
                              torch.ones(2, 1), torch.ones(2, dtype=torch.bool))
+
+
+# Compiled in a subprocess (tests/cpu run kernels in the interpreter, which also takes code the
+# compiler refuses, e.g. a plain global read in a kernel): the top_p kernel builds for sm_90.
+COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxserve.kernels import sampling_ops
+
+fn = sampling_ops._top_p_threshold_kernel
+const = dict(BLOCK_C=256, BLOCK=sampling_ops.BISECT_BLOCK)
+sig = {n: "constexpr" if n in const else "*i8" if n == "whole_ptr" else "*fp32"
+       if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 128))
+print("sass" if kernel.asm.get("cubin") else "none")
+"""
+
+
+def test_top_p_kernel_compiles_for_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "sass", run.stderr[-2000:]
