@@ -214,7 +214,6 @@ def test_a_failing_step_fails_its_streams_and_the_engine_serves_on(ckpt):
 
     async def run():
         aengine = AsyncEngine(engine)
-        aengine.start()
         try:
             async def consume(prompt):
                 tokens = []
@@ -225,14 +224,20 @@ def test_a_failing_step_fails_its_streams_and_the_engine_serves_on(ckpt):
                     return e
                 return tokens
 
-            first = await asyncio.gather(*(consume(p) for p in _prompts(3)))
+            # the three are queued before the engine thread starts, so they run together: in a
+            # fresh clone the thread once ran them one after another (the step that raises never
+            # came), the event loop starved while the first request's steps ran
+            streams = [asyncio.create_task(consume(p)) for p in _prompts(3)]
+            await asyncio.sleep(0)  # each task queues its request and waits for outputs
+            aengine.start()
+            first = await asyncio.gather(*streams)
             after = await consume([7, 8, 9])
             return first, after
         finally:
             aengine.shutdown()
 
     first, after = asyncio.run(asyncio.wait_for(run(), 120))
-    assert all(isinstance(r, RuntimeError) and "device fell over" in str(r) for r in first)
+    assert all(isinstance(r, RuntimeError) and "device fell over" in str(r) for r in first), first
     want = _llm(ckpt, False).generate([[7, 8, 9]], params)[0].token_ids
     assert after == want
     assert _all_blocks_free(llm) and engine._inflight is None
