@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
 from engine_gpu import step_bytes  # noqa: E402
-from gpu_timing import graph_us, header, replay_ms  # noqa: E402
+from gpu_timing import drain, graph_us, header, replay_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
@@ -163,13 +162,8 @@ def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
                 for b in range(batch):
                     engine.add_request([(1000 + 7 * b + 131 * rep + i) % 128000
                                         for i in range(128)], greedy)
-                times, tokens = [], []
-                while engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    for o in engine.step():
-                        tokens += o.new_token_ids
-                    times.append(time.perf_counter() - t0)
-                out["engine_step_ms_p50"] = round(statistics.median(times[3:]) * 1e3, 4)
+                times, tokens = drain(engine)
+                out["engine_step_ms_p50"] = round(statistics.median(times[3:]), 4)
             tokens_by[label] = tokens
             graph = runner.graphs.graphs[batch].graph
             out["graph_replay_ms_p50"] = replay_ms(graph, 200)

@@ -1,5 +1,6 @@
-"""Shared by the GPU benches: device time per call inside one CUDA graph, host time spent in a
-wrapped function, and the header every result JSON starts with."""
+"""Shared by the GPU benches: device time per call inside one CUDA graph, an engine's step times
+until it is idle, host time spent in a wrapped function, and the header every result JSON starts
+with."""
 
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ def graph_us(calls, reps: int = 30) -> float:
     """Per-call device time (us) of the no-argument functions `calls`, captured in order into
     one CUDA graph: graph_total_us / len(calls)."""
     return round(graph_total_us(calls, reps) / len(calls), 2)
+
+
+def drain(engine) -> tuple[list[float], list[int]]:
+    """Step `engine` until it has nothing left: each step's wall time (ms) and every token the
+    steps returned, in order."""
+    times, tokens = [], []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        for out in engine.step():
+            tokens += out.new_token_ids
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times, tokens
 
 
 def timed(totals: dict, key: str, fn):

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,7 @@ import triton.language as tl
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
 
-from gpu_timing import graph_total_us, header, replay_times_ms  # noqa: E402
+from gpu_timing import drain, graph_total_us, header, replay_times_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 
@@ -201,13 +200,8 @@ def engine_section() -> list[dict]:
         out = {"policy": name}
         for _ in range(2):  # warm-up, then measured
             engine.add_request([(1000 + i) % 128000 for i in range(128)], greedy)
-            tokens, times = [], []
-            while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                for o in engine.step():
-                    tokens += o.new_token_ids
-                times.append(time.perf_counter() - t0)
-            out["engine_step_ms_p50"] = round(statistics.median(times[2:]) * 1e3, 4)
+            times, tokens = drain(engine)
+            out["engine_step_ms_p50"] = round(statistics.median(times[2:]), 4)
         graph = runner.graphs.graphs[1].graph
         reps = replay_times_ms(graph, 200)
         out["graph_replay_ms_p50"] = round(statistics.median(reps), 4)

@@ -40,7 +40,7 @@ from .mx_linear import (
     MXLinearWeight,
     _format_args,
     _row_words,
-    _tc_pair,
+    _tc_pairs,
     _weight_tile,
     mx_linear_torch,
 )
@@ -120,11 +120,12 @@ def _gemv_kernel(
     k_mask = offs_k < K
     MX_PAIRS: tl.constexpr = MX and S == 16 and NAN_CODE < 0
     if MX_PAIRS:  # words in spread groups of 16: pairs decoded as bf16x2, widened to fp32
-        w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), K // E,
-                                        stride_plane, stride_wn, stride_sn, E, P, BLOCK_K)
-        # p_u [.., K' / E, 2]: elements 2u, 2u + 1 of each word (k order: _x_pairs)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _row_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
-                                                    NAN_SCALES, EPILOGUE, BLOCK_N, INTERP_BF16)
+        # (rows [BLOCK_N] or row pairs [BLOCK_N, 2]: words, and pairs p_u, [*rows.shape, K' / E]
+        # and [.., K' / E, 2]: elements 2u, 2u + 1 of each word, in k order of _x_pairs)
+        w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, rows, N, K // E, stride_plane,
+                                        stride_wn, stride_sn, E, P, BLOCK_K)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
+                                                   NAN_SCALES, INTERP_BF16, True)
     elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
         w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
                          stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
@@ -196,48 +197,10 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _row_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
-              E: tl.constexpr, FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
-              EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 pair U of each word [ROWS, G, 2] (mx_linear._tc_pair), as [BLOCK_N, 2, G, 2] when
-    programs own row pairs."""
-    p = _tc_pair(w0, w1, w2, sw, U, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, True)
-    if EPILOGUE != 0:
-        p = tl.reshape(p, [BLOCK_N, 2, p.shape[1], 2])
-    return p
-
-
-@triton.jit
-def _row_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
-               FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, EPILOGUE: tl.constexpr,
-               BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """The pairs p_u of every word (_row_pair; E = 8 fills the last four with copies)."""
-    p0 = _row_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p1 = _row_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p2 = _row_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p3 = _row_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                   INTERP)
-    p4, p5, p6, p7 = p0, p1, p2, p3
-    if E == 16:
-        p4 = _row_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p5 = _row_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p6 = _row_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-        p7 = _row_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, EPILOGUE, BLOCK_N,
-                       INTERP)
-    return p0, p1, p2, p3, p4, p5, p6, p7
-
-
-@triton.jit
 def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_K] in natural k order -> per pair u (8 results; E = 8 fills the last four with
     copies) [BLOCK_K // E, 2]: x at k = 16 E t + 32 u + 2 jj + h for word j = 16 t + jj, the
-    elements p_u of _row_pair multiply (mx_linear's spread groups of 16)."""
+    elements p_u of mx_linear._tc_pairs multiply (mx_linear's spread groups of 16)."""
     T: tl.constexpr = BLOCK_K // (16 * E)
     G: tl.constexpr = BLOCK_K // E
     if E == 8:  # u = 2 u1 + u0

@@ -279,11 +279,12 @@ def _pair(w0, w1, w2, f1, f2, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
 @triton.jit
 def _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
                  P: tl.constexpr, G: tl.constexpr):
-    """Words [BLOCK_N, G] of word groups j0..j0+G of rows offs_n < N (0 elsewhere; num_words =
-    K // E)."""
+    """Words [*offs_n.shape, G] of word groups j0..j0+G of rows offs_n < N (0 elsewhere;
+    num_words = K // E)."""
     j = j0 + tl.arange(0, G)
-    mask = (offs_n[:, None] < N) & (j[None, :] < num_words)
-    ptrs = planes_ptr + offs_n[:, None] * stride_wn + j[None, :]
+    rows = tl.expand_dims(offs_n, -1)
+    mask = (rows < N) & (j < num_words)
+    ptrs = planes_ptr + rows * stride_wn + j
     w0 = tl.load(ptrs, mask=mask, other=0)
     w1 = w0
     w2 = w0
@@ -513,32 +514,50 @@ def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
     without it the factor is one multiply-add of the byte."""
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
     s = (sw >> (8 * (U % 4))) & 0xFF
-    f1 = (s + (127 - BIAS)) << 7  # 2^(s - bias), see _scale_factors
-    if NAN_SCALES:
-        f1 = tl.where(s == 255, 0x7FC0, f1)
+    if FOLD:  # one factor, 2^(s - bias) (see _scale_factors)
+        first = (s + (127 - BIAS)) << 7
+        if NAN_SCALES:
+            first = tl.where(s == 255, 0x7FC0, first)
+        first = first * 65537
+    else:  # 2^(127 - bias), then 2^(s - 127)
+        first = ((254 - BIAS) << 7) * 65537 + 0 * s
+        second = tl.where(s == 0, 1 << 6, s << 7)
+        if NAN_SCALES:
+            second = tl.where(s == 255, 0x7FC0, second)
+        second = second * 65537
     bits = _placed_bits(w0, w1, w2, 2 * U, EBITS, MBITS, -1, E, 7, True)
     if F32:  # the product's bf16x2 bits, each half widened by one integer op
-        if FOLD:
-            p = _bf16x2_mul_bits(bits, f1 * 65537, INTERP)
-        else:
-            f2 = tl.where(s == 0, 1 << 6, s << 7)
-            if NAN_SCALES:
-                f2 = tl.where(s == 255, 0x7FC0, f2)
-            p = _bf16x2_mul_bits(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
-            p = _bf16x2_mul_bits(p, f2 * 65537, INTERP)
+        p = _bf16x2_mul_bits(bits, first, INTERP)
+        if not FOLD:
+            p = _bf16x2_mul_bits(p, second, INTERP)
         out = tl.join((p << 16).to(tl.float32, bitcast=True),
                       (p & -65536).to(tl.float32, bitcast=True))
     else:
         if FOLD:
-            lo, hi = _bf16x2_mul(bits, f1 * 65537, INTERP)
-        else:  # 2^(127 - bias) then 2^(s - 127)
-            f2 = tl.where(s == 0, 1 << 6, s << 7)
-            if NAN_SCALES:
-                f2 = tl.where(s == 255, 0x7FC0, f2)
-            lo, hi = _bf16x2_mul(bits, ((254 - BIAS) << 7) * 65537 + 0 * s, INTERP)
-            lo, hi = _bf16x2_mul(_bf16x2_bits(lo, hi), f2 * 65537, INTERP)
+            lo, hi = _bf16x2_mul(bits, first, INTERP)
+        else:
+            lo, hi = _bf16x2_mul(_bf16x2_mul_bits(bits, first, INTERP), second, INTERP)
         out = tl.join(lo, hi)
     return out
+
+
+@triton.jit
+def _tc_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
+              FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, INTERP: tl.constexpr,
+              F32: tl.constexpr = False):
+    """Pairs 0..E/2-1 of each word group (_tc_pair; sa holds pairs 0..3's scale bytes, sb
+    4..7's), as 8 results: E = 8 repeats the first four."""
+    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+    p4, p5, p6, p7 = p0, p1, p2, p3
+    if E == 16:
+        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP, F32)
+    return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
@@ -549,45 +568,34 @@ def _decoded_groups(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr
     [BLOCK_N, BLOCK_K // E] of whole spread groups of 16 (each pair decoded in the registers
     that hold its words, joined with no data exchange: _spread_tile4/8); sa, sb: the groups'
     scale words (_tc_scales), broadcastable to the words."""
-    p0 = _tc_pair(w0, w1, w2, sa, 0, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-    p1 = _tc_pair(w0, w1, w2, sa, 1, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-    p2 = _tc_pair(w0, w1, w2, sa, 2, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-    p3 = _tc_pair(w0, w1, w2, sa, 3, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
+                                               NAN_SCALES, INTERP)
     if E == 8:
         w = _spread_tile4(p0, p1, p2, p3, 16, BLOCK_N, BLOCK_K)
     else:
-        p4 = _tc_pair(w0, w1, w2, sb, 4, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-        p5 = _tc_pair(w0, w1, w2, sb, 5, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-        p6 = _tc_pair(w0, w1, w2, sb, 6, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
-        p7 = _tc_pair(w0, w1, w2, sb, 7, EBITS, MBITS, E, FOLD, NAN_SCALES, INTERP)
         w = _spread_tile8(p0, p1, p2, p3, p4, p5, p6, p7, 16, BLOCK_N, BLOCK_K)
     return w
 
 
 @triton.jit
-def _row_words(planes_ptr, scales_ptr, rows, num_words, stride_plane, stride_wn, stride_sn,
+def _row_words(planes_ptr, scales_ptr, rows, N, num_words, stride_plane, stride_wn, stride_sn,
                E: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(w0, w1, w2, sa, sb): the words [len(rows), BLOCK_K // E] of whole rows (0 past K =
+    """(w0, w1, w2, sa, sb): the words [*rows.shape, BLOCK_K // E] of whole rows (0 past K =
     E * num_words) of a weight in spread groups of 16, and the scale words of each word's group
     (_tc_scales, one per word), for kernels that hold whole rows (kernels/gemv.py): every
-    load at once. rows in range; decode with _tc_pair."""
+    load at once. rows < N; decode with _tc_pairs."""
     G: tl.constexpr = BLOCK_K // E  # words a row (BLOCK_K a power of 2 >= E * 16)
+    whole = (num_words // 16) * 16  # (= num_words; so written, the loads are 16-byte vectors)
+    w0, w1, w2 = _load_groups(planes_ptr, rows, 0, N, whole, stride_plane, stride_wn, P, G)
     j = tl.arange(0, G)
-    mask = j[None, :] < (num_words // 16) * 16  # (whole groups: 16-byte loads)
-    ptrs = planes_ptr + rows[:, None] * stride_wn + j[None, :]
-    w0 = tl.load(ptrs, mask=mask, other=0)
-    w1 = w0
-    w2 = w0
-    if P > 1:
-        w1 = tl.load(ptrs + stride_plane, mask=mask, other=0)
-    if P > 2:
-        w2 = tl.load(ptrs + 2 * stride_plane, mask=mask, other=0)
+    mask = j < whole
     blk = (E * 16 * (j // 16)) // 128  # int32 word of the group's first scale byte
-    sw = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
-    sa = tl.load(sw[:, None] + blk[None, :], mask=mask, other=0)
+    sw = tl.expand_dims((scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32),
+                                                          bitcast=True), -1)
+    sa = tl.load(sw + blk, mask=mask, other=0)
     sb = sa
     if E == 16:
-        sb = tl.load(sw[:, None] + blk[None, :] + 1, mask=mask, other=0)
+        sb = tl.load(sw + blk + 1, mask=mask, other=0)
     return w0, w1, w2, sa, sb
 
 
