@@ -61,6 +61,14 @@ VARIANTS = {
     "n128s2p4r96": ((128, 4, 2, 96), 4),
     "n64s3p4r96": ((64, 4, 3, 96), 4),
     "n64s2p8r80": ((64, 4, 2, 80), 8),
+    # with the wgmma chain no longer serialized (tl.assume, tests/cpu/test_wgmma_pipeline.py):
+    # deeper rings and 8-warp tiles
+    "n128s4p4": ((128, 4, 4), 4),
+    "n128s4p2": ((128, 4, 4), 2),
+    "n128w8s3p2": ((128, 8, 3), 2),
+    "n256w8s3p2": ((256, 8, 3), 2),
+    "n256w8s3p1": ((256, 8, 3), 1),
+    "n128w8s4p2": ((128, 8, 4), 2),
 }
 
 

@@ -687,6 +687,10 @@ def _mx_linear_decode_tc_kernel(
     j_hi = tl.minimum(j_lo + words_per_split, num_words)
     sw_ptrs = (scales_ptr + rows * stride_sn).to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # every split holds a group (_launch_decode_tc): declared, the loop has no zero-trip path,
+    # whose zeroed accumulators made ptxas serialize the wgmma chain (tests/cpu/
+    # test_wgmma_pipeline.py)
+    tl.assume(j_lo < j_hi)
     for j0 in range(j_lo, j_hi, S):
         w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
         sa, sb = _tc_scales(sw_ptrs, j0, E)
@@ -848,8 +852,10 @@ def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], 
 
 
 def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
-    """The tensor-core decode kernel applies: bf16 x, spread groups of 16, no NaN codes."""
-    return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3"
+    """The tensor-core decode kernel applies: bf16 x, spread groups of 16 (K > 0), no NaN
+    codes."""
+    return x2.dtype == torch.bfloat16 and w.group == MAX_GROUP and w.fmt != "e4m3" \
+        and w.shape[1] > 0
 
 
 def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):

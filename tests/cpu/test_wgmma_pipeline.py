@@ -1,0 +1,84 @@
+"""The tensor-core kernels keep their wgmma pipeline on Hopper.
+
+Triton issues a tl.dot on sm_90 as a chain of asynchronous wgmma instructions with one group
+left in flight, and ptxas may still serialize them: it waits for every wgmma before the next
+starts when it finds a non-wgmma instruction writing an accumulator register inside a pipeline
+stage, and says so in its log (info C7515, "wgmma.mma_async instructions are serialized"). A
+loop whose trip count may be zero leaves such a write behind: the zero-trip path sets the
+accumulators to the initial zeros. The MX tensor-core decode at its tuned batch-1 tile (128
+rows) was serialized that way until its loop was declared non-empty (tl.assume), and every
+small 64x16x16 wgmma then waited out its own latency.
+
+Each case is compiled here for sm_90 (no GPU needed; in a subprocess, as tests/cpu run kernels
+in the interpreter) with ptxas's log captured, fresh (no cache hit skips ptxas)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r"""
+import contextlib, io, json, os, sys
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas's log on stdout, on every compile
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxserve.kernels import mx_linear as ml, paged_attention as pa
+
+TYPES = {"x_ptr": "*bf16", "planes_ptr": "*i32", "scales_ptr": "*u8", "partial_ptr": "*fp32",
+         "counter_ptr": "*i32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "ctx_lens_ptr": "*i32",
+         "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
+ALIGNED = ("K", "num_words", "words_per_split", "tokens_per_split")  # as launches specialize
+
+def compile_case(fn, const, num_warps, num_stages):
+    sig = {n: "constexpr" if n in const else TYPES.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and (n.endswith("_ptr") or n.startswith("stride") or n in ALIGNED)}
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 128),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+    return {"wgmma": "wgmma.mma_async" in kernel.asm["ptx"],
+            "serialized": [line for line in log.getvalue().splitlines() if "serialized" in line]}
+
+out = {}
+for e, m in ((8, 1), (8, 16), (8, 64), (16, 1), (16, 64)):  # the tuned tiles (_tc_config)
+    (block_n, num_warps, num_stages), _ = ml._tc_config(e, m, 4096, 132)
+    const = dict(EBITS=2, MBITS=1 if e == 8 else 3, E=e, P=1 if e == 8 else 3, FOLD=True,
+                 NAN_SCALES=False, BLOCK_M=max(16, m), BLOCK_N=block_n, SPLIT=True,
+                 HAS_BIAS=False, INTERP_BF16=False)
+    out[f"mx_decode_tc_e{e}_m{m}"] = compile_case(ml._mx_linear_decode_tc_kernel, const,
+                                                  num_warps, num_stages)
+# prefill/extend attention (64-row tiles; decode's 16-row tiles take mma.sync, not wgmma)
+const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=1, IS_DECODE=False, BLOCK_Q=16,
+             BLOCK_G=4, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, STORE_LSE=False, INTERP_BF16=False)
+out["paged_attention_prefill"] = compile_case(pa._paged_attention_kernel, const, 4, 3)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+CASES = ["mx_decode_tc_e8_m1", "mx_decode_tc_e8_m16", "mx_decode_tc_e8_m64", "mx_decode_tc_e16_m1",
+         "mx_decode_tc_e16_m64", "paged_attention_prefill"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_wgmma_chains_are_not_serialized(compiled, case):
+    result = compiled[case]
+    assert result["wgmma"], f"{case}: no wgmma in its sm_90 PTX (the check would be empty)"
+    assert not result["serialized"], f"{case}: {result['serialized']}"
