@@ -149,7 +149,7 @@ def decode_batch1(args, llm, num_tokens: int, async_scheduling: bool = True) -> 
            "engine_step_ms_p90": pct([t * 1e3 for t in times[2:]], 90),
            "num_steps": len(times), "prefill_step_ms": round(times[0] * 1e3, 3)}
     graphs = engine.runner.graphs
-    if graphs is not None and 1 in graphs.graphs:
+    if graphs is not None and graphs.last_size == 1:  # the last step's graph, as it ran
         out["graph_replay_ms_p50"] = replay_ms(graphs.graphs[1].graph, 200)
     return out
 
@@ -335,7 +335,7 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
     rng = np.random.default_rng(5)
     for batch in batches or args.sweep_batches:
         ids = [engine.add_request(rng.integers(10, vocab - 10, 256).tolist(),
-                                  SamplingParams(max_tokens=48, **sampling)) for _ in range(batch)]
+                                  SamplingParams(max_tokens=96, **sampling)) for _ in range(batch)]
         while engine.scheduler.waiting or any(engine.requests[i].num_output_tokens < 4
                                               for i in ids):
             engine.step()
@@ -356,10 +356,11 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
             row[f"{key}engine_step_ms_p50"] = round(statistics.median(times), 3)
             row[f"{key}phase_ms_mean"] = {k: round(v / 20 * 1e3, 3) for k, v in phases.items()}
         graphs = engine.runner.graphs
-        if graphs is not None:
-            size = next(x for x in graphs.sizes if x >= batch)
-            row["graph_size"] = size
-            row["graph_replay_ms_p50"] = replay_ms(graphs.graphs[size].graph, 20)
+        if graphs is not None and graphs.last_size is not None:
+            # the graph the last step replayed, with its inputs: another size would read the
+            # shared token buffer in its own layout (positions where slots were: out of range)
+            row["graph_size"] = graphs.last_size
+            row["graph_replay_ms_p50"] = replay_ms(graphs.graphs[graphs.last_size].graph, 20)
         rows.append(row)
         for i in ids:
             engine.abort(i)

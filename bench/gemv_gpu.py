@@ -165,7 +165,7 @@ def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
                 times, tokens = drain(engine)
                 out["engine_step_ms_p50"] = round(statistics.median(times[3:]), 4)
             tokens_by[label] = tokens
-            graph = runner.graphs.graphs[batch].graph
+            graph = runner.graphs.graphs[runner.graphs.last_size].graph  # the last step's
             out["graph_replay_ms_p50"] = replay_ms(graph, 200)
             out["step_x_roofline"] = round(out["engine_step_ms_p50"] / roofline_ms, 3)
             rows.append(out)

@@ -90,6 +90,10 @@ class DecodeGraphs:
         self._row_version = [0] * n
         self._row_blocks = [0] * n
         self.num_replays = 0  # steps served by a replay (tests, stats)
+        # The size whose graph the latest step replayed (None: that step ran eagerly). Graphs of
+        # different sizes lay out the shared token buffer differently (tokens(size)), so only
+        # this graph may be replayed again as it is, with that step's inputs (bench/).
+        self.last_size: int | None = None
         self.capture_seconds = 0.0
 
     def tokens(self, size: int) -> torch.Tensor:
@@ -150,6 +154,7 @@ class DecodeGraphs:
         graph = self.graphs[size]
         graph.graph.replay()
         self.num_replays += 1
+        self.last_size = size
         logits, hidden = graph.logits[:batch], graph.hidden[:batch]
         rows = [i for i, s in enumerate(plan.scheduled) if s.samples]
         if len(rows) == batch:

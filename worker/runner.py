@@ -128,9 +128,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        if self.graphs is not None and self.graphs.can_run(plan):
-            logits, hidden = self.graphs.run(plan)
-            return StepResult(logits=logits, hidden_states=hidden)
+        if self.graphs is not None:
+            if self.graphs.can_run(plan):
+                logits, hidden = self.graphs.run(plan)
+                return StepResult(logits=logits, hidden_states=hidden)
+            self.graphs.last_size = None
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         meta = self.attn.build_metadata(AttentionBatch(
             query_lens=[s.num_new_tokens for s in plan.scheduled],

@@ -112,3 +112,34 @@ def test_async_scheduling_gives_the_synchronous_tokens(path, options):
             assert g.keys() == w.keys() and all(abs(g[k] - w[k]) < 1e-4 for k in g)
     assert outs[True][0][1] == "stop" and outs[True][0][0] == free_run[:free_run.index(
         free_run[5]) + 1]
+
+
+def test_the_last_steps_graph_replays_that_step(path):
+    """DecodeGraphs.last_size names the graph the latest step replayed (None after an eager
+    step). Replayed again as it is, it recomputes that step's logits: its inputs are in the token
+    buffer in its own layout. (Graphs of other sizes read that buffer in theirs: engine_gpu's
+    sweep replayed the graph of the batch it started with after requests had ended, read slots
+    as positions and faulted with an illegal address.)"""
+    llm = LLM(model=path, device="cuda", dtype="float32", load_progress=False, max_num_seqs=13,
+              async_scheduling=False)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    for p, sp in zip(_prompts(7), _params(7)):  # 20, 23, ... tokens: the batch shrinks
+        engine.add_request(p, sp)
+    engine.step()  # the prefill: eager
+    assert graphs.last_size is None
+    seen = set()
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        if plan.is_empty:
+            break
+        result = engine._run_model(plan, None)
+        engine._complete(engine._sample(plan, result))
+        size = graphs.last_size
+        assert size == next(s for s in graphs.sizes if s >= len(plan.scheduled))
+        logits = result.logits.clone()
+        graphs.graphs[size].graph.replay()
+        torch.cuda.synchronize()
+        again = graphs.graphs[size].logits[:len(plan.scheduled)]
+        assert torch.equal(again, logits)
+        seen.add(size)
+    assert len(seen) >= 3  # 8 (7 rows), 4, 2, 1 as requests end
