@@ -74,8 +74,11 @@ VARIANTS = {
 
 @triton.jit
 def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, stride_plane,
-                       stride_wn, P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """XOR of the words each decode program would load (spread groups of 16, P planes)."""
+                       stride_wn, P: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
+    """XOR of the words each decode program would load (spread groups of 16, P planes).
+    TILED: the same words as if stored tile-major, each [BLOCK_N, 16] step one contiguous run
+    and a program's steps one after another (a layout the kernels do not have yet: its load
+    ceiling; N a multiple of BLOCK_N)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_lo = pid_k * words_per_split
@@ -84,6 +87,9 @@ def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, strid
     for j0 in range(j_lo, j_hi, 16):
         j = j0 + tl.arange(0, 16)
         ptrs = planes_ptr + offs_n[:, None] * stride_wn + j[None, :]
+        if TILED:  # tile pid_n's group j0 // 16: BLOCK_N * 16 words from (pid_n * G + j0 / 16)
+            ptrs = planes_ptr + (pid_n * num_words + j0) * BLOCK_N \
+                + tl.arange(0, BLOCK_N)[:, None] * 16 + tl.arange(0, 16)[None, :]
         mask = (offs_n[:, None] < N) & (j[None, :] < j_hi)
         acc ^= tl.load(ptrs, mask=mask, other=0)
         if P > 1:
@@ -93,7 +99,7 @@ def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, strid
     tl.atomic_xor(out_ptr + offs_n, tl.xor_sum(acc, axis=1), mask=offs_n < N)
 
 
-def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm):
+def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm, tiled=False):
     n, k = w.shape
     e, p = _PLANES[{"e2m1": 4, "e2m3": 6, "e3m2": 6}[w.fmt]]
     tiles = triton.cdiv(n, block_n)
@@ -104,7 +110,7 @@ def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm):
     split_k = triton.cdiv(k // e, words_per_split)
     _load_probe_kernel[(tiles, split_k)](w.planes, out, n, k // e, words_per_split,
                                          w.planes.stride(0), w.planes.stride(1), P=p,
-                                         BLOCK_N=block_n, num_warps=num_warps,
+                                         BLOCK_N=block_n, TILED=tiled, num_warps=num_warps,
                                          num_stages=num_stages)
 
 
@@ -144,12 +150,19 @@ def main() -> None:
             deq = dequantize_mx(q, torch.float32)
             mbytes = wq.planes.numel() * 4 + wq.scales.numel()
             sink = torch.zeros(n, dtype=torch.int32, device="cuda")
-            probes = [] if args.no_load_probe else [((64, 4, 1), 4), ((64, 4, 3), 4),
-                                                     ((64, 4, 1), 8), ((128, 8, 3), 4)]
-            for cfg, pps in probes:
-                t = us(lambda cfg=cfg, pps=pps, wq=wq, sink=sink: load_probe(wq, sink, *cfg, pps))
-                record(N=n, K=k, fmt=fmt, M=0, var=f"load{cfg[0]}w{cfg[1]}s{cfg[2]}p{pps}", us=t,
-                       tbs=mbytes / t / 1e6)
+            probes = [] if args.no_load_probe else [
+                ((64, 4, 3), 4, False), ((64, 4, 1), 8, False), ((128, 4, 3), 4, False),
+                ((64, 4, 3), 4, True), ((64, 4, 1), 8, True), ((128, 4, 3), 4, True)]
+            pcopies = [wq] + ([prepare_mx_weight(q) for _ in range(int(120e6 // mbytes))]
+                              if args.past_l2 else [])
+            for cfg, pps, tiled in probes:
+                def fn(cfg=cfg, pps=pps, tiled=tiled, ws=pcopies, sink=sink):
+                    for w_i in ws:
+                        load_probe(w_i, sink, *cfg, pps, tiled)
+                t = us(fn) / len(pcopies)
+                record(N=n, K=k, fmt=fmt, M=0, var=f"{'t' if tiled else ''}load{cfg[0]}w{cfg[1]}"
+                       f"s{cfg[2]}p{pps}", us=t, tbs=mbytes / t / 1e6)
+            del pcopies
             for m in [int(v) for v in args.ms.split(",")]:
                 if time.time() - t0 > args.budget:
                     break

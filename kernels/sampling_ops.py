@@ -11,9 +11,12 @@ way.
 
 top_p_threshold_rows: the sampler finds top_p's cutoff among a row's 256 largest logits, and
 must look further when they hold less than top_p of the mass; asking whether they do makes the
-host wait for the device every step (worker/sampler.py). Here one program a row decides on the
-device: the candidates' cutoff when they hold the mass, else an exact search of the whole row
-(bisection over the logits' ordered float bits, each step summing the mass at or above a pivot).
+host wait for the device every step (worker/sampler.py). Here the device decides: one program a
+row takes the candidates' cutoff when they hold the mass, else an exact search of the whole row
+runs, a radix select over the logits' ordered float bits (RADIX_BITS a level, each level one
+launch with the row split over many programs, each summing its chunk's mass per bucket). A first
+version searched a row in one program (a 33-step bisection, each step a pass over the row): 1.8
+ms of GPU time for one flat 128k row on the H200 (bench/results/engine_gpu.sweep_last_size.md).
 """
 
 from __future__ import annotations
@@ -79,9 +82,17 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return out
 
 
-BISECT_BLOCK = 4096  # vocabulary entries a program sums at a time in the whole-row search
-KEY_NEG_INF = tl.constexpr(-2139095041)  # _ordered keys of -inf and +inf
-KEY_POS_INF = tl.constexpr(2139095040)
+# The whole-row search: a radix select over the logits' ordered float keys, RADIX_BITS a level
+# from the top (RADIX_LEVELS levels cover 32 bits). A level is one launch over the row in
+# RADIX_BLOCK chunks, one program each: every program sums the mass of its chunk's keys in each
+# of the RADIX_BINS buckets under the prefix chosen so far, into its own slot (no atomics: the
+# sums are read in a fixed order, so the cutoff is deterministic); the next level's programs
+# each read the partials back and pick the bucket where the mass from the top crosses top_p.
+RADIX_BITS = 4
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_LEVELS = 32 // RADIX_BITS
+RADIX_BLOCK = 1024
+SEARCH_ALL = tl.constexpr(-1)  # prefix state: the row's float mass never reaches top_p: keep all
 
 
 @triton.jit
@@ -92,46 +103,112 @@ def _ordered(bits):
 
 
 @triton.jit
-def _top_p_threshold_kernel(
-    logits_ptr, values_ptr, log_total_ptr, top_p_ptr, whole_ptr, out_ptr,
-    V, C, stride_l, stride_v, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
+def _top_p_candidates_kernel(
+    values_ptr, log_total_ptr, top_p_ptr, whole_ptr, out_ptr, need_ptr, target_ptr,
+    C, stride_v, BLOCK_C: tl.constexpr,
 ):
     """out[row]: the largest logit t with mass(logits >= t) >= top_p (every token at or above it
     survives), from values = the row's C largest logits in descending order; -inf when top_p >=
-    1 or nothing reaches top_p. whole: the row's mass is the whole row's (top_k off); else the
-    candidates hold all of it and their cutoff stands."""
+    1. need[row]: the candidates fall short of top_p and the row's mass is the whole row's (top_k
+    off, `whole`): the search below replaces out[row]; target[row] = top_p, what it must find."""
     row = tl.program_id(0).to(tl.int64)
     top_p = tl.load(top_p_ptr + row)
-    log_total = tl.load(log_total_ptr + row)
     offs_c = tl.arange(0, BLOCK_C)
     vals = tl.load(values_ptr + row * stride_v + offs_c, mask=offs_c < C, other=float("-inf"))
-    probs = tl.exp(vals - log_total)
+    probs = tl.exp(vals - tl.load(log_total_ptr + row))
     mass = tl.cumsum(probs, 0)
     keep = tl.sum(((mass - probs < top_p) & (offs_c < C)).to(tl.int32), 0)  # >= 1
     out = tl.sum(tl.where(offs_c == keep - 1, vals, 0.0), 0)  # vals[keep - 1]
-    if (tl.sum(probs, 0) < top_p) & (tl.load(whole_ptr + row) != 0):
-        # the cutoff lies past the candidates: bisect over the ordered keys, keeping
-        # mass(>= hi) < top_p (and mass(>= lo) >= top_p, unless the row's float sum never
-        # reaches it: then lo stays -inf, all kept); adjacent keys end it, lo is then a logit
-        offs = tl.arange(0, BLOCK)
-        lo = tl.full((), KEY_NEG_INF, tl.int64)
-        hi = tl.full((), KEY_POS_INF, tl.int64)
-        for _ in range(33):  # the keys of the non-NaN floats span < 2^32
-            if hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                pivot = _ordered(mid.to(tl.int32)).to(tl.float32, bitcast=True)
-                m = tl.zeros((BLOCK,), tl.float32)
-                for start in range(0, V, BLOCK):
-                    x = tl.load(logits_ptr + row * stride_l + start + offs,
-                                mask=start + offs < V, other=float("-inf"))
-                    m += tl.where(x >= pivot, tl.exp(x - log_total), 0.0)
-                if tl.sum(m, 0) >= top_p:
-                    lo = mid
-                else:
-                    hi = mid
-        out = _ordered(lo.to(tl.int32)).to(tl.float32, bitcast=True)
-    out = tl.where(top_p >= 1.0, float("-inf"), out)
-    tl.store(out_ptr + row, out)
+    need = (tl.sum(probs, 0) < top_p) & (tl.load(whole_ptr + row) != 0) & (top_p < 1.0)
+    tl.store(out_ptr + row, tl.where(top_p >= 1.0, float("-inf"), out))
+    tl.store(need_ptr + row, need.to(tl.int32))
+    tl.store(target_ptr + row, top_p)
+
+
+@triton.jit
+def _pick_bucket(part_ptr, prefix_ptr, target_ptr, row, NUM_CHUNKS, BITS: tl.constexpr,
+                 FIRST: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(prefix, target) after the level whose partials [R, NUM_CHUNKS, BINS] part_ptr holds:
+    the bucket b (from the top) where the mass at or above it first reaches the target, so the
+    cutoff key lies in it; target less the mass of the buckets above. When no bucket reaches it
+    (float sums: the row's mass short of top_p), the lowest bucket with mass, keeping all of it
+    (at the first level: SEARCH_ALL). The last level's prefix is the whole key (int32 bits of
+    the unsigned order)."""
+    BINS: tl.constexpr = 1 << BITS
+    prefix = tl.load(prefix_ptr + row)
+    target = tl.load(target_ptr + row)
+    c = tl.arange(0, BLOCK_C)
+    b = tl.arange(0, BINS)
+    part = tl.load(part_ptr + (row * NUM_CHUNKS + c[:, None]) * BINS + b[None, :],
+                   mask=c[:, None] < NUM_CHUNKS, other=0.0)
+    h = tl.sum(part, 0)  # [BINS], chunks in a fixed order
+    at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # mass in buckets >= b
+    reach = tl.sum((at_or_above >= target).to(tl.int32), 0)  # buckets 0 .. reach - 1 reach it
+    lowest = tl.min(tl.where(h > 0, b, BINS), 0)
+    pick = tl.where(reach > 0, reach - 1, tl.where(lowest < BINS, lowest, 0))
+    above = tl.sum(tl.where(b == pick, at_or_above - h, 0.0), 0)
+    new_prefix = tl.where(prefix == SEARCH_ALL, SEARCH_ALL, (prefix << BITS) | pick)
+    if FIRST:  # the whole row's float mass short of top_p: keep it all
+        new_prefix = tl.where(reach > 0, new_prefix, SEARCH_ALL)
+    return new_prefix, target - above
+
+
+@triton.jit
+def _top_p_level_kernel(
+    logits_ptr, log_total_ptr, need_ptr, prefix_ptr, target_ptr, part_ptr,
+    R, V, stride_l, NUM_CHUNKS, LEVEL: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One level of the whole-row search for rows that need it: pick the previous level's
+    bucket (every program alike; chunk 0 stores the state), then sum this chunk's mass per
+    bucket of the next BITS key bits under that prefix. State [2, R] and partials [2, R,
+    NUM_CHUNKS, BINS], a level in slot LEVEL % 2 (level 0's state: prefix 0, target top_p)."""
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if tl.load(need_ptr + row) == 0:
+        return
+    BINS: tl.constexpr = 1 << BITS
+    SLOT: tl.constexpr = LEVEL % 2
+    PREV: tl.constexpr = 1 - SLOT
+    if LEVEL == 0:
+        prefix = tl.load(prefix_ptr + row)
+    else:
+        prefix, target = _pick_bucket(part_ptr + PREV * R * NUM_CHUNKS * BINS,
+                                      prefix_ptr + PREV * R, target_ptr + PREV * R, row,
+                                      NUM_CHUNKS, BITS, LEVEL == 1, BLOCK_C)
+        if chunk == 0:
+            tl.store(prefix_ptr + SLOT * R + row, prefix)
+            tl.store(target_ptr + SLOT * R + row, target)
+    if prefix != SEARCH_ALL:
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < V, other=float("-inf"))
+        key = _ordered(x.to(tl.int32, bitcast=True)) ^ -2147483648  # unsigned order, as int32
+        SHIFT: tl.constexpr = 32 - BITS * (LEVEL + 1)
+        mine = (x > float("-inf")) & (offs < V)
+        if LEVEL > 0:  # keys under the prefix: bits above SHIFT + BITS equal to it
+            mine = mine & (((key >> (SHIFT + BITS)) & ((1 << (BITS * LEVEL)) - 1)) == prefix)
+        bucket = (key >> SHIFT) & (BINS - 1)
+        mass = tl.where(mine, tl.exp(x - tl.load(log_total_ptr + row)), 0.0)
+        b = tl.arange(0, BINS)
+        h = tl.sum(tl.where(bucket[:, None] == b[None, :], mass[:, None], 0.0), 0)
+        tl.store(part_ptr + ((SLOT * R + row) * NUM_CHUNKS + chunk) * BINS + b, h)
+
+
+@triton.jit
+def _top_p_finish_kernel(
+    need_ptr, prefix_ptr, target_ptr, part_ptr, out_ptr, R, NUM_CHUNKS,
+    LEVELS: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[row] for searched rows: the last level's bucket completes the key, a logit of the
+    row (-inf when the row's float mass never reached top_p: all kept)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(need_ptr + row) != 0:
+        BINS: tl.constexpr = 1 << BITS
+        SLOT: tl.constexpr = (LEVELS - 1) % 2
+        key, _ = _pick_bucket(part_ptr + SLOT * R * NUM_CHUNKS * BINS, prefix_ptr + SLOT * R,
+                              target_ptr + SLOT * R, row, NUM_CHUNKS, BITS, LEVELS == 1,
+                              BLOCK_C)
+        cut = _ordered(key ^ -2147483648).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + row, tl.where(key == SEARCH_ALL, float("-inf"), cut))
 
 
 def top_p_threshold_rows(logits: torch.Tensor, values: torch.Tensor, log_total: torch.Tensor,
@@ -142,7 +219,8 @@ def top_p_threshold_rows(logits: torch.Tensor, values: torch.Tensor, log_total: 
     values [R, C]: each row's C largest logits, descending (beyond top_k: -inf); log_total
     [R, 1]: the log of the softmax denominator; top_p [R, 1] fp32; whole [R] bool: the mass is
     the whole row's (top_k off), so the cutoff may lie past the candidates. Nothing here waits
-    for the device. backend "auto": Triton on CUDA, else the same rule in torch (a full sort)."""
+    for the device: rows the candidates serve skip the search's launches at once. backend
+    "auto": Triton on CUDA, else the same rule in torch (a full sort)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or values.dim() != 2 \
             or values.shape[0] != rows or not 0 < values.shape[1] <= vocab:
@@ -151,14 +229,28 @@ def top_p_threshold_rows(logits: torch.Tensor, values: torch.Tensor, log_total: 
                          f"values {tuple(values.shape)}")
     if not _use_triton(backend, logits):
         return _top_p_threshold_torch(logits, values, log_total, top_p, whole)
-    out = torch.empty(rows, 1, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    out = torch.empty(rows, 1, dtype=torch.float32, device=dev)
     if rows == 0:
         return out
     values = values.contiguous()
-    _top_p_threshold_kernel[(rows,)](
-        logits, values, log_total.float().contiguous(), top_p.float().contiguous(),
-        whole.to(torch.int8).contiguous(), out, vocab, values.shape[1], logits.stride(0),
-        values.stride(0), BLOCK_C=triton.next_power_of_2(values.shape[1]), BLOCK=BISECT_BLOCK)
+    log_total = log_total.float().contiguous()
+    chunks = triton.cdiv(vocab, RADIX_BLOCK)
+    need = torch.empty(rows, dtype=torch.int32, device=dev)
+    prefix = torch.zeros(2, rows, dtype=torch.int32, device=dev)  # (level parity, row)
+    target = torch.empty(2, rows, dtype=torch.float32, device=dev)
+    part = torch.empty(2, rows, chunks, RADIX_BINS, dtype=torch.float32, device=dev)
+    _top_p_candidates_kernel[(rows,)](
+        values, log_total, top_p.float().contiguous(), whole.to(torch.int8).contiguous(), out,
+        need, target, values.shape[1], values.stride(0),
+        BLOCK_C=triton.next_power_of_2(values.shape[1]))
+    block_c = triton.next_power_of_2(chunks)
+    for level in range(RADIX_LEVELS):
+        _top_p_level_kernel[(rows, chunks)](
+            logits, log_total, need, prefix, target, part, rows, vocab, logits.stride(0), chunks,
+            LEVEL=level, BITS=RADIX_BITS, BLOCK=RADIX_BLOCK, BLOCK_C=block_c)
+    _top_p_finish_kernel[(rows,)](need, prefix, target, part, out, rows, chunks,
+                                  LEVELS=RADIX_LEVELS, BITS=RADIX_BITS, BLOCK_C=block_c)
     return out
 
 

@@ -70,8 +70,8 @@ def _sampler_inputs(logits, top_p, top_k=None):
 @pytest.mark.parametrize("vocab", [5000, 300])
 def test_top_p_threshold_rows_keeps_the_samplers_nucleus(scale, vocab):
     """The kernel's cutoff against the sampler's own (candidates grown 16x at a time on CPU):
-    flat rows send every top_p < 1 past the 256 candidates (the whole-row bisection), peaked
-    ones stay within them; the vocabulary spans two bisection blocks and a masked tail."""
+    flat rows send every top_p < 1 past the 256 candidates (the whole-row search), peaked
+    ones stay within them; the vocabulary spans several search chunks and a masked tail."""
     gen = torch.Generator().manual_seed(vocab + int(scale * 100))
     top_p = [0.5, 0.9, 0.95, 0.99, 0.3, 1.0]
     logits = torch.randn(len(top_p), vocab, generator=gen) * scale
@@ -83,7 +83,7 @@ def test_top_p_threshold_rows_keeps_the_samplers_nucleus(scale, vocab):
     # the same cutoff, but for a float-summation difference at the boundary token
     assert ((kept_got - kept_want).abs() <= 1).all(), (kept_want, kept_got)
     assert kept_got[-1] == vocab and torch.isinf(got[-1]).all()  # top_p = 1: everything
-    if scale == 0.01:  # the bisection ran: its cutoff is a logit of the row
+    if scale == 0.01:  # the search ran: its cutoff is a logit of the row
         assert all((logits[i] == got[i]).any() for i in range(len(top_p) - 1))
     assert torch.equal(top_p_threshold_rows(logits, values, log_total, p, whole), want) or \
         ((logits >= top_p_threshold_rows(logits, values, log_total, p, whole)).sum(-1)
@@ -115,19 +115,24 @@ def test_top_p_threshold_rows_rejects_what_it_cannot_read():
 
 
 # Compiled in a subprocess (tests/cpu run kernels in the interpreter, which also takes code the
-# compiler refuses, e.g. a plain global read in a kernel): the top_p kernel builds for sm_90.
+# compiler refuses, e.g. a plain global read in a kernel): the top_p kernels build for sm_90.
 COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mxserve.kernels import sampling_ops
 
-fn = sampling_ops._top_p_threshold_kernel
-const = dict(BLOCK_C=256, BLOCK=sampling_ops.BISECT_BLOCK)
-sig = {n: "constexpr" if n in const else "*i8" if n == "whole_ptr" else "*fp32"
-       if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 128))
-print("sass" if kernel.asm.get("cubin") else "none")
+I32 = ("need_ptr", "prefix_ptr")
+kernels = [(sampling_ops._top_p_candidates_kernel, dict(BLOCK_C=256)),
+           (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128)),
+           (sampling_ops._top_p_finish_kernel, dict(LEVELS=8, BITS=4, BLOCK_C=128))]
+for fn, const in kernels:
+    sig = {n: "constexpr" if n in const else "*i8" if n == "whole_ptr" else "*i32" if n in I32
+           else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const),
+                            target=GPUTarget("cuda", 90, 128))
+    assert kernel.asm.get("cubin")
+print("sass")
 """
 
 
