@@ -27,7 +27,8 @@ order, each written to the JSON as soon as it ends (a failing one records its er
   prompts (bf16, so they may part after a near-tie).
 - decode sweep (bf16): steady decode steps at batch 1 .. 512 (256-token prompts): engine step
   wall time with async scheduling on and off (then again at a few batch sizes with temperature
-  0.7 and top_p 0.9, whose sampler waits for the GPU), and the GPU time of the graph replayed
+  0.7 and top_p 0.9, then top_p with its cutoff checked from the host, which waits for the GPU),
+  and the GPU time of the graph replayed
   with that step's inputs (host overhead = the difference). The mix also records the wall time
   inside each part of engine.step().
 - prefix caching (bf16): a shared 2048-token system prompt, 64 conversations x 4 turns, each turn
@@ -67,7 +68,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"batch1_vs_roofline_max": 1.5, "mxfp4_vs_bf16_batch1_min": 2.5,
            "mix_vs_hf_min": 20.0, "prefix_on_vs_off_min": 3.0}
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-TOP_P = dict(temperature=0.7, top_p=0.9, ignore_eos=True)  # its sampler waits for the GPU
+TOP_P = dict(temperature=0.7, top_p=0.9, ignore_eos=True)
 
 
 # ---- small helpers ---------------------------------------------------------------------------
@@ -367,12 +368,13 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
     return {"rows": rows}
 
 
-def top_p_on_device_sweep(args, llm) -> dict:
-    """The top_p sweep again with top_p's candidate check and whole-row search on the device
-    (worker/sampler.py TOP_P_ON_DEVICE): no host wait in the sampler."""
+def top_p_host_sweep(args, llm) -> dict:
+    """The top_p sweep again with top_p's cutoff checked from the host (worker/sampler.py
+    TOP_P_ON_DEVICE off: the sampler waits for the device each step), the baseline of the
+    default, decided on the device."""
     from mxserve.worker import sampler
 
-    keep, sampler.TOP_P_ON_DEVICE = sampler.TOP_P_ON_DEVICE, True
+    keep, sampler.TOP_P_ON_DEVICE = sampler.TOP_P_ON_DEVICE, False
     try:
         return decode_sweep(args, llm, TOP_P, args.top_p_batches)
     finally:
@@ -621,8 +623,8 @@ def markdown(d: dict) -> str:
                       f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
     for key, what in (("1b_decode_sweep", "greedy"),
                       ("1b_decode_sweep_top_p", "temperature 0.7, top_p 0.9"),
-                      ("1b_decode_sweep_top_p_on_device",
-                       "temperature 0.7, top_p 0.9, cutoff decided on the device")):
+                      ("1b_decode_sweep_top_p_host",
+                       "temperature 0.7, top_p 0.9, cutoff checked from the host")):
         if not s.get(key):
             continue
         lines += ["", f"Decode sweep ({what}):", "", "| decode batch | engine step ms, async | "
@@ -727,7 +729,7 @@ def main() -> None:
             report.run("1b_decode_sweep", decode_sweep, args, llm)
             report.run("1b_decode_sweep_top_p", decode_sweep, args, llm, TOP_P,
                        args.top_p_batches)
-            report.run("1b_decode_sweep_top_p_on_device", top_p_on_device_sweep, args, llm)
+            report.run("1b_decode_sweep_top_p_host", top_p_host_sweep, args, llm)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)
             report.run("1b_prefix_fp32", prefix_fp32_check, args, shape)

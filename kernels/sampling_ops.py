@@ -155,22 +155,40 @@ def _pick_bucket(part_ptr, prefix_ptr, target_ptr, row, NUM_CHUNKS, BITS: tl.con
 
 @triton.jit
 def _top_p_level_kernel(
-    logits_ptr, log_total_ptr, need_ptr, prefix_ptr, target_ptr, part_ptr,
+    logits_ptr, log_total_ptr, need_ptr, prefix_ptr, target_ptr, part_ptr, top_p_ptr, stats_ptr,
     R, V, stride_l, NUM_CHUNKS, LEVEL: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, FROM_TOP_P: tl.constexpr,
 ):
     """One level of the whole-row search for rows that need it: pick the previous level's
     bucket (every program alike; chunk 0 stores the state), then sum this chunk's mass per
     bucket of the next BITS key bits under that prefix. State [2, R] and partials [2, R,
-    NUM_CHUNKS, BINS], a level in slot LEVEL % 2 (level 0's state: prefix 0, target top_p)."""
+    NUM_CHUNKS, BINS], a level in slot LEVEL % 2 (level 0's state: prefix 0, target top_p).
+    FROM_TOP_P (level 0 of top_p_search_rows): every row with top_p < 1 is searched, over the
+    whole row; its log_total comes from _row_stats_kernel's chunk partials [R, NUM_CHUNKS, 2],
+    and chunk 0 stores it with need and level 0's state for the levels after."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if tl.load(need_ptr + row) == 0:
+    if FROM_TOP_P:
+        top_p = tl.load(top_p_ptr + row)
+        c = tl.arange(0, BLOCK_C)
+        cmax = tl.load(stats_ptr + (row * NUM_CHUNKS + c) * 2, mask=c < NUM_CHUNKS,
+                       other=float("-inf"))
+        csum = tl.load(stats_ptr + (row * NUM_CHUNKS + c) * 2 + 1, mask=c < NUM_CHUNKS, other=0.0)
+        big = tl.max(cmax, 0)
+        log_total = big + tl.log(tl.sum(csum * tl.exp(cmax - big), 0))
+        if chunk == 0:
+            tl.store(need_ptr + row, (top_p < 1.0).to(tl.int32))
+            tl.store(log_total_ptr + row, log_total)
+            tl.store(prefix_ptr + row, 0)
+            tl.store(target_ptr + row, top_p)
+        if top_p >= 1.0:
+            return
+    elif tl.load(need_ptr + row) == 0:
         return
     BINS: tl.constexpr = 1 << BITS
     SLOT: tl.constexpr = LEVEL % 2
     PREV: tl.constexpr = 1 - SLOT
     if LEVEL == 0:
-        prefix = tl.load(prefix_ptr + row)
+        prefix = 0
     else:
         prefix, target = _pick_bucket(part_ptr + PREV * R * NUM_CHUNKS * BINS,
                                       prefix_ptr + PREV * R, target_ptr + PREV * R, row,
@@ -187,7 +205,9 @@ def _top_p_level_kernel(
         if LEVEL > 0:  # keys under the prefix: bits above SHIFT + BITS equal to it
             mine = mine & (((key >> (SHIFT + BITS)) & ((1 << (BITS * LEVEL)) - 1)) == prefix)
         bucket = (key >> SHIFT) & (BINS - 1)
-        mass = tl.where(mine, tl.exp(x - tl.load(log_total_ptr + row)), 0.0)
+        if not FROM_TOP_P:
+            log_total = tl.load(log_total_ptr + row)
+        mass = tl.where(mine, tl.exp(x - log_total), 0.0)
         b = tl.arange(0, BINS)
         h = tl.sum(tl.where(bucket[:, None] == b[None, :], mass[:, None], 0.0), 0)
         tl.store(part_ptr + ((SLOT * R + row) * NUM_CHUNKS + chunk) * BINS + b, h)
@@ -244,13 +264,69 @@ def top_p_threshold_rows(logits: torch.Tensor, values: torch.Tensor, log_total: 
         values, log_total, top_p.float().contiguous(), whole.to(torch.int8).contiguous(), out,
         need, target, values.shape[1], values.stride(0),
         BLOCK_C=triton.next_power_of_2(values.shape[1]))
+    _radix_search(logits, log_total, need, prefix, target, part, out, None, None)
+    return out
+
+
+def _radix_search(logits, log_total, need, prefix, target, part, out, top_p, stats) -> None:
+    """The whole-row search's launches (top_p and stats: level 0 starts from them, FROM_TOP_P)."""
+    rows, vocab = logits.shape
+    chunks = part.shape[2]
     block_c = triton.next_power_of_2(chunks)
     for level in range(RADIX_LEVELS):
+        from_top_p = level == 0 and top_p is not None
         _top_p_level_kernel[(rows, chunks)](
-            logits, log_total, need, prefix, target, part, rows, vocab, logits.stride(0), chunks,
-            LEVEL=level, BITS=RADIX_BITS, BLOCK=RADIX_BLOCK, BLOCK_C=block_c)
+            logits, log_total, need, prefix, target, part, top_p if from_top_p else log_total,
+            stats if from_top_p else log_total, rows, vocab, logits.stride(0), chunks,
+            LEVEL=level, BITS=RADIX_BITS, BLOCK=RADIX_BLOCK, BLOCK_C=block_c,
+            FROM_TOP_P=from_top_p)
     _top_p_finish_kernel[(rows,)](need, prefix, target, part, out, rows, chunks,
                                   LEVELS=RADIX_LEVELS, BITS=RADIX_BITS, BLOCK_C=block_c)
+
+
+@triton.jit
+def _row_stats_kernel(logits_ptr, stats_ptr, V, stride_l, NUM_CHUNKS, BLOCK: tl.constexpr):
+    """stats[row, chunk] = (max, sum of exp(x - max)) of the chunk's logits."""
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < V, other=float("-inf"))
+    big = tl.max(x, 0)
+    total = tl.sum(tl.exp(x - tl.where(big > float("-inf"), big, 0.0)), 0)  # (-inf - -inf: NaN)
+    tl.store(stats_ptr + (row * NUM_CHUNKS + chunk) * 2, big)
+    tl.store(stats_ptr + (row * NUM_CHUNKS + chunk) * 2 + 1, total)
+
+
+def top_p_search_rows(logits: torch.Tensor, top_p: torch.Tensor, *,
+                      backend: str = "auto") -> torch.Tensor:
+    """top_p's logit cutoff [R, 1] over whole rows (top_k off): as top_p_threshold_rows, with
+    the softmax denominator taken here and no candidates; every row with top_p < 1 is searched
+    (-inf where top_p >= 1). 10 launches, nothing before them: no topk, no logsumexp (~90 host
+    launches a top_p sampler call at batch 1 before, ~1.1 ms of host time on the H200:
+    bench/results/sampler_probe.json)."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or vocab == 0:
+        raise ValueError(f"top_p_search_rows: need fp32 logits [R, V > 0] with contiguous rows; "
+                         f"got {logits.dtype} {tuple(logits.shape)}")
+    if not _use_triton(backend, logits):
+        log_total = logits.logsumexp(-1, keepdim=True)
+        whole = torch.ones(rows, dtype=torch.bool, device=logits.device)
+        return _top_p_threshold_torch(logits, logits.amax(-1, keepdim=True), log_total, top_p,
+                                      whole)  # the largest logit as the one candidate
+    dev = logits.device
+    out = torch.empty(rows, 1, dtype=torch.float32, device=dev)
+    if rows == 0:
+        return out
+    chunks = triton.cdiv(vocab, RADIX_BLOCK)
+    f32 = dict(dtype=torch.float32, device=dev)
+    stats = torch.empty(rows, chunks, 2, **f32)
+    _row_stats_kernel[(rows, chunks)](logits, stats, vocab, logits.stride(0), chunks,
+                                      BLOCK=RADIX_BLOCK)
+    out.fill_(float("-inf"))  # rows with top_p >= 1 (the search skips them)
+    _radix_search(logits, torch.empty(rows, **f32), torch.empty(rows, dtype=torch.int32,
+                                                                device=dev),
+                  torch.empty(2, rows, dtype=torch.int32, device=dev), torch.empty(2, rows, **f32),
+                  torch.empty(2, rows, chunks, RADIX_BINS, **f32), out,
+                  top_p.float().contiguous(), stats)
     return out
 
 

@@ -37,12 +37,13 @@ _NEG_INF = float("-inf")
 # H200 (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
-# Decide on the device whether a row's candidates hold top_p's mass, and search the whole row
-# when not (kernels/sampling_ops.top_p_threshold_rows; off CUDA its torch rule, a full sort): no
-# wait for the device, so a top_p step overlaps the next one as a greedy step does. Off until
-# measured on the GPU against the path above (bench/engine_gpu.py's sweep runs both;
-# tests/gpu/test_sampler_gpu.py checks both).
-TOP_P_ON_DEVICE = False
+# Decide top_p's cutoff on the device (kernels/sampling_ops.py): with top_k off everywhere a
+# radix search of every whole row (top_p_search_rows: 10 launches, no topk or logsumexp), else
+# the candidates checked and searched past on the device (top_p_threshold_rows); off CUDA their
+# torch rule. No wait for the device, so a top_p step overlaps the next one as a greedy step
+# does. H200, 1B dummy weights (flat logits): top_p 0.9 engine step 2.01 -> 1.34 ms at batch 1,
+# 3.33 -> 2.26 at 64, 7.42 -> 5.57 at 256 (bench/results/engine_gpu.top_p_radix.md).
+TOP_P_ON_DEVICE = True
 _TRITON_ARGMAX_ROWS = 64
 
 
@@ -224,6 +225,11 @@ def _top_k_top_p_threshold(
     """Per-row logit threshold [rows, 1] for top_k and, over the top_k survivors, top_p."""
     vocab = logits.shape[1]
     use_top_p = any(sp.top_p < 1.0 for sp in params)
+    if TOP_P_ON_DEVICE and use_top_p and all(k == vocab for k in top_k):
+        from mxserve.kernels.sampling_ops import top_p_search_rows
+
+        # top_k off everywhere: no candidates, the whole-row search on every row (10 launches)
+        return top_p_search_rows(logits, _column([sp.top_p for sp in params], logits))
     num_candidates = max((k for k in top_k if k < vocab), default=0)
     if use_top_p:
         num_candidates = max(num_candidates, min(_TOP_P_CANDIDATES, vocab))

@@ -14,7 +14,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mxserve.kernels.sampling_ops import BLOCK, argmax_rows, top_p_threshold_rows  # noqa: E402
+from mxserve.kernels.sampling_ops import (  # noqa: E402
+    BLOCK,
+    argmax_rows,
+    top_p_search_rows,
+    top_p_threshold_rows,
+)
 from mxserve.worker.sampler import _top_p_threshold  # noqa: E402
 from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
 
@@ -105,6 +110,41 @@ def test_top_p_threshold_rows_keeps_ties_and_respects_top_k():
     assert (logits[2] >= got[2]).sum() == ((values[2, :5] >= got[2]).sum())
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
+@pytest.mark.parametrize("vocab", [5000, 300, 1024])
+def test_top_p_search_rows_keeps_the_samplers_nucleus(scale, vocab):
+    """The candidate-free search (its own softmax denominator, every row with top_p < 1
+    searched) against the sampler's cutoff: a logit of the row, the same nucleus but for a
+    float-summation difference at the boundary token; top_p = 1 keeps all."""
+    gen = torch.Generator().manual_seed(vocab + int(scale * 100) + 1)
+    top_p = [0.5, 0.9, 0.95, 0.99, 0.3, 1.0, 1e-6]
+    logits = torch.randn(len(top_p), vocab, generator=gen) * scale
+    values, log_total, p, _ = _sampler_inputs(logits, top_p)
+    want = _top_p_threshold(logits, values.clone(), log_total,
+                            [SamplingParams(temperature=1.0, top_p=q) for q in top_p])
+    got = top_p_search_rows(logits, p, backend="triton")
+    kept_want, kept_got = (logits >= want).sum(-1), (logits >= got).sum(-1)
+    assert ((kept_got - kept_want).abs() <= 1).all(), (kept_want, kept_got)
+    assert kept_got[5] == vocab and torch.isinf(got[5]).all()
+    assert kept_got[6] == 1  # a tiny top_p: the top token alone
+    assert all((logits[i] == got[i]).any() for i in range(len(top_p)) if i != 5)
+    torch_rule = top_p_search_rows(logits, p)  # CPU default: the torch rule
+    assert ((logits >= torch_rule).sum(-1) - kept_want).abs().max() <= 1
+
+
+def test_top_p_search_rows_keeps_ties_and_masked_logits():
+    vocab = 1500
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8))
+    logits[0] = 0.0  # all tied: the cutoff is their value, all kept
+    logits[1, :600] = 2.0  # 600 tied at the top hold > 0.5 of the mass: all 600 kept
+    logits[1, 600:] = logits[1, 600:].clamp(max=1.0)
+    logits[2, 100:] = float("-inf")  # masked tokens (min_tokens, a bad-words list) never count
+    got = top_p_search_rows(logits, torch.tensor([[0.5], [0.5], [0.999]]), backend="triton")
+    kept = (logits >= got).sum(-1)
+    assert kept[0] == vocab and kept[1] == 600 and 1 <= kept[2] <= 100
+    assert torch.isfinite(got).all()
+
+
 def test_top_p_threshold_rows_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="fp32 logits"):
         top_p_threshold_rows(torch.zeros(2, 10, dtype=torch.float64), torch.zeros(2, 3),
@@ -124,7 +164,11 @@ from mxserve.kernels import sampling_ops
 
 I32 = ("need_ptr", "prefix_ptr")
 kernels = [(sampling_ops._top_p_candidates_kernel, dict(BLOCK_C=256)),
-           (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128)),
+           (sampling_ops._row_stats_kernel, dict(BLOCK=1024)),
+           (sampling_ops._top_p_level_kernel, dict(LEVEL=0, BITS=4, BLOCK=1024, BLOCK_C=128,
+                                                   FROM_TOP_P=True)),
+           (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128,
+                                                   FROM_TOP_P=False)),
            (sampling_ops._top_p_finish_kernel, dict(LEVELS=8, BITS=4, BLOCK_C=128))]
 for fn, const in kernels:
     sig = {n: "constexpr" if n in const else "*i8" if n == "whole_ptr" else "*i32" if n in I32

@@ -19,8 +19,8 @@ from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
 @pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
 def test_top_p_keeps_the_cpu_nucleus(scale, on_device, monkeypatch):
-    """Both CUDA paths: the candidates checked from the host (the default), and the check and
-    whole-row search on the device (sampler.TOP_P_ON_DEVICE)."""
+    """Both CUDA paths: the cutoff decided on the device (sampler.TOP_P_ON_DEVICE, the default:
+    a whole-row radix search, top_k being off), and the candidates checked from the host."""
     monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 50000, generator=gen) * scale
@@ -32,6 +32,19 @@ def test_top_p_keeps_the_cpu_nucleus(scale, on_device, monkeypatch):
     # The same cutoff, but for a float-summation difference at the boundary token.
     assert ((kept["cuda"] - kept["cpu"]).abs() <= 1).all(), (kept["cpu"], kept["cuda"])
     assert kept["cpu"][-1] == 50000  # top_p = 1 keeps everything
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
+def test_top_p_with_top_k_rows_keeps_the_cpu_nucleus(on_device, monkeypatch):
+    """Rows with top_k on among top_p rows: on the device the candidates' check and the search
+    past them (top_p_threshold_rows), the mass of top_k rows renormalized over their k."""
+    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
+    logits = torch.randn(4, 50000, generator=torch.Generator().manual_seed(9)) * 0.01
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=k) for k in (20, -1, 300, -1)]
+    kept = {d: (x >= filter_threshold(x, params)).sum(-1).cpu()
+            for d, x in (("cpu", logits), ("cuda", logits.cuda()))}
+    assert ((kept["cuda"] - kept["cpu"]).abs() <= 1).all(), kept
+    assert kept["cpu"][0] <= 20 and kept["cpu"][2] <= 300 and kept["cpu"][1] > 300
 
 
 def test_greedy_tokens_and_logprobs_match_the_cpu():
