@@ -82,6 +82,61 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _race_chunk_kernel(
+    logits_ptr, thr_ptr, part_max_ptr, part_idx_ptr,  # logits [R, V]; thr [R]; parts [R, C]
+    seed, V, stride_l, NUM_CHUNKS, HAS_THR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The exponential race over a chunk: token i of a row scores logit_i - log(q_i), q_i ~
+    Exp(1) from Philox (key `seed`, counter row * V + i); tokens under the row's threshold do
+    not run. Its best score and that score's first index, as _chunk_argmax_kernel's parts."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs, mask=offs < V,
+                other=float("-inf"))
+    # v ~ U(0, 1] from 32 random bits, so q = -log(1 - v) keeps its resolution near 0 (where
+    # winners come from) at 2^-32 rather than fp32's 2^-24 near 1; a series where 1 - v rounds
+    r = tl.randint(seed, row * V + offs).to(tl.uint32, bitcast=True)
+    v = (r.to(tl.float32) + 1.0) * 2.3283064365386963e-10  # (r + 1) / 2^32
+    q = tl.where(v < 0.00390625, v * (1.0 + v * (0.5 + v * 0.3333333333)), -tl.log(1.0 - v))
+    keep = offs < V
+    if HAS_THR:
+        keep = keep & (x >= tl.load(thr_ptr + row))
+    score = tl.where(keep, x - tl.log(q), float("-inf"))
+    score = tl.where(score != score, float("inf"), score)  # NaN logits as +inf, as the argmax
+    best = tl.max(score, axis=0)
+    first = tl.min(tl.where(score == best, offs, V), axis=0)
+    tl.store(part_max_ptr + row * NUM_CHUNKS + chunk, best)
+    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, first)
+
+
+def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """One token a row [R] int64, drawn from softmax(logits) over the tokens at or above the
+    row's threshold ([R, 1], None: all), as the sampler's exponential race (argmax of p / q, q ~
+    Exp(1)) but fused: no softmax, no probability tensor, the draws from Philox (key `seed`;
+    a caller passes a new one each call). Triton (CUDA, or the interpreter); logits fp32 [R, V]
+    with contiguous rows, R * V < 2^31 (Philox counters)."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or vocab == 0 \
+            or rows * vocab >= 2**31:
+        raise ValueError(f"race_rows: need fp32 logits [R, V > 0] with contiguous rows and "
+                         f"R * V < 2^31; got {logits.dtype} {tuple(logits.shape)}")
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(vocab))
+    chunks = triton.cdiv(vocab, block)
+    part_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    thr = threshold.float().contiguous() if threshold is not None else part_max
+    _race_chunk_kernel[(rows, chunks)](logits, thr, part_max, part_idx, seed & 0x7FFFFFFF,
+                                       vocab, logits.stride(0), chunks,
+                                       HAS_THR=threshold is not None, BLOCK=block)
+    _pick_chunk_kernel[(rows,)](part_max, part_idx, out, chunks,
+                                BLOCK_C=triton.next_power_of_2(chunks))
+    return out
+
+
 # The whole-row search: a radix select over the logits' ordered float keys, RADIX_BITS a level
 # from the top (RADIX_LEVELS levels cover 32 bits). A level is one launch over the row in
 # RADIX_BLOCK chunks, one program each: every program sums the mass of its chunk's keys in each

@@ -92,6 +92,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        self._race_calls = 0  # keys race_rows' draws (CUDA, rows without a seed)
         # Per device, the generator of rows without a seed (created lazily off CPU).
         self._generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
 
@@ -121,11 +122,21 @@ class Sampler:
         return SampledTokens(token_ids, parts, lp_rows, params)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Temperature, filters and the exponential race over rows that all sample. -> [rows]"""
+        """Temperature, filters and the exponential race over rows that all sample. -> [rows]
+        On CUDA with no seeded row the race is sampling_ops.race_rows (two kernels, draws from
+        Philox keyed by the sampler's seed and call count); else torch's (a seeded row draws
+        from its own generator, the same draws whatever the batch)."""
         params = [r.sampling_params for r in requests]
         if any(sp.temperature != 1.0 for sp in params):
             logits = logits.div_(_column([sp.temperature for sp in params], logits))
         threshold = filter_threshold(logits, params)
+        if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(-1) == 1 \
+                and logits.numel() < 2**31 and all(sp.seed is None for sp in params):
+            from mxserve.kernels.sampling_ops import race_rows
+
+            # the same race fused into two kernels, its draws from Philox keyed per call
+            self._race_calls += 1
+            return race_rows(logits, threshold, (self.seed * 1000003 + self._race_calls) % 2**31)
         probs = logits.softmax(-1)  # [rows, vocab]
         if threshold is not None:
             # Zero the dropped tokens. No need to renormalize: the race only compares ratios.

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from mxserve.kernels.sampling_ops import (  # noqa: E402
     BLOCK,
     argmax_rows,
+    race_rows,
     top_p_search_rows,
     top_p_threshold_rows,
 )
@@ -54,6 +55,53 @@ def test_argmax_rows_rejects_what_it_cannot_reduce():
         argmax_rows(torch.zeros(8, 4).t(), backend="triton")
     with pytest.raises(ValueError, match="empty"):
         argmax_rows(torch.zeros(3, 0), backend="triton")
+
+
+def _close_to(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> bool:
+    """Pearson's chi-square of the counts against probs below 30 (p < 1e-5 for the <= 5
+    degrees of freedom here); tokens with probability 0 must not come at all."""
+    probs = probs.double()
+    live = probs > 0
+    chi2 = ((counts[live].double() - draws * probs[live]) ** 2 / (draws * probs[live])).sum()
+    return bool(chi2 < 30) and int(counts[~live].sum()) == 0
+
+
+def test_race_rows_draws_from_the_softmax_of_the_kept_tokens():
+    """Identical rows are independent draws: their frequencies follow softmax(logits) over the
+    tokens at or above the threshold; none under it ever comes; the same seed repeats them."""
+    draws, base = 800, torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0])
+    logits = base.repeat(draws, 1)
+    got = race_rows(logits, None, seed=11)
+    assert got.dtype == torch.long and got.shape == (draws,)
+    assert _close_to(torch.bincount(got, minlength=6), base.double().softmax(-1), draws)
+    # Philox: the same key and counters (row * V + i) repeat the draws, another key does not
+    assert torch.equal(race_rows(logits[:100], None, seed=11), got[:100])
+    assert (race_rows(logits[:100], None, seed=12) != got[:100]).float().mean() > 0.3
+    kept = torch.full((draws, 1), 1.0)  # tokens 1, 2, 5
+    got = race_rows(logits, kept, seed=3)
+    counts = torch.bincount(got, minlength=6)
+    assert counts[[0, 3, 4]].sum() == 0
+    want = torch.where(base >= 1.0, base, float("-inf")).double().softmax(-1)
+    assert _close_to(counts, want, draws)
+
+
+def test_race_rows_across_chunks_and_masked_tokens():
+    draws, vocab = 150, 2 * BLOCK + 5
+    logits = torch.full((draws, vocab), float("-inf"))
+    logits[:, [3, BLOCK + 52, vocab - 1]] = torch.tensor([0.0, 0.5, 1.0])
+    got = race_rows(logits, None, seed=5)
+    counts = torch.bincount(got, minlength=vocab)
+    assert counts.sum() == counts[[3, BLOCK + 52, vocab - 1]].sum()  # only the real tokens
+    assert _close_to(counts[[3, BLOCK + 52, vocab - 1]], torch.tensor([0.0, 0.5, 1.0]).double()
+                     .softmax(-1), draws)
+
+
+def test_race_rows_rejects_what_it_cannot_draw_from():
+    with pytest.raises(ValueError, match="fp32 logits"):
+        race_rows(torch.zeros(2, 10, dtype=torch.float16), None, 0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        race_rows(torch.zeros(10, 4).t(), None, 0)
+    assert race_rows(torch.zeros(0, 10), None, 0).shape == (0,)
 
 
 def _sampler_inputs(logits, top_p, top_k=None):
@@ -162,9 +210,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mxserve.kernels import sampling_ops
 
-I32 = ("need_ptr", "prefix_ptr")
+I32 = ("need_ptr", "prefix_ptr", "part_idx_ptr")
 kernels = [(sampling_ops._top_p_candidates_kernel, dict(BLOCK_C=256)),
            (sampling_ops._row_stats_kernel, dict(BLOCK=1024)),
+           (sampling_ops._race_chunk_kernel, dict(HAS_THR=True, BLOCK=2048)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=0, BITS=4, BLOCK=1024, BLOCK_C=128,
                                                    FROM_TOP_P=True)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128,

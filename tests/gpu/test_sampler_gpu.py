@@ -62,3 +62,37 @@ def test_greedy_tokens_and_logprobs_match_the_cpu():
     for got, want in zip(outs["cuda"].logprobs, outs["cpu"].logprobs, strict=True):
         assert got.keys() == want.keys()
         assert all(abs(got[k] - want[k]) < 1e-4 for k in got)
+
+
+def test_unseeded_draws_on_cuda_follow_the_nucleus(monkeypatch):
+    """Rows without a seed take the fused race (sampling_ops.race_rows): over 20000 identical
+    rows, temperature 0.7 and top_p 0.8, the tokens follow softmax(logits / 0.7) renormalized
+    over the nucleus (Pearson's chi-square), none outside it; a seeded row in the batch takes
+    the torch race and keeps its own draws."""
+    from mxserve.kernels import sampling_ops
+
+    calls = []
+    real = sampling_ops.race_rows
+    monkeypatch.setattr(sampling_ops, "race_rows", lambda *a: calls.append(1) or real(*a))
+    base = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -4.0, 2.5])
+    draws = 20000
+    params = SamplingParams(temperature=0.7, top_p=0.8)
+    requests = [Request(f"r{i}", [1, 2, 3], params) for i in range(draws)]
+    got = Sampler(0).sample(base.repeat(draws, 1).cuda(), requests).result().token_ids
+    assert calls == [1]
+    probs = (base.double() / 0.7).softmax(-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    nucleus = order[before < 0.8]
+    want = torch.zeros_like(probs)
+    want[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    counts = torch.bincount(torch.tensor(got), minlength=8).double()
+    live = want > 0
+    chi2 = ((counts[live] - draws * want[live]) ** 2 / (draws * want[live])).sum()
+    assert chi2 < 30 and counts[~live].sum() == 0, (counts, want)
+    seeded = SamplingParams(temperature=0.7, top_p=0.8, seed=4)
+    alone = Sampler(0).sample(base.view(1, -1).cuda(), [Request("s", [1], seeded)]).result()
+    mixed = Sampler(0).sample(base.repeat(3, 1).cuda(), [Request("a", [1], params),
+                                                      Request("s", [1], seeded),
+                                                      Request("b", [1], params)]).result()
+    assert mixed.token_ids[1] == alone.token_ids[0]
