@@ -357,7 +357,7 @@ def top_p_search_rows(logits: torch.Tensor, top_p: torch.Tensor, *,
     the softmax denominator taken here and no candidates; every row with top_p < 1 is searched
     (-inf where top_p >= 1). 10 launches, nothing before them: no topk, no logsumexp (~90 host
     launches a top_p sampler call at batch 1 before, ~1.1 ms of host time on the H200:
-    bench/results/sampler_probe.json)."""
+    bench/results/sampler_probe.radix.md)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or vocab == 0:
         raise ValueError(f"top_p_search_rows: need fp32 logits [R, V > 0] with contiguous rows; "
