@@ -76,9 +76,10 @@ VARIANTS = {
 def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, stride_plane,
                        stride_wn, P: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
     """XOR of the words each decode program would load (spread groups of 16, P planes).
-    TILED: the same words as if stored tile-major, each [BLOCK_N, 16] step one contiguous run
-    and a program's steps one after another (a layout the kernels do not have yet: its load
-    ceiling; N a multiple of BLOCK_N)."""
+    TILED: tile-major addresses, each [BLOCK_N, 16]-word step one contiguous run and a
+    program's steps one after another (N a multiple of BLOCK_N); else row-major ones. (The
+    kernels' layout is tile-major in 64-row tiles since 2026-11-30, mx_linear.TILE_ROWS; the
+    probe reads the same buffer either way, only the address pattern differs.)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_lo = pid_k * words_per_split

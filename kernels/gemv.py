@@ -91,7 +91,7 @@ def _gemv_kernel(
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     # MX weights: their element format and layout (mx_linear._format_args)
     MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
-    E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
+    E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     NAN_SCALES: tl.constexpr, LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     if LAUNCH_PDL:
@@ -123,13 +123,13 @@ def _gemv_kernel(
         # (rows [BLOCK_N] or row pairs [BLOCK_N, 2]: words, and pairs p_u, [*rows.shape, K' / E]
         # and [.., K' / E, 2]: elements 2u, 2u + 1 of each word, in k order of _x_pairs)
         w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, rows, N, K // E, stride_plane,
-                                        stride_wn, stride_sn, E, P, BLOCK_K)
+                                        stride_wn, stride_sn, E, P, BLOCK_K, TILE)
         p0, p1, p2, p3, p4, p5, p6, p7 = _tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
                                                    NAN_SCALES, INTERP_BF16, True)
     elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
         w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
                          stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
-                         FOLD, 23, ROWS, BLOCK_K)
+                         FOLD, 23, ROWS, BLOCK_K, TILE)
         if EPILOGUE != 0:
             w = tl.reshape(w, [BLOCK_N, 2, BLOCK_K])
     else:
@@ -442,7 +442,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
         w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \
             w.planes.stride(0)
     else:
-        mx, fmt = False, dict(EBITS=1, MBITS=1, NAN_CODE=-1, E=8, P=1, S=1, FOLD=True,
+        mx, fmt = False, dict(EBITS=1, MBITS=1, NAN_CODE=-1, E=8, P=1, S=1, FOLD=True, TILE=0,
                               NAN_SCALES=False)
         w_arg, scales, stride_wn, stride_plane = w, w, w.stride(0), 0
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)

@@ -72,6 +72,13 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 # data movement between threads, and each pair needs one scale per row (_spread_tile).
 _PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
 MAX_GROUP = 16
+# Tile-major planes (weights in spread groups of 16): each plane is stored as [N / TILE_ROWS,
+# K / E / 16, TILE_ROWS, 16] words (rows padded to a whole tile with zeros), so a decode step's
+# [rows, 16]-word tile is one contiguous run and a program's steps follow one another; the
+# kernels address words through _word_offsets. The H200 load ceilings past L2 (words only,
+# bench/results/mx_decode_probe.tiled_load.md): FP6 2.5 -> 4.3 TB/s, FP4 3.5 -> 3.9 on 28672 x
+# 8192. TILE_ROWS divides every tensor-core decode tile (64, 128 rows).
+TILE_ROWS = 64
 # format -> (MAG, SIGN): per pair u % 4, the bit of the (top 3) magnitude bits' LSB and of the
 # sign in each half; the kernels hold them as nibble constants (_placed_bits)
 _HIGH_BITS = {"e2m1": ((6, 0, 3, 11), (15, 9, 10, 14)), "e2m3": ((6, 0, 3, 11), (15, 9, 10, 14)),
@@ -126,6 +133,7 @@ class MXLinearWeight:
     counters: torch.Tensor  # int32 [>= N // 8]
     group: int = 1  # S, word groups per spread group (see _PLANES)
     nan_scales: bool = True  # some scale byte is 0xFF (NaN): the kernels must check for it
+    tile: int = 0  # 0: planes row-major; else tile-major in tiles of `tile` rows (see TILE_ROWS)
 
 
 def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
@@ -143,11 +151,28 @@ def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
         for plane, bit, width, shift in _fields(w.fmt, i):
             planes[plane] |= ((codes[..., i] >> shift) & (2**width - 1)) << bit
     planes = planes.to(torch.int32)  # wraps bit 31
+    tile = TILE_ROWS if group == MAX_GROUP else 0
+    if tile:
+        planes = _tiled(planes, tile)
     s = w.scales.clone()  # contiguous and aligned: the decode kernel reads 4 bytes at once
     fold = bool(((s <= 127 + f.bias) | (s == 255)).all()) if s.numel() else True
     nan_scales = bool((s == 255).any()) if s.numel() else False
     counters = torch.zeros(triton.cdiv(n, 8), dtype=torch.int32, device=codes.device)
-    return MXLinearWeight(planes, s, w.fmt, (n, k), fold, counters, group, nan_scales)
+    return MXLinearWeight(planes, s, w.fmt, (n, k), fold, counters, group, nan_scales, tile)
+
+
+def _tiled(planes: torch.Tensor, tile: int, inverse: bool = False, n: int = 0) -> torch.Tensor:
+    """Row-major planes [P, N, W] -> tile-major, rows padded to a multiple of `tile` (same
+    shape [P, N', W], words in [P, N' / tile, W / 16, tile, 16] order); inverse: back, [P, n, W]."""
+    p, rows, w = planes.shape
+    if inverse:
+        t = planes.reshape(p, rows // tile, w // 16, tile, 16).permute(0, 1, 3, 2, 4)
+        return t.reshape(p, rows, w)[:, :n]
+    pad = -rows % tile
+    if pad:
+        planes = torch.cat([planes, planes.new_zeros(p, pad, w)], 1)
+    t = planes.reshape(p, (rows + pad) // tile, tile, w // 16, 16).permute(0, 1, 3, 2, 4)
+    return t.contiguous().view(p, rows + pad, w)
 
 
 def _spread(codes: torch.Tensor, e: int, group: int, inverse: bool = False) -> torch.Tensor:
@@ -164,7 +189,8 @@ def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
     f = get_format(w.fmt)
     n, k = w.shape
     e, _ = _PLANES[f.bits]
-    planes = w.planes.long() & 0xFFFFFFFF
+    planes = _tiled(w.planes, w.tile, inverse=True, n=n) if w.tile else w.planes
+    planes = planes.long() & 0xFFFFFFFF
     codes = torch.zeros(n, k // e, e, dtype=torch.int64, device=planes.device)
     for i in range(e):
         for plane, bit, width, shift in _fields(w.fmt, i):
@@ -277,14 +303,23 @@ def _pair(w0, w1, w2, f1, f2, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
 
 
 @triton.jit
+def _word_offsets(rows, j, num_words, stride_wn, TILE: tl.constexpr):
+    """Offsets in a plane of words j of rows: row-major (TILE 0), or tile-major (TILE_ROWS)."""
+    if TILE == 0:
+        return rows * stride_wn + j
+    else:
+        return ((rows // TILE) * num_words + (j // 16) * 16) * TILE + (rows % TILE) * 16 + j % 16
+
+
+@triton.jit
 def _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
-                 P: tl.constexpr, G: tl.constexpr):
+                 P: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr = 0):
     """Words [*offs_n.shape, G] of word groups j0..j0+G of rows offs_n < N (0 elsewhere;
     num_words = K // E)."""
     j = j0 + tl.arange(0, G)
     rows = tl.expand_dims(offs_n, -1)
     mask = (rows < N) & (j < num_words)
-    ptrs = planes_ptr + rows * stride_wn + j
+    ptrs = planes_ptr + _word_offsets(rows, j, num_words, stride_wn, TILE)
     w0 = tl.load(ptrs, mask=mask, other=0)
     w1 = w0
     w2 = w0
@@ -311,12 +346,13 @@ def _pair_scales(scales_ptr, offs_n, j0, N, num_words, stride_sn, U: tl.constexp
 def _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
                  stride_sn, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
                  E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
-                 F: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 F: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TILE: tl.constexpr = 0):
     """Dequantized w[offs_n, E*j0 : E*j0 + BLOCK_K] [BLOCK_N, BLOCK_K] in bf16 (F = 7) or fp32
     (F = 23); 0 outside N, K. (Word index j0, not k: Triton then sees its divisibility and
     issues 16-byte loads.) BLOCK_K is a multiple of E * S."""
     w0, w1, w2 = _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn, P,
-                              BLOCK_K // E)
+                              BLOCK_K // E, TILE)
     return _build_tile(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, EBITS, MBITS,
                        NAN_CODE, E, S, FOLD, F, BLOCK_N, BLOCK_K)
 
@@ -428,7 +464,7 @@ def _mx_linear_decode_kernel(
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
     # element format and layout (see _PLANES, _scale_factors)
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     # tiling. USE_DOT: tensor cores on a dequantized tile in x's dtype (bf16 bits straight from
     # the codes when WBF16), BLOCK_M 16; else BLOCK_M 1 and fp32 FMAs. PREFETCH: load the next
     # tile's words before decoding this one (more bytes in flight)
@@ -449,15 +485,15 @@ def _mx_linear_decode_kernel(
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:  # the next tile's words are loaded before this one is used
         n0, n1, n2 = _load_groups(planes_ptr, offs_n, j_lo, tl.where(j_lo < j_hi, N, 0),
-                                  num_words, stride_plane, stride_wn, P, G)
+                                  num_words, stride_plane, stride_wn, P, G, TILE)
     for j0 in range(j_lo, j_hi, G):
         if PREFETCH:
             w0, w1, w2 = n0, n1, n2
             n0, n1, n2 = _load_groups(planes_ptr, offs_n, j0 + G, tl.where(j0 + G < j_hi, N, 0),
-                                      num_words, stride_plane, stride_wn, P, G)
+                                      num_words, stride_plane, stride_wn, P, G, TILE)
         else:
             w0, w1, w2 = _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane,
-                                      stride_wn, P, G)
+                                      stride_wn, P, G, TILE)
         w = _build_tile(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, EBITS, MBITS,
                         NAN_CODE, E, S, FOLD, F, BLOCK_N, BLOCK_K)
         offs_k = j0 * E + tl.arange(0, BLOCK_K)
@@ -579,14 +615,14 @@ def _decoded_groups(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr
 
 @triton.jit
 def _row_words(planes_ptr, scales_ptr, rows, N, num_words, stride_plane, stride_wn, stride_sn,
-               E: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr):
+               E: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr = 0):
     """(w0, w1, w2, sa, sb): the words [*rows.shape, BLOCK_K // E] of whole rows (0 past K =
     E * num_words) of a weight in spread groups of 16, and the scale words of each word's group
     (_tc_scales, one per word), for kernels that hold whole rows (kernels/gemv.py): every
     load at once. rows < N; decode with _tc_pairs."""
     G: tl.constexpr = BLOCK_K // E  # words a row (BLOCK_K a power of 2 >= E * 16)
     whole = (num_words // 16) * 16  # (= num_words; so written, the loads are 16-byte vectors)
-    w0, w1, w2 = _load_groups(planes_ptr, rows, 0, N, whole, stride_plane, stride_wn, P, G)
+    w0, w1, w2 = _load_groups(planes_ptr, rows, 0, N, whole, stride_plane, stride_wn, P, G, TILE)
     j = tl.arange(0, G)
     mask = j < whole
     blk = (E * 16 * (j // 16)) // 128  # int32 word of the group's first scale byte
@@ -606,10 +642,12 @@ def _bf16x2_bits(lo, hi):
 
 
 @triton.jit
-def _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P: tl.constexpr):
+def _tc_words(planes_ptr, rows, j0, num_words, stride_plane, stride_wn, P: tl.constexpr,
+              TILE: tl.constexpr):
     """Words [BLOCK_N, 16] of the spread group at word group j0, rows `rows` (in range: the
     caller clamps them, so no load needs a mask)."""
-    ptrs = planes_ptr + rows[:, None] * stride_wn + (j0 + tl.arange(0, 16))[None, :]
+    ptrs = planes_ptr + _word_offsets(rows[:, None], (j0 + tl.arange(0, 16))[None, :], num_words,
+                                      stride_wn, TILE)
     w0 = tl.load(ptrs)
     w1 = w0
     w2 = w0
@@ -664,7 +702,7 @@ def _mx_linear_decode_tc_kernel(
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
     # element format (no NaN codes: not e4m3); NAN_SCALES: some scale byte may be 0xFF
     EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
-    FOLD: tl.constexpr, NAN_SCALES: tl.constexpr,
+    FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, TILE: tl.constexpr,
     # tiling; BLOCK_M (16, 32 or 64) >= M: every row of x in one program
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -692,7 +730,7 @@ def _mx_linear_decode_tc_kernel(
     # test_wgmma_pipeline.py)
     tl.assume(j_lo < j_hi)
     for j0 in range(j_lo, j_hi, S):
-        w0, w1, w2 = _tc_words(planes_ptr, rows, j0, stride_plane, stride_wn, P)
+        w0, w1, w2 = _tc_words(planes_ptr, rows, j0, num_words, stride_plane, stride_wn, P, TILE)
         sa, sb = _tc_scales(sw_ptrs, j0, E)
         acc = _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm, EBITS, MBITS,
                        E, FOLD, NAN_SCALES, BLOCK_N, INTERP_BF16)
@@ -746,7 +784,7 @@ def _mx_linear_prefill_kernel(
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om,
     # element format; DOT_SCALED_FMT: "" or tl.dot_scaled's name for the weight format
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, PACK: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr, PACK: tl.constexpr,
     DOT_SCALED_FMT: tl.constexpr,
     X_FMT: tl.constexpr,
     # tiling
@@ -771,7 +809,7 @@ def _mx_linear_prefill_kernel(
         if DOT_SCALED_FMT == "":
             w = _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
                              stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S, FOLD,
-                             7 if WBF16 else 23, BLOCK_N, BLOCK_K)
+                             7 if WBF16 else 23, BLOCK_N, BLOCK_K, TILE)
             acc = _dot_w_xt(w, x, acc, INTERP_BF16)
         else:  # packed codes [BLOCK_K // PACK, BLOCK_N] and raw scales [BLOCK_N, BLOCK_K // 32]
             g = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
@@ -797,7 +835,7 @@ def _mx_linear_dequant_kernel(
     N, K, num_words, stride_plane, stride_wn, stride_sn, stride_on,
     # element format and layout
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
-    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
+    P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     # tiling
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WBF16: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -806,7 +844,7 @@ def _mx_linear_dequant_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     w = _weight_tile(planes_ptr, scales_ptr, offs_n, tl.program_id(1) * (BLOCK_K // E), N,
                      num_words, stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P,
-                     S, FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K)
+                     S, FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K, TILE)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     v = w if WBF16 else _cast_out(w, out_ptr.dtype.element_ty, INTERP_BF16)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], v,
@@ -819,7 +857,7 @@ def _format_args(w: MXLinearWeight) -> dict:
     f = get_format(w.fmt)
     e, p = _PLANES[f.bits]
     return dict(EBITS=f.ebits, MBITS=f.mbits, NAN_CODE=0x7F if w.fmt == "e4m3" else -1, E=e, P=p,
-                S=w.group, FOLD=w.fold)
+                S=w.group, FOLD=w.fold, TILE=w.tile)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -887,7 +925,8 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
         EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
-        NAN_SCALES=w.nan_scales, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        NAN_SCALES=w.nan_scales, TILE=w.tile, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
         SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16, **launch)
 

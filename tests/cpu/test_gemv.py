@@ -344,7 +344,7 @@ for e, epilogue in ((8, 0), (16, 1)):
     const = dict(BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True,
                  EPILOGUE=epilogue, KV=False, HEAD_DIM=2, ROT_ROWS=0, Q_ROWS=0, PAGE_SIZE=1,
                  MX=True, EBITS=2, MBITS=1 if e == 8 else 3, NAN_CODE=-1, E=e,
-                 P=1 if e == 8 else 3, S=16, FOLD=True, NAN_SCALES=True, LAUNCH_PDL=True,
+                 P=1 if e == 8 else 3, S=16, FOLD=True, TILE=64, NAN_SCALES=True, LAUNCH_PDL=True,
                  INTERP_BF16=False)
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16") if n.endswith("_ptr")
            else "fp32" if n == "eps" else "i32" for n in fn.arg_names}

@@ -18,6 +18,7 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from mxserve.kernels import mx_linear as mx_linear_mod  # noqa: E402
 from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
 from mxserve.kernels.mx_linear import (  # noqa: E402
     TC_DECODE_MAX_M,
@@ -144,6 +145,26 @@ def test_prepare_rearranges_words_and_back():
     assert p.planes[0, 0, 1].item() == (half(4, 0) << 16 | half(3, 0))
     assert p.planes[0, 0, 3].item() == 0xCE49_39FF - 2**32  # codes 7 and 8 + 1
     assert prepare_mx_weight(quantize_mx(torch.randn(2, 256), "e2m3")).group == 16
+
+
+def test_spread_groups_of_16_are_stored_tile_major(monkeypatch):
+    """Weights in spread groups of 16 keep their planes tile-major: [N / 64, K / E / 16, 64, 16]
+    words (rows padded to a whole tile with zeros), so each decode step's [rows, 16] words are
+    one contiguous run; the canonical bytes come back exactly."""
+    n, k = 70, 512
+    w = quantize_mx(torch.randn(n, k, generator=seeded("tiled")), "e2m3")
+    p = prepare_mx_weight(w)
+    assert p.group == 16 and p.tile == mx_linear_mod.TILE_ROWS == 64
+    assert p.planes.shape == (3, 128, 32)
+    monkeypatch.setattr(mx_linear_mod, "TILE_ROWS", 0)  # the same weight, row-major
+    planes = prepare_mx_weight(w).planes
+    assert planes.shape == (3, n, 32)
+    flat = p.planes.reshape(3, -1)
+    for r, j in [(0, 0), (5, 17), (63, 31), (64, 0), (69, 16), (69, 31)]:
+        at = ((r // 64) * 32 + (j // 16) * 16) * 64 + (r % 64) * 16 + j % 16
+        assert torch.equal(flat[:, at], planes[:, r, j])
+    assert (p.planes.view(3, 2, 2, 64, 16)[:, 1, :, n - 64:] == 0).all()  # the padding rows
+    assert torch.equal(_canonical_data(p), w.data)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

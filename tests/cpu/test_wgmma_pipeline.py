@@ -52,7 +52,7 @@ out = {}
 for e, m in ((8, 1), (8, 16), (8, 64), (16, 1), (16, 64)):  # the tuned tiles (_tc_config)
     (block_n, num_warps, num_stages), _ = ml._tc_config(e, m, 4096, 132)
     const = dict(EBITS=2, MBITS=1 if e == 8 else 3, E=e, P=1 if e == 8 else 3, FOLD=True,
-                 NAN_SCALES=False, BLOCK_M=max(16, m), BLOCK_N=block_n, SPLIT=True,
+                 NAN_SCALES=False, TILE=64, BLOCK_M=max(16, m), BLOCK_N=block_n, SPLIT=True,
                  HAS_BIAS=False, INTERP_BF16=False)
     out[f"mx_decode_tc_e{e}_m{m}"] = compile_case(ml._mx_linear_decode_tc_kernel, const,
                                                   num_warps, num_stages)
