@@ -1,8 +1,9 @@
 """Weight-only MX linear: y = x @ dequantize(w).T + bias, activations fp32/bf16/fp16.
 
 Weights live in the kernels' layout (`prepare_mx_weight`, once, at load): int32 word planes
-[P, N, K // E], each word group holding E elements of a row (spread over k, see _PLANES); every
-weight load is a contiguous 16-byte vector. One tile builder (`_weight_tile`) turns words into
+[P, N, K // E], each word group holding E elements of a row (spread over k, see _PLANES), stored
+tile-major in 64-row tiles where the spread groups are 16 words (TILE_ROWS); every weight load
+is a contiguous 16-byte vector. One tile builder (`_weight_tile`) turns words into
 values by bit placement: the code's sign, exponent and mantissa bits are moved straight into a
 bf16 (or fp32) bit pattern, and one multiply by 2^(scale - bias) fixes the exponent bias and
 applies the E8M0 scale at once (an element with exponent 0 lands on a subnormal of the target,
