@@ -39,11 +39,13 @@ _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
 # Decide top_p's cutoff on the device (kernels/sampling_ops.py): with top_k off everywhere a
 # radix search of every whole row (top_p_search_rows: 10 launches, no topk or logsumexp), else
-# the candidates checked and searched past on the device (top_p_threshold_rows); off CUDA their
-# torch rule. No wait for the device, so a top_p step overlaps the next one as a greedy step
-# does. H200, 1B dummy weights (flat logits): top_p 0.9 engine step 2.01 -> 1.34 ms at batch 1,
-# 3.33 -> 2.26 at 64, 7.42 -> 5.57 at 256 (bench/results/engine_gpu.top_p_radix.md).
-TOP_P_ON_DEVICE = True
+# the candidates checked and searched past on the device (top_p_threshold_rows). No wait for
+# the device, so a top_p step overlaps the next one as a greedy step does. H200, 1B dummy weights
+# (flat logits): top_p 0.9 engine step 2.01 -> 1.34 ms at batch 1, 3.33 -> 2.26 at 64, 7.42 ->
+# 5.57 at 256 (bench/results/engine_gpu.top_p_radix.md). "cuda": on CUDA only (on CPU the host
+# path has no wait to save, and its candidates spare the torch rule's full sort); True / False:
+# always (tests run the kernels' torch rule so) / never.
+TOP_P_ON_DEVICE: bool | str = "cuda"
 _TRITON_ARGMAX_ROWS = 64
 
 
@@ -236,7 +238,8 @@ def _top_k_top_p_threshold(
     """Per-row logit threshold [rows, 1] for top_k and, over the top_k survivors, top_p."""
     vocab = logits.shape[1]
     use_top_p = any(sp.top_p < 1.0 for sp in params)
-    if TOP_P_ON_DEVICE and use_top_p and all(k == vocab for k in top_k):
+    on_device = TOP_P_ON_DEVICE is True or (TOP_P_ON_DEVICE == "cuda" and logits.is_cuda)
+    if on_device and use_top_p and all(k == vocab for k in top_k):
         from mxserve.kernels.sampling_ops import top_p_search_rows
 
         # top_k off everywhere: no candidates, the whole-row search on every row (10 launches)
@@ -256,7 +259,7 @@ def _top_k_top_p_threshold(
     log_total = values.logsumexp(-1, keepdim=True)
     if not all(k < vocab for k in top_k):
         log_total = torch.where(k_on, log_total, logits.logsumexp(-1, keepdim=True))
-    if TOP_P_ON_DEVICE:
+    if on_device:
         from mxserve.kernels.sampling_ops import top_p_threshold_rows
 
         top_p = _column([sp.top_p for sp in params], logits)
