@@ -11,7 +11,8 @@ and a stage runs vectorized over just the rows that need it:
      which picks token i with probability probs[i].
 
 A request with a seed draws its q from its own generator (request.generator), so its tokens do not
-depend on what it is batched with; the others share the sampler's generator.
+depend on what it is batched with; the others share the sampler's generator (on CUDA, when no
+row of the batch has a seed, Philox draws inside the fused race, kernels/sampling_ops.race_rows).
 
 `sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
 waits for it. Under async scheduling the engine completes the previous step before sampling this
@@ -30,9 +31,10 @@ from mxserve.worker.request import Request
 from mxserve.worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-# top_p looks for its cutoff among the 256 largest logits (a partial sort, ~10x cheaper than a
-# full one at vocab 49k); when they hold less than top_p of the mass, on CPU among 16x more, and
-# so on. On CUDA it sorts the whole row at once instead: each growth waits for the device, and a
+# top_p from the host (on CPU, or TOP_P_ON_DEVICE off) looks for its cutoff among the 256 largest
+# logits (a partial sort, ~10x cheaper than a full one at vocab 49k); when they hold less than
+# top_p of the mass, on CPU among 16x more, and so on. On CUDA it sorts the whole row at once
+# instead: each growth waits for the device, and a
 # flat row (random weights) grew 256 -> 4096 -> 65536 -> 128256, 2.8 ms a step at batch 1 on the
 # H200 (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
@@ -103,8 +105,8 @@ class Sampler:
         return self.sample(logits, requests).result()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
-        """Queue the sampling of `logits` (as __call__) without waiting for the device. Only
-        top_p waits (whether its 256 candidates hold enough mass)."""
+        """Queue the sampling of `logits` (as __call__) without waiting for the device (top_p
+        from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
             return SampledTokens(_argmax(logits), (), [], params)
