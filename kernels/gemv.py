@@ -203,18 +203,16 @@ def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
     elements p_u of mx_linear._tc_pairs multiply (mx_linear's spread groups of 16)."""
     T: tl.constexpr = BLOCK_K // (16 * E)
     G: tl.constexpr = BLOCK_K // E
-    if E == 8:  # u = 2 u1 + u0
-        x = tl.permute(tl.reshape(x, [T, 2, 2, 16, 2]), (0, 3, 4, 2, 1))  # [t, jj, h, u0, u1]
+    if E == 8:  # u = 2 u1 + u0; [t, jj] merged into the word j = 16 t + jj
+        x = tl.reshape(tl.permute(tl.reshape(x, [T, 2, 2, 16, 2]), (0, 3, 4, 2, 1)),
+                       [G, 2, 2, 2])  # [j, h, u0, u1]
         a, b = tl.split(x)
         x0, x1 = tl.split(a)
         x2, x3 = tl.split(b)
-        x0 = tl.reshape(x0, [G, 2])
-        x1 = tl.reshape(x1, [G, 2])
-        x2 = tl.reshape(x2, [G, 2])
-        x3 = tl.reshape(x3, [G, 2])
         x4, x5, x6, x7 = x0, x1, x2, x3
     else:  # u = 4 u2 + 2 u1 + u0
-        x = tl.permute(tl.reshape(x, [T, 2, 2, 2, 16, 2]), (0, 4, 5, 3, 2, 1))
+        x = tl.reshape(tl.permute(tl.reshape(x, [T, 2, 2, 2, 16, 2]), (0, 4, 5, 3, 2, 1)),
+                       [G, 2, 2, 2, 2])  # [j, h, u0, u1, u2]
         a, b = tl.split(x)  # u2
         aa, ab = tl.split(a)  # u1
         ba, bb = tl.split(b)
@@ -222,14 +220,6 @@ def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
         x2, x3 = tl.split(ab)
         x4, x5 = tl.split(ba)
         x6, x7 = tl.split(bb)
-        x0 = tl.reshape(x0, [G, 2])
-        x1 = tl.reshape(x1, [G, 2])
-        x2 = tl.reshape(x2, [G, 2])
-        x3 = tl.reshape(x3, [G, 2])
-        x4 = tl.reshape(x4, [G, 2])
-        x5 = tl.reshape(x5, [G, 2])
-        x6 = tl.reshape(x6, [G, 2])
-        x7 = tl.reshape(x7, [G, 2])
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 

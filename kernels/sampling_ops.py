@@ -32,12 +32,28 @@ BLOCK = 2048  # vocabulary entries a stage-1 program reads (8 KB of fp32 logits)
 
 @triton.jit
 def _chunk_argmax_kernel(
-    x_ptr, part_max_ptr, part_idx_ptr,  # x [R, V]; parts [R, C]
-    V, stride_x, NUM_CHUNKS, BLOCK: tl.constexpr,
+    x_ptr, part_max_ptr, part_idx_ptr, thr_ptr,  # x [R, V]; parts [R, C]; thr [R] (HAS_THR)
+    V, stride_x, NUM_CHUNKS, seed, RACE: tl.constexpr, HAS_THR: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """Each chunk's largest score and the first index holding it (_pick_chunk_kernel's parts).
+    The score is x itself (argmax_rows), or with RACE the exponential race's: x_i - log(q_i),
+    q_i ~ Exp(1) from Philox (key `seed`, counter row * V + i), tokens under the row's threshold
+    out of it (race_rows). A NaN score counts as +inf."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if RACE:
+        # u ~ U(0, 1] from 32 random bits, so q = -log(1 - u) keeps its resolution near 0
+        # (where winners come from) at 2^-32 rather than fp32's 2^-24 near 1; a series where
+        # 1 - u rounds
+        r = tl.randint(seed, (row * V + offs).to(tl.int32)).to(tl.uint32, bitcast=True)
+        u = (r.to(tl.float32) + 1.0) * 2.3283064365386963e-10  # (r + 1) / 2^32
+        q = tl.where(u < 0.00390625, u * (1.0 + u * (0.5 + u * 0.3333333333)), -tl.log(1.0 - u))
+        keep = offs < V
+        if HAS_THR:
+            keep = keep & (v >= tl.load(thr_ptr + row))
+        v = tl.where(keep, v - tl.log(q), float("-inf"))
     v = tl.where(v != v, float("inf"), v)  # NaN as +inf
     best = tl.max(v, axis=0)
     first = tl.min(tl.where(v == best, offs, V), axis=0)  # the first index holding it
@@ -75,39 +91,12 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     chunks = triton.cdiv(vocab, BLOCK)
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, vocab, logits.stride(0),
-                                         chunks, BLOCK=BLOCK)
+    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, part_max, vocab,
+                                         logits.stride(0), chunks, 0, RACE=False, HAS_THR=False,
+                                         BLOCK=BLOCK)
     _pick_chunk_kernel[(rows,)](part_max, part_idx, out, chunks,
                                 BLOCK_C=triton.next_power_of_2(chunks))
     return out
-
-
-@triton.jit
-def _race_chunk_kernel(
-    logits_ptr, thr_ptr, part_max_ptr, part_idx_ptr,  # logits [R, V]; thr [R]; parts [R, C]
-    seed, V, stride_l, NUM_CHUNKS, HAS_THR: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """The exponential race over a chunk: token i of a row scores logit_i - log(q_i), q_i ~
-    Exp(1) from Philox (key `seed`, counter row * V + i); tokens under the row's threshold do
-    not run. Its best score and that score's first index, as _chunk_argmax_kernel's parts."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs, mask=offs < V,
-                other=float("-inf"))
-    # v ~ U(0, 1] from 32 random bits, so q = -log(1 - v) keeps its resolution near 0 (where
-    # winners come from) at 2^-32 rather than fp32's 2^-24 near 1; a series where 1 - v rounds
-    r = tl.randint(seed, row * V + offs).to(tl.uint32, bitcast=True)
-    v = (r.to(tl.float32) + 1.0) * 2.3283064365386963e-10  # (r + 1) / 2^32
-    q = tl.where(v < 0.00390625, v * (1.0 + v * (0.5 + v * 0.3333333333)), -tl.log(1.0 - v))
-    keep = offs < V
-    if HAS_THR:
-        keep = keep & (x >= tl.load(thr_ptr + row))
-    score = tl.where(keep, x - tl.log(q), float("-inf"))
-    score = tl.where(score != score, float("inf"), score)  # NaN logits as +inf, as the argmax
-    best = tl.max(score, axis=0)
-    first = tl.min(tl.where(score == best, offs, V), axis=0)
-    tl.store(part_max_ptr + row * NUM_CHUNKS + chunk, best)
-    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, first)
 
 
 def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None, seed: int) -> torch.Tensor:
@@ -129,9 +118,9 @@ def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None, seed: int) -
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     thr = threshold.float().contiguous() if threshold is not None else part_max
-    _race_chunk_kernel[(rows, chunks)](logits, thr, part_max, part_idx, seed & 0x7FFFFFFF,
-                                       vocab, logits.stride(0), chunks,
-                                       HAS_THR=threshold is not None, BLOCK=block)
+    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, thr, vocab,
+                                         logits.stride(0), chunks, seed & 0x7FFFFFFF, RACE=True,
+                                         HAS_THR=threshold is not None, BLOCK=block)
     _pick_chunk_kernel[(rows,)](part_max, part_idx, out, chunks,
                                 BLOCK_C=triton.next_power_of_2(chunks))
     return out
@@ -220,7 +209,8 @@ def _top_p_level_kernel(
     NUM_CHUNKS, BINS], a level in slot LEVEL % 2 (level 0's state: prefix 0, target top_p).
     FROM_TOP_P (level 0 of top_p_search_rows): every row with top_p < 1 is searched, over the
     whole row; its log_total comes from _row_stats_kernel's chunk partials [R, NUM_CHUNKS, 2],
-    and chunk 0 stores it with need and level 0's state for the levels after."""
+    and chunk 0 stores it with need and level 0's target for the levels after (and, at level
+    0 in either mode, the prefix 0)."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if FROM_TOP_P:
         top_p = tl.load(top_p_ptr + row)
@@ -233,7 +223,6 @@ def _top_p_level_kernel(
         if chunk == 0:
             tl.store(need_ptr + row, (top_p < 1.0).to(tl.int32))
             tl.store(log_total_ptr + row, log_total)
-            tl.store(prefix_ptr + row, 0)
             tl.store(target_ptr + row, top_p)
         if top_p >= 1.0:
             return
@@ -243,7 +232,9 @@ def _top_p_level_kernel(
     SLOT: tl.constexpr = LEVEL % 2
     PREV: tl.constexpr = 1 - SLOT
     if LEVEL == 0:
-        prefix = 0
+        prefix = 0  # nothing fixed yet
+        if chunk == 0:
+            tl.store(prefix_ptr + row, 0)
     else:
         prefix, target = _pick_bucket(part_ptr + PREV * R * NUM_CHUNKS * BINS,
                                       prefix_ptr + PREV * R, target_ptr + PREV * R, row,
@@ -272,10 +263,14 @@ def _top_p_level_kernel(
 def _top_p_finish_kernel(
     need_ptr, prefix_ptr, target_ptr, part_ptr, out_ptr, R, NUM_CHUNKS,
     LEVELS: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
+    UNSEARCHED_INF: tl.constexpr,
 ):
     """out[row] for searched rows: the last level's bucket completes the key, a logit of the
-    row (-inf when the row's float mass never reached top_p: all kept)."""
+    row (-inf when the row's float mass never reached top_p: all kept). UNSEARCHED_INF: the
+    other rows get -inf (top_p_search_rows: their top_p >= 1); else out keeps their value."""
     row = tl.program_id(0).to(tl.int64)
+    if UNSEARCHED_INF and tl.load(need_ptr + row) == 0:
+        tl.store(out_ptr + row, float("-inf"))
     if tl.load(need_ptr + row) != 0:
         BINS: tl.constexpr = 1 << BITS
         SLOT: tl.constexpr = (LEVELS - 1) % 2
@@ -310,24 +305,25 @@ def top_p_threshold_rows(logits: torch.Tensor, values: torch.Tensor, log_total: 
         return out
     values = values.contiguous()
     log_total = log_total.float().contiguous()
-    chunks = triton.cdiv(vocab, RADIX_BLOCK)
     need = torch.empty(rows, dtype=torch.int32, device=dev)
-    prefix = torch.zeros(2, rows, dtype=torch.int32, device=dev)  # (level parity, row)
     target = torch.empty(2, rows, dtype=torch.float32, device=dev)
-    part = torch.empty(2, rows, chunks, RADIX_BINS, dtype=torch.float32, device=dev)
     _top_p_candidates_kernel[(rows,)](
         values, log_total, top_p.float().contiguous(), whole.to(torch.int8).contiguous(), out,
         need, target, values.shape[1], values.stride(0),
         BLOCK_C=triton.next_power_of_2(values.shape[1]))
-    _radix_search(logits, log_total, need, prefix, target, part, out, None, None)
+    _radix_search(logits, log_total, need, target, out)
     return out
 
 
-def _radix_search(logits, log_total, need, prefix, target, part, out, top_p, stats) -> None:
-    """The whole-row search's launches (top_p and stats: level 0 starts from them, FROM_TOP_P)."""
+def _radix_search(logits, log_total, need, target, out, top_p=None, stats=None) -> None:
+    """The whole-row search's launches: rows flagged in need [R] (int32), target[0] [R] what
+    each must find, cutoffs into out. With top_p and stats (top_p_search_rows), level 0 writes
+    need, target[0] and log_total from them (FROM_TOP_P) and the rows not searched get -inf."""
     rows, vocab = logits.shape
-    chunks = part.shape[2]
+    chunks = triton.cdiv(vocab, RADIX_BLOCK)
     block_c = triton.next_power_of_2(chunks)
+    prefix = torch.empty(2, rows, dtype=torch.int32, device=logits.device)
+    part = torch.empty(2, rows, chunks, RADIX_BINS, dtype=torch.float32, device=logits.device)
     for level in range(RADIX_LEVELS):
         from_top_p = level == 0 and top_p is not None
         _top_p_level_kernel[(rows, chunks)](
@@ -336,7 +332,8 @@ def _radix_search(logits, log_total, need, prefix, target, part, out, top_p, sta
             LEVEL=level, BITS=RADIX_BITS, BLOCK=RADIX_BLOCK, BLOCK_C=block_c,
             FROM_TOP_P=from_top_p)
     _top_p_finish_kernel[(rows,)](need, prefix, target, part, out, rows, chunks,
-                                  LEVELS=RADIX_LEVELS, BITS=RADIX_BITS, BLOCK_C=block_c)
+                                  LEVELS=RADIX_LEVELS, BITS=RADIX_BITS, BLOCK_C=block_c,
+                                  UNSEARCHED_INF=top_p is not None)
 
 
 @triton.jit
@@ -376,12 +373,9 @@ def top_p_search_rows(logits: torch.Tensor, top_p: torch.Tensor, *,
     stats = torch.empty(rows, chunks, 2, **f32)
     _row_stats_kernel[(rows, chunks)](logits, stats, vocab, logits.stride(0), chunks,
                                       BLOCK=RADIX_BLOCK)
-    out.fill_(float("-inf"))  # rows with top_p >= 1 (the search skips them)
     _radix_search(logits, torch.empty(rows, **f32), torch.empty(rows, dtype=torch.int32,
                                                                 device=dev),
-                  torch.empty(2, rows, dtype=torch.int32, device=dev), torch.empty(2, rows, **f32),
-                  torch.empty(2, rows, chunks, RADIX_BINS, **f32), out,
-                  top_p.float().contiguous(), stats)
+                  torch.empty(2, rows, **f32), out, top_p.float().contiguous(), stats)
     return out
 
 

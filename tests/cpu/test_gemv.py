@@ -8,8 +8,6 @@ RoPE epilogues, and the K/V write into paged caches (padding slots skipped); and
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -332,9 +330,6 @@ def test_mx_pair_path_edges(fmt, n, k, fold):
 # Compiled in a subprocess (tests/cpu run kernels in the interpreter, which also takes code the
 # compiler refuses): the MX pair decode builds for sm_90, FP4 and FP6, plain and gate/up pairs.
 COMPILE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from mxserve.kernels import gemv
 
 fn = gemv._gemv_kernel
@@ -346,17 +341,11 @@ for e, epilogue in ((8, 0), (16, 1)):
                  MX=True, EBITS=2, MBITS=1 if e == 8 else 3, NAN_CODE=-1, E=e,
                  P=1 if e == 8 else 3, S=16, FOLD=True, TILE=64, NAN_SCALES=True, LAUNCH_PDL=True,
                  INTERP_BF16=False)
-    sig = {n: "constexpr" if n in const else types.get(n, "*bf16") if n.endswith("_ptr")
-           else "fp32" if n == "eps" else "i32" for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 128))
+    kernel, _ = compile_for(fn, const, types)
     assert kernel.asm.get("cubin")
 print("sass")
 """
 
 
-def test_mx_pair_decode_compiles_for_the_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.split()[-1] == "sass", run.stderr[-2000:]
+def test_mx_pair_decode_compiles_for_the_gpu(compile_outside_interpreter):
+    assert compile_outside_interpreter(COMPILE) == "sass"

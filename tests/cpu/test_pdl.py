@@ -20,23 +20,17 @@ import torch  # noqa: E402
 
 from mxserve.kernels.triton_compat import pdl_supported  # noqa: E402
 
-# Compiled in a subprocess: under TRITON_INTERPRET (tests/cpu) kernels are not JITFunctions
+# Compiled in a subprocess (compile_outside_interpreter): under TRITON_INTERPRET (tests/cpu)
+# kernels are not JITFunctions
 COMPILE = r"""
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from mxserve.kernels import gemv, layer_ops, paged_attention
 
 POINTERS = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
             "scales_ptr": "*u8", "part_ptr": "*fp32", "part_lse_ptr": "*fp32",
             "lse_out_ptr": "*fp32"}
 
-def ptx(fn, target, constexprs):
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*bf16")
-                 if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
-                 for n in fn.arg_names}
-    source = ASTSource(fn, signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", target, 32)).asm["ptx"]
+def ptx(fn, arch, constexprs):
+    return compile_for(fn, constexprs, POINTERS, arch=arch)[0].asm["ptx"]
 
 def cases(flag):
     return {
@@ -63,12 +57,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.splitlines()[-1])
+def compiled(compile_outside_interpreter):
+    return json.loads(compile_outside_interpreter(COMPILE, 600))
 
 
 @pytest.mark.parametrize("name", ["gemv", "rms_norm", "merge_splits"])

@@ -6,8 +6,6 @@ top_k rows)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -205,32 +203,28 @@ def test_top_p_threshold_rows_rejects_what_it_cannot_read():
 # Compiled in a subprocess (tests/cpu run kernels in the interpreter, which also takes code the
 # compiler refuses, e.g. a plain global read in a kernel): the top_p kernels build for sm_90.
 COMPILE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from mxserve.kernels import sampling_ops
 
 I32 = ("need_ptr", "prefix_ptr", "part_idx_ptr")
 kernels = [(sampling_ops._top_p_candidates_kernel, dict(BLOCK_C=256)),
            (sampling_ops._row_stats_kernel, dict(BLOCK=1024)),
-           (sampling_ops._race_chunk_kernel, dict(HAS_THR=True, BLOCK=2048)),
+           (sampling_ops._chunk_argmax_kernel, dict(RACE=True, HAS_THR=True, BLOCK=2048)),
+           (sampling_ops._chunk_argmax_kernel, dict(RACE=False, HAS_THR=False, BLOCK=2048)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=0, BITS=4, BLOCK=1024, BLOCK_C=128,
                                                    FROM_TOP_P=True)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128,
                                                    FROM_TOP_P=False)),
-           (sampling_ops._top_p_finish_kernel, dict(LEVELS=8, BITS=4, BLOCK_C=128))]
+           (sampling_ops._top_p_finish_kernel, dict(LEVELS=8, BITS=4, BLOCK_C=128,
+                                                    UNSEARCHED_INF=True)),
+           (sampling_ops._top_p_finish_kernel, dict(LEVELS=8, BITS=4, BLOCK_C=128,
+                                                    UNSEARCHED_INF=False))]
+types = {"whole_ptr": "*i8", **{name: "*i32" for name in I32}}
 for fn, const in kernels:
-    sig = {n: "constexpr" if n in const else "*i8" if n == "whole_ptr" else "*i32" if n in I32
-           else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 128))
+    kernel, _ = compile_for(fn, const, types, pointer="*fp32")
     assert kernel.asm.get("cubin")
 print("sass")
 """
 
 
-def test_top_p_kernel_compiles_for_the_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.split()[-1] == "sass", run.stderr[-2000:]
+def test_top_p_kernel_compiles_for_the_gpu(compile_outside_interpreter):
+    assert compile_outside_interpreter(COMPILE, 600) == "sass"

@@ -9,25 +9,16 @@ accumulators to the initial zeros. The MX tensor-core decode at its tuned batch-
 rows) was serialized that way until its loop was declared non-empty (tl.assume), and every
 small 64x16x16 wgmma then waited out its own latency.
 
-Each case is compiled here for sm_90 (no GPU needed; in a subprocess, as tests/cpu run kernels
-in the interpreter) with ptxas's log captured, fresh (no cache hit skips ptxas)."""
+Each case is compiled here for sm_90 (no GPU needed; compile_outside_interpreter, tests/cpu/
+conftest.py) with ptxas's log captured, fresh (no cache hit skips ptxas)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 COMPILE = r"""
-import contextlib, io, json, os, sys
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas's log on stdout, on every compile
-os.environ["TRITON_ALWAYS_COMPILE"] = "1"
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from mxserve.kernels import mx_linear as ml, paged_attention as pa
 
 TYPES = {"x_ptr": "*bf16", "planes_ptr": "*i32", "scales_ptr": "*u8", "partial_ptr": "*fp32",
@@ -36,17 +27,10 @@ TYPES = {"x_ptr": "*bf16", "planes_ptr": "*i32", "scales_ptr": "*u8", "partial_p
 ALIGNED = ("K", "num_words", "words_per_split", "tokens_per_split")  # as launches specialize
 
 def compile_case(fn, const, num_warps, num_stages):
-    sig = {n: "constexpr" if n in const else TYPES.get(n, "*bf16") if n.endswith("_ptr")
-           else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in const and (n.endswith("_ptr") or n.startswith("stride") or n in ALIGNED)}
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 128),
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
+    kernel, log = compile_for(fn, const, TYPES, aligned=ALIGNED, num_warps=num_warps,
+                              num_stages=num_stages)
     return {"wgmma": "wgmma.mma_async" in kernel.asm["ptx"],
-            "serialized": [line for line in log.getvalue().splitlines() if "serialized" in line]}
+            "serialized": [line for line in log.splitlines() if "serialized" in line]}
 
 out = {}
 for e, m in ((8, 1), (8, 16), (8, 64), (16, 1), (16, 64)):  # the tuned tiles (_tc_config)
@@ -65,12 +49,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+def compiled(compile_outside_interpreter):
+    return json.loads(compile_outside_interpreter(COMPILE))
 
 
 CASES = ["mx_decode_tc_e8_m1", "mx_decode_tc_e8_m16", "mx_decode_tc_e8_m64", "mx_decode_tc_e16_m1",
