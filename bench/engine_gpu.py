@@ -27,7 +27,8 @@ order, each written to the JSON as soon as it ends (a failing one records its er
   prompts (bf16, so they may part after a near-tie).
 - decode sweep (bf16): steady decode steps at batch 1 .. 512 (256-token prompts): engine step
   wall time with async scheduling on and off (then again at a few batch sizes with temperature
-  0.7 and top_p 0.9, then top_p with its cutoff checked from the host, which waits for the GPU),
+  0.7 and top_p 0.9, then with the sampler's kernels launched one by one instead of its CUDA
+  graph, then top_p with its cutoff checked from the host, which waits for the GPU),
   and the GPU time of the graph replayed
   with that step's inputs (host overhead = the difference). The mix also records the wall time
   inside each part of engine.step().
@@ -368,6 +369,18 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
     return {"rows": rows}
 
 
+def top_p_eager_sampler_sweep(args, llm) -> dict:
+    """The top_p sweep again with the sampler's kernels launched one by one (worker/sampler.py
+    SAMPLE_GRAPHS off), the baseline of its graph."""
+    from mxserve.worker import sampler
+
+    keep, sampler.SAMPLE_GRAPHS = sampler.SAMPLE_GRAPHS, False
+    try:
+        return decode_sweep(args, llm, TOP_P, args.top_p_batches)
+    finally:
+        sampler.SAMPLE_GRAPHS = keep
+
+
 def top_p_host_sweep(args, llm) -> dict:
     """The top_p sweep again with top_p's cutoff checked from the host (worker/sampler.py
     TOP_P_ON_DEVICE off: the sampler waits for the device each step), the baseline of the
@@ -623,6 +636,8 @@ def markdown(d: dict) -> str:
                       f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
     for key, what in (("1b_decode_sweep", "greedy"),
                       ("1b_decode_sweep_top_p", "temperature 0.7, top_p 0.9"),
+                      ("1b_decode_sweep_top_p_eager_sampler",
+                       "temperature 0.7, top_p 0.9, the sampler's kernels launched one by one"),
                       ("1b_decode_sweep_top_p_host",
                        "temperature 0.7, top_p 0.9, cutoff checked from the host")):
         if not s.get(key):
@@ -729,6 +744,8 @@ def main() -> None:
             report.run("1b_decode_sweep", decode_sweep, args, llm)
             report.run("1b_decode_sweep_top_p", decode_sweep, args, llm, TOP_P,
                        args.top_p_batches)
+            report.run("1b_decode_sweep_top_p_eager_sampler", top_p_eager_sampler_sweep, args,
+                       llm)
             report.run("1b_decode_sweep_top_p_host", top_p_host_sweep, args, llm)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)

@@ -33,17 +33,20 @@ BLOCK = 2048  # vocabulary entries a stage-1 program reads (8 KB of fp32 logits)
 @triton.jit
 def _chunk_argmax_kernel(
     x_ptr, part_max_ptr, part_idx_ptr, thr_ptr,  # x [R, V]; parts [R, C]; thr [R] (HAS_THR)
+    seed_ptr,  # int32 [1] (SEED_PTR)
     V, stride_x, NUM_CHUNKS, seed, RACE: tl.constexpr, HAS_THR: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SEED_PTR: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Each chunk's largest score and the first index holding it (_pick_chunk_kernel's parts).
     The score is x itself (argmax_rows), or with RACE the exponential race's: x_i - log(q_i),
-    q_i ~ Exp(1) from Philox (key `seed`, counter row * V + i), tokens under the row's threshold
-    out of it (race_rows). A NaN score counts as +inf."""
+    q_i ~ Exp(1) from Philox (key `seed`, or with SEED_PTR the one at seed_ptr; counter row * V
+    + i), tokens under the row's threshold out of it (race_rows). A NaN score counts as +inf."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     if RACE:
+        if SEED_PTR:
+            seed = tl.load(seed_ptr)
         # u ~ U(0, 1] from 32 random bits, so q = -log(1 - u) keeps its resolution near 0
         # (where winners come from) at 2^-32 rather than fp32's 2^-24 near 1; a series where
         # 1 - u rounds
@@ -91,20 +94,22 @@ def argmax_rows(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     chunks = triton.cdiv(vocab, BLOCK)
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, part_max, vocab,
+    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, part_max, part_idx, vocab,
                                          logits.stride(0), chunks, 0, RACE=False, HAS_THR=False,
-                                         BLOCK=BLOCK)
+                                         SEED_PTR=False, BLOCK=BLOCK)
     _pick_chunk_kernel[(rows,)](part_max, part_idx, out, chunks,
                                 BLOCK_C=triton.next_power_of_2(chunks))
     return out
 
 
-def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None, seed: int) -> torch.Tensor:
+def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None,
+              seed: int | torch.Tensor) -> torch.Tensor:
     """One token a row [R] int64, drawn from softmax(logits) over the tokens at or above the
     row's threshold ([R, 1], None: all), as the sampler's exponential race (argmax of p / q, q ~
     Exp(1)) but fused: no softmax, no probability tensor, the draws from Philox (key `seed`;
-    a caller passes a new one each call). Triton (CUDA, or the interpreter); logits fp32 [R, V]
-    with contiguous rows, R * V < 2^31 (Philox counters)."""
+    a caller passes a new one each call; or an int32 [1] tensor on the logits' device holding
+    it, read when the kernel runs: a CUDA graph's input). Triton (CUDA, or the interpreter);
+    logits fp32 [R, V] with contiguous rows, R * V < 2^31 (Philox counters)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or vocab == 0 \
             or rows * vocab >= 2**31:
@@ -118,9 +123,13 @@ def race_rows(logits: torch.Tensor, threshold: torch.Tensor | None, seed: int) -
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     thr = threshold.float().contiguous() if threshold is not None else part_max
-    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, thr, vocab,
-                                         logits.stride(0), chunks, seed & 0x7FFFFFFF, RACE=True,
-                                         HAS_THR=threshold is not None, BLOCK=block)
+    on_device = isinstance(seed, torch.Tensor)
+    _chunk_argmax_kernel[(rows, chunks)](logits, part_max, part_idx, thr,
+                                         seed if on_device else part_idx, vocab,
+                                         logits.stride(0), chunks,
+                                         0 if on_device else seed & 0x7FFFFFFF, RACE=True,
+                                         HAS_THR=threshold is not None, SEED_PTR=on_device,
+                                         BLOCK=block)
     _pick_chunk_kernel[(rows,)](part_max, part_idx, out, chunks,
                                 BLOCK_C=triton.next_power_of_2(chunks))
     return out

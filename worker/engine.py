@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mxserve.worker import sampler as sampler_module
 from mxserve.worker.block_hash import extend_block_hashes
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import InvalidRequestError
@@ -214,7 +215,7 @@ class Engine:
         """Queue the sampling of the plan's logits and the copy of the tokens to the host."""
         sampling = [s.request for s in plan.scheduled if s.samples]
         with torch.inference_mode():  # the logits are inference tensors
-            samples = self.sampler.sample(result.logits, sampling)
+            samples = self.sampler.sample(result.logits, sampling, result.static_logits)
         for request in sampling:
             request.num_inflight += 1
         return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
@@ -325,5 +326,7 @@ def build_engine(config: EngineConfig) -> Engine:
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
     engine = Engine(runner, model_config, config, checkpoint.tokenizer)
     runner.capture_cuda_graphs(engine.max_model_len)
+    if runner.graphs is not None and sampler_module.SAMPLE_GRAPHS:
+        engine.sampler.capture_graphs([g.logits for g in runner.graphs.graphs.values()])
     engine.generation_defaults = dict(checkpoint.generation_defaults)
     return engine

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from mxserve.worker.host_to_device import index_on, to_device
@@ -49,6 +50,11 @@ _TOP_P_GROWTH = 16
 # always (tests run the kernels' torch rule so) / never.
 TOP_P_ON_DEVICE: bool | str = "cuda"
 _TRITON_ARGMAX_ROWS = 64
+# The logits of a decode graph replay (cuda_graphs.py) sit in that graph's static buffer; when
+# every row of such a batch samples the common way (no greedy row, seed, top_k or min_p), its
+# temperature, top_p cutoff and race are one more graph replay (_SampleGraph, recorded for each
+# decode graph at start-up) instead of ~14 kernel launches from Python.
+SAMPLE_GRAPHS = True
 
 
 @dataclass
@@ -99,14 +105,27 @@ class Sampler:
         self._race_calls = 0  # keys race_rows' draws (CUDA, rows without a seed)
         # Per device, the generator of rows without a seed (created lazily off CPU).
         self._generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
+        self._graphs: dict[int, _SampleGraph] = {}  # by the static logits buffer's address
+        self.num_graph_samples = 0  # calls served by a _SampleGraph (tests, stats)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_reqs, vocab] float32, row i for requests[i]; may be modified in place."""
         return self.sample(logits, requests).result()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+    def capture_graphs(self, buffers: list[torch.Tensor]) -> None:
+        """Record a _SampleGraph over each static logits buffer [size, vocab] (the decode
+        graphs' outputs; their contents are divided by 1 meanwhile). CUDA only."""
+        pool = torch.cuda.graph_pool_handle()
+        for buffer in buffers:
+            graph = _SampleGraph(buffer, capture_pool=pool)
+            self._graphs[buffer.data_ptr()] = graph
+
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               static: torch.Tensor | None = None) -> SampledTokens:
         """Queue the sampling of `logits` (as __call__) without waiting for the device (top_p
-        from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass)."""
+        from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass).
+        static: the buffer [size >= rows, vocab] whose first rows `logits` is, if it has a
+        _SampleGraph (a decode graph's output)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
             return SampledTokens(_argmax(logits), (), [], params)
@@ -119,7 +138,12 @@ class Sampler:
         if greedy:
             _write_rows(token_ids, greedy, _argmax(_rows(logits, greedy)))
         sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-        if sampled:
+        graph = self._graph_for(logits, static, params)
+        if graph is not None:  # every row samples
+            self._race_calls += 1
+            self.num_graph_samples += 1
+            token_ids = graph.run(params, self._race_seed())
+        elif sampled:
             sampled_reqs = [requests[i] for i in sampled]
             _write_rows(token_ids, sampled, self._sample(_rows(logits, sampled), sampled_reqs))
         parts = _logprob_parts(raw_logprobs, lp_rows, token_ids, params)
@@ -140,12 +164,30 @@ class Sampler:
 
             # the same race fused into two kernels, its draws from Philox keyed per call
             self._race_calls += 1
-            return race_rows(logits, threshold, (self.seed * 1000003 + self._race_calls) % 2**31)
+            return race_rows(logits, threshold, self._race_seed())
         probs = logits.softmax(-1)  # [rows, vocab]
         if threshold is not None:
             # Zero the dropped tokens. No need to renormalize: the race only compares ratios.
             probs.mul_(logits >= threshold)
         return probs.div_(self._exponentials(probs, requests)).argmax(-1)
+
+    def _race_seed(self) -> int:
+        return (self.seed * 1000003 + self._race_calls) % 2**31
+
+    def _graph_for(self, logits: torch.Tensor, static: torch.Tensor | None,
+                   params: list[SamplingParams]) -> _SampleGraph | None:
+        """The _SampleGraph that can sample these rows: logits are its buffer's first rows and
+        every row takes the path it recorded (sampled, unseeded, top_k and min_p off)."""
+        if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr():
+            return None
+        graph = self._graphs.get(static.data_ptr())
+        vocab = logits.shape[1]
+        if graph is None or graph.logits.shape[1] != vocab or logits.shape[0] > graph.size:
+            return None
+        if all(not sp.greedy and sp.seed is None and (sp.top_k <= 0 or sp.top_k >= vocab)
+               and sp.min_p <= 0.0 for sp in params):
+            return graph
+        return None
 
     def _exponentials(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """q ~ Exp(1) like probs: seeded rows from their own generator, the others from ours."""
@@ -167,6 +209,71 @@ class Sampler:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
+
+
+class _SampleGraph:
+    """Temperature, top_p's cutoff (top_k off) and the race over one static logits buffer
+    [size, vocab], recorded once as a CUDA graph (on CPU run as it is: tests). A call's rows are
+    the buffer's first ones; the rows past them sample with temperature and top_p 1, unread.
+    The per-row temperature and top_p and the race's seed reach the graph in one copy from
+    pinned staging, two sets used in turn (a set is refilled once its last copy ran)."""
+
+    def __init__(self, logits: torch.Tensor, capture_pool=None) -> None:
+        self.logits = logits  # held: the graph keeps its address
+        self.size = logits.shape[0]
+        pin = logits.is_cuda
+        # [temperatures (size), top_p (size), the race's seed (int32 bits)]
+        self.inputs = torch.ones(2 * self.size + 1, dtype=torch.float32, device=logits.device)
+        self._staging = [torch.ones(2 * self.size + 1, dtype=torch.float32, pin_memory=pin)
+                         for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens: torch.Tensor | None = None
+        if logits.is_cuda:
+            self._capture(capture_pool)
+
+    def _step(self) -> torch.Tensor:
+        from mxserve.kernels.sampling_ops import race_rows, top_p_search_rows
+
+        n = self.size
+        self.logits.div_(self.inputs[:n].view(n, 1))
+        threshold = top_p_search_rows(self.logits, self.inputs[n:2 * n].view(n, 1))
+        return race_rows(self.logits, threshold, self.inputs[2 * n:].view(torch.int32))
+
+    def _capture(self, pool) -> None:
+        # warm up off the capture stream (compiles); the inputs are ones: the buffer is divided
+        # by 1 and any tokens drawn are not read
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.tokens = self._step()
+
+    def run(self, params: list[SamplingParams], seed: int) -> torch.Tensor:
+        """Queue the sampling of the first len(params) rows -> tokens [rows] int64 (on the
+        device, valid until the next run)."""
+        rows, n = len(params), self.size
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # this set's previous copy has run
+        staging = self._staging[turn]
+        values = staging.numpy()
+        values[:rows] = [sp.temperature for sp in params]
+        values[rows:n] = 1.0
+        values[n:n + rows] = [sp.top_p for sp in params]
+        values[n + rows:2 * n] = 1.0
+        values[2 * n:].view(np.int32)[0] = seed
+        self.inputs.copy_(staging, non_blocking=True)
+        if self.graph is None:
+            return self._step()[:rows]
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
+        self.graph.replay()
+        return self.tokens[:rows]
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:

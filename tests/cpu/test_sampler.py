@@ -315,3 +315,40 @@ def test_unseeded_sampler_is_reproducible_from_its_seed():
     a = Sampler(seed=9)(logits.clone(), requests).token_ids
     assert Sampler(seed=9)(logits.clone(), requests).token_ids == a
     assert Sampler(seed=10)(logits.clone(), requests).token_ids != a
+
+
+# --- the sampler's graph of a static logits buffer (run as it is on CPU; replays: tests/gpu) ----
+
+
+def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
+    """A batch whose logits are the first rows of a buffer with a _SampleGraph, every row
+    sampled the common way, goes through it: temperature, top_p cutoff and race of those rows
+    as the kernels draw them with this call's seed (the rows past the batch do not matter);
+    a greedy row, a seed, top_k, min_p or logits that are not the buffer's start do not."""
+    from mxserve.kernels.sampling_ops import race_rows, top_p_search_rows
+    from mxserve.worker.sampler import _SampleGraph
+
+    gen = torch.Generator().manual_seed(4)
+    buffer = torch.randn(4, 3000, generator=gen) * 3
+    sampler = Sampler(seed=5)
+    sampler._graphs[buffer.data_ptr()] = _SampleGraph(buffer)
+    params = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3), dict(top_p=0.5)]
+    for step in range(3):
+        buffer.copy_(torch.randn(4, 3000, generator=gen) * 3)
+        logits = buffer[:3]
+        before = logits.clone()
+        requests = [make_request(str(i), **p) for i, p in enumerate(params)]
+        got = sampler.sample(logits, requests, static=buffer).result().token_ids
+        assert sampler.num_graph_samples == step + 1
+        temps = torch.tensor([[0.7], [1.3], [1.0]])
+        scaled = before / temps
+        cut = top_p_search_rows(scaled, torch.tensor([[0.9], [1.0], [0.5]]))
+        seed = (5 * 1000003 + step + 1) % 2**31
+        assert got == race_rows(scaled, cut, seed).tolist()
+    for other in (dict(temperature=0.0), dict(seed=3), dict(top_k=20), dict(min_p=0.1)):
+        requests = [make_request("a", top_p=0.9), make_request("b", **other)]
+        sampler.sample(buffer[:2], requests, static=buffer).result()
+        assert sampler.num_graph_samples == 3, other
+    sampler.sample(buffer[1:3], [make_request("a"), make_request("b")], static=buffer).result()
+    sampler.sample(buffer[:2].clone(), [make_request("a"), make_request("b")]).result()
+    assert sampler.num_graph_samples == 3

@@ -83,6 +83,18 @@ def test_race_rows_draws_from_the_softmax_of_the_kept_tokens():
     assert _close_to(counts, want, draws)
 
 
+def test_race_rows_reads_a_seed_tensor_as_the_same_seed():
+    """A seed held in an int32 tensor (a CUDA graph's input) draws what the same int draws, and
+    the kernel reads the tensor when it runs."""
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(2))
+    seed = torch.tensor([123], dtype=torch.int32)
+    kept = logits.topk(40, dim=-1).values[:, -1:]
+    assert torch.equal(race_rows(logits, kept, seed), race_rows(logits, kept, 123))
+    seed.fill_(124)
+    assert torch.equal(race_rows(logits, None, seed), race_rows(logits, None, 124))
+    assert not torch.equal(race_rows(logits, None, seed), race_rows(logits, None, 123))
+
+
 def test_race_rows_across_chunks_and_masked_tokens():
     draws, vocab = 150, 2 * BLOCK + 5
     logits = torch.full((draws, vocab), float("-inf"))
@@ -205,11 +217,15 @@ def test_top_p_threshold_rows_rejects_what_it_cannot_read():
 COMPILE = r"""
 from mxserve.kernels import sampling_ops
 
-I32 = ("need_ptr", "prefix_ptr", "part_idx_ptr")
+I32 = ("need_ptr", "prefix_ptr", "part_idx_ptr", "seed_ptr")
 kernels = [(sampling_ops._top_p_candidates_kernel, dict(BLOCK_C=256)),
            (sampling_ops._row_stats_kernel, dict(BLOCK=1024)),
-           (sampling_ops._chunk_argmax_kernel, dict(RACE=True, HAS_THR=True, BLOCK=2048)),
-           (sampling_ops._chunk_argmax_kernel, dict(RACE=False, HAS_THR=False, BLOCK=2048)),
+           (sampling_ops._chunk_argmax_kernel, dict(RACE=True, HAS_THR=True, SEED_PTR=False,
+                                                    BLOCK=2048)),
+           (sampling_ops._chunk_argmax_kernel, dict(RACE=True, HAS_THR=False, SEED_PTR=True,
+                                                    BLOCK=2048)),
+           (sampling_ops._chunk_argmax_kernel, dict(RACE=False, HAS_THR=False, SEED_PTR=False,
+                                                    BLOCK=2048)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=0, BITS=4, BLOCK=1024, BLOCK_C=128,
                                                    FROM_TOP_P=True)),
            (sampling_ops._top_p_level_kernel, dict(LEVEL=3, BITS=4, BLOCK=1024, BLOCK_C=128,
