@@ -112,6 +112,7 @@ class Sampler:
         """logits: [num_reqs, vocab] float32, row i for requests[i]; may be modified in place."""
         return self.sample(logits, requests).result()
 
+    @torch.inference_mode()  # the buffers are inference tensors (captured so)
     def capture_graphs(self, buffers: list[torch.Tensor]) -> None:
         """Record a _SampleGraph over each static logits buffer [size, vocab] (the decode
         graphs' outputs; their contents are divided by 1 meanwhile). CUDA only."""

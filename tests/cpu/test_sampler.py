@@ -329,16 +329,19 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
     from mxserve.worker.sampler import _SampleGraph
 
     gen = torch.Generator().manual_seed(4)
-    buffer = torch.randn(4, 3000, generator=gen) * 3
+    with torch.inference_mode():  # as the decode graphs' buffers
+        buffer = torch.randn(4, 3000, generator=gen) * 3
     sampler = Sampler(seed=5)
     sampler._graphs[buffer.data_ptr()] = _SampleGraph(buffer)
     params = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3), dict(top_p=0.5)]
     for step in range(3):
-        buffer.copy_(torch.randn(4, 3000, generator=gen) * 3)
+        with torch.inference_mode():
+            buffer.copy_(torch.randn(4, 3000, generator=gen) * 3)
         logits = buffer[:3]
         before = logits.clone()
         requests = [make_request(str(i), **p) for i, p in enumerate(params)]
-        got = sampler.sample(logits, requests, static=buffer).result().token_ids
+        with torch.inference_mode():  # as the engine samples
+            got = sampler.sample(logits, requests, static=buffer).result().token_ids
         assert sampler.num_graph_samples == step + 1
         temps = torch.tensor([[0.7], [1.3], [1.0]])
         scaled = before / temps
@@ -347,8 +350,11 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
         assert got == race_rows(scaled, cut, seed).tolist()
     for other in (dict(temperature=0.0), dict(seed=3), dict(top_k=20), dict(min_p=0.1)):
         requests = [make_request("a", top_p=0.9), make_request("b", **other)]
-        sampler.sample(buffer[:2], requests, static=buffer).result()
+        with torch.inference_mode():
+            sampler.sample(buffer[:2], requests, static=buffer).result()
         assert sampler.num_graph_samples == 3, other
-    sampler.sample(buffer[1:3], [make_request("a"), make_request("b")], static=buffer).result()
-    sampler.sample(buffer[:2].clone(), [make_request("a"), make_request("b")]).result()
+    with torch.inference_mode():
+        two = [make_request("a"), make_request("b")]
+        sampler.sample(buffer[1:3], two, static=buffer).result()
+        sampler.sample(buffer[:2].clone(), two).result()
     assert sampler.num_graph_samples == 3
