@@ -179,7 +179,8 @@ class Sampler:
                    params: list[SamplingParams]) -> _SampleGraph | None:
         """The _SampleGraph that can sample these rows: logits are its buffer's first rows and
         every row takes the path it recorded (sampled, unseeded, top_k and min_p off)."""
-        if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr():
+        if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr() \
+                or TOP_P_ON_DEVICE is False:  # (the graph decides top_p on the device)
             return None
         graph = self._graphs.get(static.data_ptr())
         vocab = logits.shape[1]

@@ -320,11 +320,12 @@ def test_unseeded_sampler_is_reproducible_from_its_seed():
 # --- the sampler's graph of a static logits buffer (run as it is on CPU; replays: tests/gpu) ----
 
 
-def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
+def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race(monkeypatch):
     """A batch whose logits are the first rows of a buffer with a _SampleGraph, every row
     sampled the common way, goes through it: temperature, top_p cutoff and race of those rows
     as the kernels draw them with this call's seed (the rows past the batch do not matter);
-    a greedy row, a seed, top_k, min_p or logits that are not the buffer's start do not."""
+    a greedy row, a seed, top_k, min_p, logits that are not the buffer's start or top_p kept
+    off the device do not."""
     from mxserve.kernels.sampling_ops import race_rows, top_p_search_rows
     from mxserve.worker.sampler import _SampleGraph
 
@@ -357,4 +358,6 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
         two = [make_request("a"), make_request("b")]
         sampler.sample(buffer[1:3], two, static=buffer).result()
         sampler.sample(buffer[:2].clone(), two).result()
+        monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", False)
+        sampler.sample(buffer[:2], two, static=buffer).result()
     assert sampler.num_graph_samples == 3
