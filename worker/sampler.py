@@ -15,7 +15,8 @@ depend on what it is batched with; the others share the sampler's generator (on 
 row of the batch has a seed, Philox draws inside the fused race, kernels/sampling_ops.race_rows).
 
 `sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
-waits for it. Under async scheduling the engine completes the previous step before sampling this
+waits for it. A decode graph's logits sampled the common way go through one more graph
+(_SampleGraph, SAMPLE_GRAPHS). Under async scheduling the engine completes the previous step before sampling this
 one, so every earlier output token is on the host here.
 """
 
