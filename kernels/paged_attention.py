@@ -8,7 +8,9 @@ read once for all of them; at least 16 rows for tl.dot). It walks its context ra
 at a time with an online softmax (running max and sum in fp32, base 2); q k^T and p v run on
 tl.dot with fp32 accumulation, p rounded to the cache dtype for the second (as flash attention).
 - decode (BLOCK_Q = 1, memory bound): the context may be split; each split writes an fp32 partial
-  output and its log-sum-exp, merged by _merge_splits_kernel in a fixed order (no atomics).
+  output and its log-sum-exp, and the last split of a (query, KV head) to finish (an atomic
+  counter) merges them in split order, in the same launch (MERGE; _merge_splits_kernel, a launch
+  of its own, where the attention mass needs the merged lse): deterministic.
   Default splits (_decode_splits): none when the batch fills two programs an SM, else four an
   SM, at least MIN_SPLIT_TOKENS tokens a split.
 - prefill/extend: varlen chunks, causal over the cached context plus the chunk (K/V written first).
@@ -113,17 +115,22 @@ def _paged_attention_kernel(
     # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE)
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
     lse_ptr,
+    # MERGE: the final out [T, Hq, D] and the split counters [T, Hkv] (zero between calls)
+    final_ptr, counter_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh,
+    stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
     # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, MERGE: tl.constexpr, TRIGGER: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
+        gdc_launch_dependents()
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
     q_start, q_len, ctx, seq_len = _request(r, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, IS_DECODE)
@@ -159,6 +166,37 @@ def _paged_attention_kernel(
     if STORE_LSE:
         tl.store(lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse,
                  mask=row_ok)
+    if MERGE:  # decode: the last split of (query, KV head) to finish merges the partials
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = counter_ptr + r * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            o, _ = _merge_tile(out_ptr + r * stride_ot + heads[:, None] * stride_oh
+                               + offs_d[None, :], lse_ptr + r * stride_lt + heads * stride_lh,
+                               row_ok, row_mask, stride_os, NUM_SPLITS)
+            tl.store(final_ptr + r * stride_ft + heads[:, None] * stride_fh + offs_d[None, :],
+                     _cast_out(o, final_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
+            tl.atomic_xchg(counter, 0)  # re-arm for the next call
+
+
+@triton.jit
+def _merge_tile(part_ptrs, lse_ptrs, row_ok, row_mask, stride_os, NUM_SPLITS: tl.constexpr):
+    """(out [rows, D], lse [rows]): the splits' partials weighted by exp2(lse - max), summed in
+    split order (the fused merge and _merge_splits_kernel alike: the same bits)."""
+    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros(row_ok.shape, tl.float32)
+    acc = tl.zeros(row_mask.shape, tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"),
+                            cache_modifier=".cg") - m)  # 0 for empty splits
+        den += w
+        acc += w[:, None] * tl.load(part_ptrs + s * stride_os, mask=row_mask, other=0.0,
+                                    cache_modifier=".cg")
+    safe = tl.where(den > 0, den, 1.0)
+    return acc / safe[:, None], tl.where(den > 0, m + tl.log2(safe), float("-inf"))
 
 
 @triton.jit
@@ -167,29 +205,25 @@ def _merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_out_ptr,
     # strides
     stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
-    # shapes and tiling
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    # shapes and tiling: a program merges the GROUP query heads of one KV head
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
+    """The splits' merge in a launch of its own (where the attention mass needs the merged lse;
+    otherwise the attention kernel merges: MERGE)."""
     if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
         gdc_launch_dependents()
-    t, h = tl.program_id(0), tl.program_id(1)
-    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + (t * NUM_HEADS + h) * NUM_SPLITS + offs_s,
-                  mask=offs_s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S], base 2
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for empty splits
-    den = tl.sum(w, axis=0)
-    safe = tl.where(den > 0, den, 1.0)
-    mask = (offs_s < NUM_SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
-                   + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-    o = tl.sum(w[:, None] * part, axis=0) / safe
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
-             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=offs_d < HEAD_DIM)
-    tl.store(lse_out_ptr + t * NUM_HEADS + h, tl.where(den > 0, m + tl.log2(safe), float("-inf")))
+    t, kv_head = tl.program_id(0), tl.program_id(1)
+    g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    heads, row_ok = kv_head * GROUP + g, g < GROUP
+    row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o, lse = _merge_tile(part_ptr + t * stride_pt + heads[:, None] * stride_ph + offs_d[None, :],
+                         part_lse_ptr + (t * NUM_HEADS + heads) * NUM_SPLITS, row_ok, row_mask,
+                         stride_ps, NUM_SPLITS)
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
+    tl.store(lse_out_ptr + t * NUM_HEADS + heads, lse, mask=row_ok)
 
 
 @triton.jit
@@ -250,6 +284,21 @@ def _write_kv_kernel(
         tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + src, mask=mask), mask=mask)
         src = offs_h[:, None] * stride_vh + offs_d[None, :]
         tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + src, mask=mask), mask=mask)
+
+
+# int32 counters of the fused split merge, by device: zero between calls (the merging program
+# re-arms its own), made before any CUDA graph capture (the decode graphs' warm-up runs the
+# largest batch first); a call that would need more during a capture merges in its own kernel
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def _num_sms(device: torch.device) -> int:
@@ -328,20 +377,27 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
                 INTERP_BF16=interpreted_bf16(q.dtype, q), **opts)
+    # decode splits merged by the last split of each (query, KV head) to finish, in the same
+    # launch (the mass needs the merged lse: there the merge kernel runs)
+    counters = _split_counters(q.device, total_q * num_kv_heads) \
+        if is_decode and num_splits > 1 and not return_mass else None
+    merge = counters is not None
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, scale * LOG2E, tokens_per_split,
+            q, k_cache, v_cache, *index, part, lse_arg, out, counters if merge else lse_arg,
+            scale * LOG2E, tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
-            lse_arg.stride(0), lse_arg.stride(1), NUM_SPLITS=num_splits,
-            STORE_LSE=lse is not None, **meta)
-    if num_splits > 1 and total_q:
+            lse_arg.stride(0), lse_arg.stride(1), out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, STORE_LSE=lse is not None, MERGE=merge,
+            TRIGGER=merge and pdl_supported(q), **meta)
+    if num_splits > 1 and total_q and not merge:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
-        _merge_splits_kernel[(total_q, num_heads)](
+        _merge_splits_kernel[(total_q, num_kv_heads)](
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
+            out.stride(1), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, BLOCK_G=max(2, block_g), BLOCK_D=meta["BLOCK_D"],
             TRIGGER=pdl_supported(q), INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
