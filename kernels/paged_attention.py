@@ -126,8 +126,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, MERGE: tl.constexpr, TRIGGER: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
         gdc_launch_dependents()
@@ -170,31 +170,45 @@ def _paged_attention_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = counter_ptr + r * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            o, _ = _merge_tile(out_ptr + r * stride_ot + heads[:, None] * stride_oh
-                               + offs_d[None, :], lse_ptr + r * stride_lt + heads * stride_lh,
-                               row_ok, row_mask, stride_os, NUM_SPLITS)
-            tl.store(final_ptr + r * stride_ft + heads[:, None] * stride_fh + offs_d[None, :],
-                     _cast_out(o, final_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
+            g = tl.arange(0, MERGE_G)
+            mh, mok = kv_head * GROUP + g, g < GROUP
+            merged, _ = _merge_heads(out_ptr + r * stride_ot, lse_ptr + r * stride_lt, mh,
+                                     mok, stride_oh, stride_os, stride_lh, NUM_SPLITS, HEAD_DIM,
+                                     BLOCK_D, MERGE_CHUNK)
+            tl.store(final_ptr + r * stride_ft + mh[:, None] * stride_fh + offs_d[None, :],
+                     _cast_out(merged, final_ptr.dtype.element_ty, INTERP_BF16),
+                     mask=mok[:, None] & (offs_d < HEAD_DIM)[None, :])
             tl.atomic_xchg(counter, 0)  # re-arm for the next call
 
 
 @triton.jit
-def _merge_tile(part_ptrs, lse_ptrs, row_ok, row_mask, stride_os, NUM_SPLITS: tl.constexpr):
-    """(out [rows, D], lse [rows]): the splits' partials weighted by exp2(lse - max), summed in
-    split order (the fused merge and _merge_splits_kernel alike: the same bits)."""
-    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros(row_ok.shape, tl.float32)
-    acc = tl.zeros(row_mask.shape, tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - m)  # 0 for empty splits
-        den += w
-        acc += w[:, None] * tl.load(part_ptrs + s * stride_os, mask=row_mask, other=0.0,
-                                    cache_modifier=".cg")
+def _merge_heads(part_ptr, lse_ptr, heads, row_ok, stride_ph, stride_ps, stride_lh,
+                 NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """(out [heads, BLOCK_D], lse [heads]) of query `heads` of one query: their splits'
+    partials (fp32, at part_ptr + head * stride_ph + split * stride_ps) weighted by exp2(lse -
+    max), CHUNK splits a load, a running max across chunks (the fused merge and
+    _merge_splits_kernel alike: the same bits)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full(heads.shape, float("-inf"), tl.float32)
+    den = tl.zeros(heads.shape, tl.float32)
+    acc = tl.zeros((heads.shape[0], BLOCK_D), tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (s < NUM_SPLITS)[None, :]  # [G, CHUNK]
+        lse = tl.load(lse_ptr + heads[:, None] * stride_lh + s[None, :], mask=mask,
+                      other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_ptr + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                       + offs_d[None, None, :],
+                       mask=mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0,
+                       cache_modifier=".cg")  # [G, CHUNK, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # (all empty so far: weights 0)
+        alpha = tl.exp2(m - base)
+        w = tl.exp2(lse - base[:, None])  # 0 for empty splits
+        den = den * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=1)
+        m = m_new
     safe = tl.where(den > 0, den, 1.0)
     return acc / safe[:, None], tl.where(den > 0, m + tl.log2(safe), float("-inf"))
 
@@ -208,7 +222,7 @@ def _merge_splits_kernel(
     # shapes and tiling: a program merges the GROUP query heads of one KV head
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
+    CHUNK: tl.constexpr, TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     """The splits' merge in a launch of its own (where the attention mass needs the merged lse;
     otherwise the attention kernel merges: MERGE)."""
@@ -218,9 +232,9 @@ def _merge_splits_kernel(
     g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads, row_ok = kv_head * GROUP + g, g < GROUP
     row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o, lse = _merge_tile(part_ptr + t * stride_pt + heads[:, None] * stride_ph + offs_d[None, :],
-                         part_lse_ptr + (t * NUM_HEADS + heads) * NUM_SPLITS, row_ok, row_mask,
-                         stride_ps, NUM_SPLITS)
+    o, lse = _merge_heads(part_ptr + t * stride_pt, part_lse_ptr + t * NUM_HEADS * NUM_SPLITS,
+                          heads, row_ok, stride_ph, stride_ps, NUM_SPLITS, NUM_SPLITS, HEAD_DIM,
+                          BLOCK_D, CHUNK)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
     tl.store(lse_out_ptr + t * NUM_HEADS + heads, lse, mask=row_ok)
@@ -290,6 +304,12 @@ def _write_kv_kernel(
 # re-arms its own), made before any CUDA graph capture (the decode graphs' warm-up runs the
 # largest batch first); a call that would need more during a capture merges in its own kernel
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
+    """Splits a merge step loads at once: up to ~8k partial values (a [G, CHUNK, D] tile)."""
+    cap = max(2, 8192 // (triton.next_power_of_2(max(group, 2)) * triton.next_power_of_2(head_dim)))
+    return max(2, min(triton.next_power_of_2(num_splits), cap))
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
@@ -391,6 +411,7 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
             lse_arg.stride(0), lse_arg.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, STORE_LSE=lse is not None, MERGE=merge,
+            MERGE_G=max(2, block_g), MERGE_CHUNK=_merge_chunk(num_splits, group, head_dim),
             TRIGGER=merge and pdl_supported(q), **meta)
     if num_splits > 1 and total_q and not merge:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
@@ -398,7 +419,8 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits, BLOCK_G=max(2, block_g), BLOCK_D=meta["BLOCK_D"],
-            TRIGGER=pdl_supported(q), INTERP_BF16=meta["INTERP_BF16"])
+            CHUNK=_merge_chunk(num_splits, group, head_dim), TRIGGER=pdl_supported(q),
+            INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
         return out

@@ -44,12 +44,12 @@ def cases(flag):
         "rms_norm": (layer_ops._rms_norm_kernel, dict(
             HAS_RESIDUAL=True, BLOCK_N=2048, TRIGGER=flag, INTERP_BF16=False)),
         "merge_splits": (paged_attention._merge_splits_kernel, dict(
-            NUM_HEADS=32, GROUP=4, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_G=4, BLOCK_D=64,
+            NUM_HEADS=32, GROUP=4, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_G=4, BLOCK_D=64, CHUNK=8,
             TRIGGER=flag, INTERP_BF16=False)),
         "decode_attention_merged": (paged_attention._paged_attention_kernel, dict(
             GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=8, IS_DECODE=True, BLOCK_Q=1,
             BLOCK_G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, STORE_LSE=True, MERGE=True,
-            TRIGGER=flag, INTERP_BF16=False)),
+            MERGE_G=4, MERGE_CHUNK=8, TRIGGER=flag, INTERP_BF16=False)),
     }
 
 out = {}
