@@ -172,8 +172,11 @@ def _paged_attention_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
             g = tl.arange(0, MERGE_G)
             mh, mok = kv_head * GROUP + g, g < GROUP
+            # the splits holding context: a short one in a graph split for max_model_len
+            # uses a few of them
+            used = tl.minimum(tl.cdiv(kv_end, tokens_per_split), NUM_SPLITS)
             merged, _ = _merge_heads(out_ptr + r * stride_ot, lse_ptr + r * stride_lt, mh,
-                                     mok, stride_oh, stride_os, stride_lh, NUM_SPLITS, HEAD_DIM,
+                                     mok, stride_oh, stride_os, stride_lh, used, HEAD_DIM,
                                      BLOCK_D, MERGE_CHUNK)
             tl.store(final_ptr + r * stride_ft + mh[:, None] * stride_fh + offs_d[None, :],
                      _cast_out(merged, final_ptr.dtype.element_ty, INTERP_BF16),
@@ -182,20 +185,19 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_heads(part_ptr, lse_ptr, heads, row_ok, stride_ph, stride_ps, stride_lh,
-                 NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """(out [heads, BLOCK_D], lse [heads]) of query `heads` of one query: their splits'
-    partials (fp32, at part_ptr + head * stride_ph + split * stride_ps) weighted by exp2(lse -
-    max), CHUNK splits a load, a running max across chunks (the fused merge and
-    _merge_splits_kernel alike: the same bits)."""
+def _merge_heads(part_ptr, lse_ptr, heads, row_ok, stride_ph, stride_ps, stride_lh, num_used,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """(out [heads, BLOCK_D], lse [heads]) of query `heads` of one query: their first num_used
+    splits' partials (fp32, at part_ptr + head * stride_ph + split * stride_ps) weighted by
+    exp2(lse - max), CHUNK splits a load, a running max across chunks. The splits past those
+    attended nothing (weight 0: skipping them changes no bit)."""
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full(heads.shape, float("-inf"), tl.float32)
     den = tl.zeros(heads.shape, tl.float32)
     acc = tl.zeros((heads.shape[0], BLOCK_D), tl.float32)
-    for s0 in range(0, NUM_SPLITS, CHUNK):
+    for s0 in range(0, num_used, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (s < NUM_SPLITS)[None, :]  # [G, CHUNK]
+        mask = row_ok[:, None] & (s < num_used)[None, :]  # [G, CHUNK]
         lse = tl.load(lse_ptr + heads[:, None] * stride_lh + s[None, :], mask=mask,
                       other=float("-inf"), cache_modifier=".cg")
         part = tl.load(part_ptr + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
@@ -234,7 +236,7 @@ def _merge_splits_kernel(
     row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     o, lse = _merge_heads(part_ptr + t * stride_pt, part_lse_ptr + t * NUM_HEADS * NUM_SPLITS,
                           heads, row_ok, stride_ph, stride_ps, NUM_SPLITS, NUM_SPLITS, HEAD_DIM,
-                          BLOCK_D, CHUNK)
+                          BLOCK_D, CHUNK)  # (every split)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
     tl.store(lse_out_ptr + t * NUM_HEADS + heads, lse, mask=row_ok)
