@@ -8,9 +8,7 @@ read once for all of them; at least 16 rows for tl.dot). It walks its context ra
 at a time with an online softmax (running max and sum in fp32, base 2); q k^T and p v run on
 tl.dot with fp32 accumulation, p rounded to the cache dtype for the second (as flash attention).
 - decode (BLOCK_Q = 1, memory bound): the context may be split; each split writes an fp32 partial
-  output and its log-sum-exp, and the last split of a (query, KV head) to finish (an atomic
-  counter) merges them in split order, in the same launch (MERGE; _merge_splits_kernel, a launch
-  of its own, where the attention mass needs the merged lse): deterministic.
+  output and its log-sum-exp, merged by _merge_splits_kernel in a fixed order (no atomics).
   Default splits (_decode_splits): none when the batch fills two programs an SM, else four an
   SM, at least MIN_SPLIT_TOKENS tokens a split.
 - prefill/extend: varlen chunks, causal over the cached context plus the chunk (K/V written first).
@@ -115,22 +113,17 @@ def _paged_attention_kernel(
     # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE)
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
     lse_ptr,
-    # MERGE: the final out [T, Hq, D] and the split counters [T, Hkv] (zero between calls)
-    final_ptr, counter_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+    stride_os, stride_lt, stride_lh,
     # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
-    if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
-        gdc_launch_dependents()
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
     q_start, q_len, ctx, seq_len = _request(r, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, IS_DECODE)
@@ -166,53 +159,6 @@ def _paged_attention_kernel(
     if STORE_LSE:
         tl.store(lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse,
                  mask=row_ok)
-    if MERGE:  # decode: the last split of (query, KV head) to finish merges the partials
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        counter = counter_ptr + r * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            g = tl.arange(0, MERGE_G)
-            mh, mok = kv_head * GROUP + g, g < GROUP
-            # the splits holding context: a short one in a graph split for max_model_len
-            # uses a few of them
-            used = tl.minimum(tl.cdiv(kv_end, tokens_per_split), NUM_SPLITS)
-            merged, _ = _merge_heads(out_ptr + r * stride_ot, lse_ptr + r * stride_lt, mh,
-                                     mok, stride_oh, stride_os, stride_lh, used, HEAD_DIM,
-                                     BLOCK_D, MERGE_CHUNK)
-            tl.store(final_ptr + r * stride_ft + mh[:, None] * stride_fh + offs_d[None, :],
-                     _cast_out(merged, final_ptr.dtype.element_ty, INTERP_BF16),
-                     mask=mok[:, None] & (offs_d < HEAD_DIM)[None, :])
-            tl.atomic_xchg(counter, 0)  # re-arm for the next call
-
-
-@triton.jit
-def _merge_heads(part_ptr, lse_ptr, heads, row_ok, stride_ph, stride_ps, stride_lh, num_used,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """(out [heads, BLOCK_D], lse [heads]) of query `heads` of one query: their first num_used
-    splits' partials (fp32, at part_ptr + head * stride_ph + split * stride_ps) weighted by
-    exp2(lse - max), CHUNK splits a load, a running max across chunks. The splits past those
-    attended nothing (weight 0: skipping them changes no bit)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    m = tl.full(heads.shape, float("-inf"), tl.float32)
-    den = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros((heads.shape[0], BLOCK_D), tl.float32)
-    for s0 in range(0, num_used, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (s < num_used)[None, :]  # [G, CHUNK]
-        lse = tl.load(lse_ptr + heads[:, None] * stride_lh + s[None, :], mask=mask,
-                      other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_ptr + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
-                       + offs_d[None, None, :],
-                       mask=mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0,
-                       cache_modifier=".cg")  # [G, CHUNK, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(lse, axis=1))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # (all empty so far: weights 0)
-        alpha = tl.exp2(m - base)
-        w = tl.exp2(lse - base[:, None])  # 0 for empty splits
-        den = den * alpha + tl.sum(w, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=1)
-        m = m_new
-    safe = tl.where(den > 0, den, 1.0)
-    return acc / safe[:, None], tl.where(den > 0, m + tl.log2(safe), float("-inf"))
 
 
 @triton.jit
@@ -221,25 +167,29 @@ def _merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_out_ptr,
     # strides
     stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
-    # shapes and tiling: a program merges the GROUP query heads of one KV head
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, TRIGGER: tl.constexpr, INTERP_BF16: tl.constexpr,
+    # shapes and tiling
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
 ):
-    """The splits' merge in a launch of its own (where the attention mass needs the merged lse;
-    otherwise the attention kernel merges: MERGE)."""
     if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
         gdc_launch_dependents()
-    t, kv_head = tl.program_id(0), tl.program_id(1)
-    g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    heads, row_ok = kv_head * GROUP + g, g < GROUP
-    row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o, lse = _merge_heads(part_ptr + t * stride_pt, part_lse_ptr + t * NUM_HEADS * NUM_SPLITS,
-                          heads, row_ok, stride_ph, stride_ps, NUM_SPLITS, NUM_SPLITS, HEAD_DIM,
-                          BLOCK_D, CHUNK)  # (every split)
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
-    tl.store(lse_out_ptr + t * NUM_HEADS + heads, lse, mask=row_ok)
+    t, h = tl.program_id(0), tl.program_id(1)
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + (t * NUM_HEADS + h) * NUM_SPLITS + offs_s,
+                  mask=offs_s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S], base 2
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    den = tl.sum(w, axis=0)
+    safe = tl.where(den > 0, den, 1.0)
+    mask = (offs_s < NUM_SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(w[:, None] * part, axis=0) / safe
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
+             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=offs_d < HEAD_DIM)
+    tl.store(lse_out_ptr + t * NUM_HEADS + h, tl.where(den > 0, m + tl.log2(safe), float("-inf")))
 
 
 @triton.jit
@@ -300,27 +250,6 @@ def _write_kv_kernel(
         tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + src, mask=mask), mask=mask)
         src = offs_h[:, None] * stride_vh + offs_d[None, :]
         tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + src, mask=mask), mask=mask)
-
-
-# int32 counters of the fused split merge, by device: zero between calls (the merging program
-# re-arms its own), made before any CUDA graph capture (the decode graphs' warm-up runs the
-# largest batch first); a call that would need more during a capture merges in its own kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
-    """Splits a merge step loads at once: up to ~8k partial values (a [G, CHUNK, D] tile)."""
-    cap = max(2, 8192 // (triton.next_power_of_2(max(group, 2)) * triton.next_power_of_2(head_dim)))
-    return max(2, min(triton.next_power_of_2(num_splits), cap))
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return have
 
 
 def _num_sms(device: torch.device) -> int:
@@ -399,30 +328,21 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
                 INTERP_BF16=interpreted_bf16(q.dtype, q), **opts)
-    # decode splits merged by the last split of each (query, KV head) to finish, in the same
-    # launch (the mass needs the merged lse: there the merge kernel runs)
-    counters = _split_counters(q.device, total_q * num_kv_heads) \
-        if is_decode and num_splits > 1 and not return_mass else None
-    merge = counters is not None
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, out, counters if merge else lse_arg,
-            scale * LOG2E, tokens_per_split,
+            q, k_cache, v_cache, *index, part, lse_arg, scale * LOG2E, tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
-            lse_arg.stride(0), lse_arg.stride(1), out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, STORE_LSE=lse is not None, MERGE=merge,
-            MERGE_G=max(2, block_g), MERGE_CHUNK=_merge_chunk(num_splits, group, head_dim),
-            TRIGGER=merge and pdl_supported(q), **meta)
-    if num_splits > 1 and total_q and not merge:
+            lse_arg.stride(0), lse_arg.stride(1), NUM_SPLITS=num_splits,
+            STORE_LSE=lse is not None, **meta)
+    if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
-        _merge_splits_kernel[(total_q, num_kv_heads)](
+        _merge_splits_kernel[(total_q, num_heads)](
             part, lse, out, final, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-            out.stride(1), NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits, BLOCK_G=max(2, block_g), BLOCK_D=meta["BLOCK_D"],
-            CHUNK=_merge_chunk(num_splits, group, head_dim), TRIGGER=pdl_supported(q),
-            INTERP_BF16=meta["INTERP_BF16"])
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
+            TRIGGER=pdl_supported(q), INTERP_BF16=meta["INTERP_BF16"])
         lse = final
     if not return_mass:
         return out

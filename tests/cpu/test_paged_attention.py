@@ -162,26 +162,6 @@ def test_prefill(dtype, num_heads, num_kv_heads, head_dim, block_size):
                                    backend="triton").equal(got)  # default max_query_len: total
 
 
-def test_decode_split_merge_in_one_launch_rearms_its_counters():
-    """Without the mass the last split of each (query, KV head) merges in the attention launch:
-    the bits of the merge kernel's result, again and again (its counters back at zero after
-    each call; a counter left armed would merge nothing, leaving NaN)."""
-    from mxserve.kernels import paged_attention as pa
-
-    gen = seeded("fused merge")
-    seq_lens = [3, 40, 0, 17]
-    k_cache, v_cache, tables, _ = make_paged(seq_lens, 2, 16, 4, torch.float32, gen)
-    q, lens = torch.randn(4, 8, 16, generator=gen), torch.tensor(seq_lens, dtype=torch.int32)
-    separate, _ = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=5,
-                                         return_attn_mass=True, backend="triton")
-    for _ in range(3):
-        out = torch.full_like(q, math.nan)
-        paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=5, out=out,
-                               backend="triton")
-        assert out.equal(separate)
-        assert not pa._COUNTERS[q.device].any()
-
-
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_empty_context_gives_zeros(num_splits):
     """seq_len 0 (e.g. padding rows of a captured batch): zeros, never NaN."""
