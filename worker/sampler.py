@@ -16,8 +16,8 @@ row of the batch has a seed, Philox draws inside the fused race, kernels/samplin
 
 `sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
 waits for it. A decode graph's logits sampled the common way go through one more graph
-(_SampleGraph, SAMPLE_GRAPHS). Under async scheduling the engine completes the previous step before sampling this
-one, so every earlier output token is on the host here.
+(_SampleGraph, SAMPLE_GRAPHS). Under async scheduling the engine completes the previous step
+before sampling this one, so every earlier output token is on the host here.
 """
 
 from __future__ import annotations
