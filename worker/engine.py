@@ -16,9 +16,9 @@ Step N + 1 computes the token step N sampled before the host has seen it: the sc
 (Request.num_inflight) and the runner copies its id from N's samples on the device. Step N is
 completed before N + 1 samples, so the sampler sees every earlier token on the host (penalties,
 min_tokens), and a sampler that must wait for the device (top_p checked from the host, with
-sampler.TOP_P_ON_DEVICE off) waits after the completion work is done. A request whose in-flight token ends it (EOS, a stop id or string) got
-one step too many: that token is dropped. Length limits are known ahead: such a request is not
-scheduled again.
+sampler.TOP_P_ON_DEVICE off) waits after the completion work is done. A request whose in-flight
+token ends it (EOS, a stop id or string) got one step too many: that token is dropped. Length
+limits are known ahead: such a request is not scheduled again.
 """
 
 from __future__ import annotations
