@@ -118,9 +118,10 @@ class Sampler:
         """Record a _SampleGraph over each static logits buffer [size, vocab] (the decode
         graphs' outputs; their contents are divided by 1 meanwhile). CUDA only."""
         pool = torch.cuda.graph_pool_handle()
-        for buffer in buffers:
-            graph = _SampleGraph(buffer, capture_pool=pool)
-            self._graphs[buffer.data_ptr()] = graph
+        for buffer in buffers:  # as the fused race takes them (else the eager path samples)
+            if buffer.dtype == torch.float32 and buffer.stride(-1) == 1 \
+                    and buffer.numel() < 2**31:
+                self._graphs[buffer.data_ptr()] = _SampleGraph(buffer, capture_pool=pool)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                static: torch.Tensor | None = None) -> SampledTokens:
