@@ -1,6 +1,6 @@
 """Shared by the GPU benches: device time per call inside one CUDA graph, an engine's step times
-until it is idle, host time spent in a wrapped function, and the header every result JSON starts
-with."""
+until it is idle, host time spent in a wrapped function, a row recorder for sweeps, and the header
+every result JSON starts with."""
 
 from __future__ import annotations
 
@@ -68,6 +68,16 @@ def drain(engine) -> tuple[list[float], list[int]]:
             tokens += out.new_token_ids
         times.append((time.perf_counter() - t0) * 1e3)
     return times, tokens
+
+
+def recorder(rows: list):
+    """record(**row): append the row to `rows` and print it on one line (floats to 4 digits),
+    for the sweeps that print as they go."""
+    def record(**r):
+        rows.append(r)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in r.items()), flush=True)
+    return record
 
 
 def timed(totals: dict, key: str, fn):

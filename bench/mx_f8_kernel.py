@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from mxserve.kernels.mx import MXTensor, _unpack_codes, get_format
-from mxserve.kernels.mx_linear import _finish_decode
+from mxserve.kernels.mx_linear import _finish_decode, _word_offsets
 from mxserve.kernels.triton_compat import interpreted_bf16
 
 BLOCK = 32
@@ -174,9 +174,8 @@ def _mx_linear_decode_f8_kernel(
     tl.assume(j_lo < j_hi)
     if TILE:
         for j0 in range(j_lo, j_hi, 16):
-            jj = j0 + tl.arange(0, 16)
-            w16 = tl.load(words_ptr + ((rows[:, None] // TILE) * num_words + j0) * TILE
-                          + (rows[:, None] % TILE) * 16 + (jj % 16)[None, :])
+            w16 = tl.load(words_ptr + _word_offsets(rows[:, None], (j0 + tl.arange(0, 16))[None, :],
+                                                    num_words, stride_wn, TILE))
             e, o = tl.split(tl.reshape(w16, (BLOCK_N, 4, 2, 2)))  # [BN, t, b >> 1], b even/odd
             w0, w2 = tl.split(e)
             w1, w3 = tl.split(o)

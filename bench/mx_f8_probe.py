@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from gpu_timing import recorder  # bench/gpu_timing.py
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _launch_decode, prepare_mx_weight
@@ -78,11 +79,7 @@ def main() -> None:
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-
-    def record(**r):
-        rows.append(r)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in r.items()), flush=True)
+    record = recorder(rows)
 
     for n, k in [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]:
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from gpu_timing import recorder  # bench/gpu_timing.py
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _launch_decode, _launch_prefill, mx_linear, prepare_mx_weight
@@ -61,10 +62,7 @@ def main() -> None:
     def left() -> bool:
         return time.time() - t0 < args.budget
 
-    def record(**r):
-        rows.append(r)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in r.items()), flush=True)
+    record = recorder(rows)
 
     for si, (n, k) in enumerate(SHAPES):
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02

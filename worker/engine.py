@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mxserve.worker import sampler as sampler_module
 from mxserve.worker.block_hash import extend_block_hashes
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.errors import InvalidRequestError
@@ -326,7 +325,7 @@ def build_engine(config: EngineConfig) -> Engine:
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
     engine = Engine(runner, model_config, config, checkpoint.tokenizer)
     runner.capture_cuda_graphs(engine.max_model_len)
-    if runner.graphs is not None and sampler_module.SAMPLE_GRAPHS:
+    if runner.graphs is not None:
         engine.sampler.capture_graphs([g.logits for g in runner.graphs.graphs.values()])
     engine.generation_defaults = dict(checkpoint.generation_defaults)
     return engine

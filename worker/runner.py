@@ -32,8 +32,9 @@ class StepResult:
     logits: torch.Tensor
     # Final hidden states [num_sampling, hidden] of those rows, for a draft model (None otherwise).
     hidden_states: torch.Tensor | None = None
-    # The decode graph's static logits buffer whose first rows `logits` is (a replay where every
-    # row samples), for the sampler's own graph of it (sampler._SampleGraph); else None.
+    # The static logits buffer of the decode graph replayed (`logits` is its first rows when
+    # every row samples, else a copy), for the sampler's own graph of it (sampler._SampleGraph);
+    # None for an eager step.
     static_logits: torch.Tensor | None = None
 
 
@@ -134,10 +135,8 @@ class ModelRunner:
         if self.graphs is not None:
             if self.graphs.can_run(plan):
                 logits, hidden = self.graphs.run(plan)
-                static = self.graphs.graphs[self.graphs.last_size].logits
                 return StepResult(logits=logits, hidden_states=hidden,
-                                  static_logits=static if logits.data_ptr() == static.data_ptr()
-                                  else None)
+                                  static_logits=self.graphs.graphs[self.graphs.last_size].logits)
             self.graphs.last_size = None
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         meta = self.attn.build_metadata(AttentionBatch(

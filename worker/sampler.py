@@ -116,7 +116,10 @@ class Sampler:
     @torch.inference_mode()  # the buffers are inference tensors (captured so)
     def capture_graphs(self, buffers: list[torch.Tensor]) -> None:
         """Record a _SampleGraph over each static logits buffer [size, vocab] (the decode
-        graphs' outputs; their contents are divided by 1 meanwhile). CUDA only."""
+        graphs' outputs; their contents are divided by 1 meanwhile). CUDA only; nothing with
+        SAMPLE_GRAPHS off."""
+        if not SAMPLE_GRAPHS:
+            return
         pool = torch.cuda.graph_pool_handle()
         for buffer in buffers:  # as the fused race takes them (else the eager path samples)
             if buffer.dtype == torch.float32 and buffer.stride(-1) == 1 \
@@ -127,8 +130,8 @@ class Sampler:
                static: torch.Tensor | None = None) -> SampledTokens:
         """Queue the sampling of `logits` (as __call__) without waiting for the device (top_p
         from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass).
-        static: the buffer [size >= rows, vocab] whose first rows `logits` is, if it has a
-        _SampleGraph (a decode graph's output)."""
+        static: a decode graph's logits buffer [size >= rows, vocab]; its _SampleGraph samples
+        when `logits` is that buffer's first rows (not a copy of some of them)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
             return SampledTokens(_argmax(logits), (), [], params)
