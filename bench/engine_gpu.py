@@ -369,14 +369,15 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
     return {"rows": rows}
 
 
-def top_p_eager_sampler_sweep(args, llm) -> dict:
-    """The top_p sweep again with the sampler's kernels launched one by one (worker/sampler.py
-    SAMPLE_GRAPHS off), the baseline of its graph."""
+def eager_sampler_sweep(args, llm, sampling: dict = GREEDY,
+                        batches: list[int] | None = None) -> dict:
+    """A decode sweep again with the sampler's kernels launched one by one (worker/sampler.py
+    SAMPLE_GRAPHS off: no _SampleGraph, no _ArgmaxGraph), the baseline of its graphs."""
     from mxserve.worker import sampler
 
     keep, sampler.SAMPLE_GRAPHS = sampler.SAMPLE_GRAPHS, False
     try:
-        return decode_sweep(args, llm, TOP_P, args.top_p_batches)
+        return decode_sweep(args, llm, sampling, batches)
     finally:
         sampler.SAMPLE_GRAPHS = keep
 
@@ -635,6 +636,8 @@ def markdown(d: dict) -> str:
                       f"tok/s (async: {m['async_vs_sync_tok_s']}x), TPOT p50/p99 "
                       f"{m['sync']['tpot_ms_p50']}/{m['sync']['tpot_ms_p99']} ms."]
     for key, what in (("1b_decode_sweep", "greedy"),
+                      ("1b_decode_sweep_eager_sampler",
+                       "greedy, the argmax kernels launched one by one"),
                       ("1b_decode_sweep_top_p", "temperature 0.7, top_p 0.9"),
                       ("1b_decode_sweep_top_p_eager_sampler",
                        "temperature 0.7, top_p 0.9, the sampler's kernels launched one by one"),
@@ -744,8 +747,9 @@ def main() -> None:
             report.run("1b_decode_sweep", decode_sweep, args, llm)
             report.run("1b_decode_sweep_top_p", decode_sweep, args, llm, TOP_P,
                        args.top_p_batches)
-            report.run("1b_decode_sweep_top_p_eager_sampler", top_p_eager_sampler_sweep, args,
-                       llm)
+            report.run("1b_decode_sweep_eager_sampler", eager_sampler_sweep, args, llm)
+            report.run("1b_decode_sweep_top_p_eager_sampler", eager_sampler_sweep, args, llm,
+                       TOP_P, args.top_p_batches)
             report.run("1b_decode_sweep_top_p_host", top_p_host_sweep, args, llm)
         if llm is not None and "prefix" in sections:
             report.run("1b_prefix", prefix_section, args, shape, llm)

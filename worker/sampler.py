@@ -16,8 +16,9 @@ row of the batch has a seed, Philox draws inside the fused race, kernels/samplin
 
 `sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
 waits for it. A decode graph's logits sampled the common way go through one more graph
-(_SampleGraph, SAMPLE_GRAPHS). Under async scheduling the engine completes the previous step
-before sampling this one, so every earlier output token is on the host here.
+(_SampleGraph, SAMPLE_GRAPHS), a plain-greedy batch's through its argmax graph (_ArgmaxGraph).
+Under async scheduling the engine completes the previous step before sampling this one, so
+every earlier output token is on the host here.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ _TRITON_ARGMAX_ROWS = 64
 # The logits of a decode graph replay (cuda_graphs.py) sit in that graph's static buffer; when
 # every row of such a batch samples the common way (no greedy row, seed, top_k or min_p), its
 # temperature, top_p cutoff and race are one more graph replay (_SampleGraph, recorded for each
-# decode graph at start-up) instead of ~14 kernel launches from Python.
+# decode graph at start-up) instead of ~14 kernel launches from Python; a plain-greedy batch's
+# argmax is one replay of _ArgmaxGraph instead of two launches.
 SAMPLE_GRAPHS = True
 
 
@@ -106,8 +108,10 @@ class Sampler:
         self._race_calls = 0  # keys race_rows' draws (CUDA, rows without a seed)
         # Per device, the generator of rows without a seed (created lazily off CPU).
         self._generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
-        self._graphs: dict[int, _SampleGraph] = {}  # by the static logits buffer's address
-        self.num_graph_samples = 0  # calls served by a _SampleGraph (tests, stats)
+        # by the static logits buffer's address
+        self._graphs: dict[int, _SampleGraph] = {}
+        self._argmax_graphs: dict[int, _ArgmaxGraph] = {}
+        self.num_graph_samples = 0  # calls served by either graph (tests, stats)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [num_reqs, vocab] float32, row i for requests[i]; may be modified in place."""
@@ -115,26 +119,35 @@ class Sampler:
 
     @torch.inference_mode()  # the buffers are inference tensors (captured so)
     def capture_graphs(self, buffers: list[torch.Tensor]) -> None:
-        """Record a _SampleGraph over each static logits buffer [size, vocab] (the decode
-        graphs' outputs; their contents are divided by 1 meanwhile). CUDA only; nothing with
-        SAMPLE_GRAPHS off."""
+        """Record a _SampleGraph and an _ArgmaxGraph over each static logits buffer [size,
+        vocab] (the decode graphs' outputs; their contents are divided by 1 meanwhile) where
+        their kernels take it (else the eager path runs). CUDA only; nothing with SAMPLE_GRAPHS
+        off."""
         if not SAMPLE_GRAPHS:
             return
         pool = torch.cuda.graph_pool_handle()
-        for buffer in buffers:  # as the fused race takes them (else the eager path samples)
+        for buffer in buffers:
             if buffer.dtype == torch.float32 and buffer.stride(-1) == 1 \
-                    and buffer.numel() < 2**31:
+                    and buffer.numel() < 2**31:  # the fused race's
                 self._graphs[buffer.data_ptr()] = _SampleGraph(buffer, capture_pool=pool)
+            if buffer.is_floating_point() and buffer.stride(-1) == 1 \
+                    and buffer.shape[0] <= _TRITON_ARGMAX_ROWS:  # argmax_rows's, as _argmax
+                self._argmax_graphs[buffer.data_ptr()] = _ArgmaxGraph(buffer, capture_pool=pool)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                static: torch.Tensor | None = None) -> SampledTokens:
         """Queue the sampling of `logits` (as __call__) without waiting for the device (top_p
         from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass).
-        static: a decode graph's logits buffer [size >= rows, vocab]; its _SampleGraph samples
-        when `logits` is that buffer's first rows (not a copy of some of them)."""
+        static: a decode graph's logits buffer [size >= rows, vocab]; its _SampleGraph (or, for
+        a plain-greedy batch, its _ArgmaxGraph) samples when `logits` is that buffer's first
+        rows (not a copy of some of them)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
-            return SampledTokens(_argmax(logits), (), [], params)
+            graph = _static_graph(self._argmax_graphs, logits, static)
+            if graph is None:
+                return SampledTokens(_argmax(logits), (), [], params)
+            self.num_graph_samples += 1
+            return SampledTokens(graph.run(len(requests)), (), [], params)
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         raw_logprobs = _rows(logits, lp_rows).log_softmax(-1) if lp_rows else None  # a copy
         apply_min_tokens(logits, requests)
@@ -184,15 +197,13 @@ class Sampler:
                    params: list[SamplingParams]) -> _SampleGraph | None:
         """The _SampleGraph that can sample these rows: logits are its buffer's first rows and
         every row takes the path it recorded (sampled, unseeded, top_k and min_p off)."""
-        if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr() \
-                or TOP_P_ON_DEVICE is False:  # (the graph decides top_p on the device)
+        if TOP_P_ON_DEVICE is False:  # (the graph decides top_p on the device)
             return None
-        graph = self._graphs.get(static.data_ptr())
+        graph = _static_graph(self._graphs, logits, static)
         vocab = logits.shape[1]
-        if graph is None or graph.logits.shape[1] != vocab or logits.shape[0] > graph.size:
-            return None
-        if all(not sp.greedy and sp.seed is None and (sp.top_k <= 0 or sp.top_k >= vocab)
-               and sp.min_p <= 0.0 for sp in params):
+        if graph is not None and all(
+                not sp.greedy and sp.seed is None and (sp.top_k <= 0 or sp.top_k >= vocab)
+                and sp.min_p <= 0.0 for sp in params):
             return graph
         return None
 
@@ -237,8 +248,8 @@ class _SampleGraph:
         self._turn = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None
-        if logits.is_cuda:
-            self._capture(capture_pool)
+        if logits.is_cuda:  # (warmed up with the inputs at ones: the buffer divided by 1)
+            self.graph, self.tokens = _record(self._step, capture_pool)
 
     def _step(self) -> torch.Tensor:
         from mxserve.kernels.sampling_ops import race_rows, top_p_search_rows
@@ -247,18 +258,6 @@ class _SampleGraph:
         self.logits.div_(self.inputs[:n].view(n, 1))
         threshold = top_p_search_rows(self.logits, self.inputs[n:2 * n].view(n, 1))
         return race_rows(self.logits, threshold, self.inputs[2 * n:].view(torch.int32))
-
-    def _capture(self, pool) -> None:
-        # warm up off the capture stream (compiles); the inputs are ones: the buffer is divided
-        # by 1 and any tokens drawn are not read
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.tokens = self._step()
 
     def run(self, params: list[SamplingParams], seed: int) -> torch.Tensor:
         """Queue the sampling of the first len(params) rows -> tokens [rows] int64 (on the
@@ -281,6 +280,43 @@ class _SampleGraph:
         self._copied[turn].record()
         self.graph.replay()
         return self.tokens[:rows]
+
+
+class _ArgmaxGraph:
+    """The first maximal index of each row of one static logits buffer [size, vocab] (size <=
+    _TRITON_ARGMAX_ROWS: argmax_rows, as _argmax takes them eagerly), recorded once as a CUDA
+    graph (on CPU run as it is: tests): a plain-greedy decode batch's tokens in one replay
+    instead of two launches from the host. A call's rows are the buffer's first ones."""
+
+    def __init__(self, logits: torch.Tensor, capture_pool=None) -> None:
+        self.logits = logits  # held: the graph keeps its address
+        self.size = logits.shape[0]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens: torch.Tensor | None = None
+        if logits.is_cuda:
+            self.graph, self.tokens = _record(lambda: _argmax(self.logits), capture_pool)
+
+    def run(self, rows: int) -> torch.Tensor:
+        """Queue the argmax of the first `rows` rows -> tokens [rows] int64 (on the device,
+        valid until the next run)."""
+        if self.graph is None:
+            return _argmax(self.logits[:rows])
+        self.graph.replay()
+        return self.tokens[:rows]
+
+
+def _record(step, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """step() (no arguments, returns a tensor) as a CUDA graph in `pool`, warmed up off the
+    capture stream first (compiles): (graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -450,6 +486,18 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
         return argmax_rows(logits)
     return logits.argmax(-1)
+
+
+def _static_graph(graphs: dict, logits: torch.Tensor, static: torch.Tensor | None):
+    """The graph in `graphs` recorded over `static` when `logits` are that buffer's first rows
+    (not a copy of some of them) and it has room for them; else None."""
+    if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr():
+        return None
+    graph = graphs.get(static.data_ptr())
+    if graph is None or graph.logits.shape[1] != logits.shape[1] \
+            or logits.shape[0] > graph.size:
+        return None
+    return graph
 
 
 def _is_plain_greedy(r: Request) -> bool:

@@ -361,3 +361,34 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race(monkeypatc
         monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", False)
         sampler.sample(buffer[:2], two, static=buffer).result()
     assert sampler.num_graph_samples == 3
+
+
+def test_argmax_graph_takes_plain_greedy_batches_of_its_buffer(monkeypatch):
+    """A plain-greedy batch whose logits are the first rows of a buffer with an _ArgmaxGraph
+    gets its tokens from it (each row's first maximal index, the rows past the batch unread);
+    a batch with min_tokens still to go or a sampled row, logits that are not the buffer's
+    start, a copy, or SAMPLE_GRAPHS off take the eager paths, with the same tokens."""
+    from mxserve.worker.sampler import _ArgmaxGraph
+
+    gen = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        buffer = torch.randn(5, 700, generator=gen)
+        buffer[1, 3] = buffer[1, 9] = buffer[1].max() + 1  # a tie: the first index wins
+    sampler = Sampler(seed=1)
+    sampler._argmax_graphs[buffer.data_ptr()] = _ArgmaxGraph(buffer)
+    greedy = [make_request(str(i), temperature=0.0) for i in range(3)]
+    with torch.inference_mode():
+        got = sampler.sample(buffer[:3], greedy, static=buffer).result().token_ids
+    assert got == buffer[:3].argmax(-1).tolist() and got[1] == 3
+    assert sampler.num_graph_samples == 1
+    with torch.inference_mode():
+        eager = [sampler.sample(buffer[1:4], greedy, static=buffer),
+                 sampler.sample(buffer[:3].clone(), greedy, static=buffer),
+                 sampler.sample(buffer[:3], greedy),
+                 sampler.sample(buffer[:3], greedy[:2] + [make_request(  # its EOS: a low logit
+                     "m", temperature=0.0, min_tokens=2, eos=(int(buffer[2].argmin()),))],
+                     static=buffer)]
+        monkeypatch.setattr(sampler_mod, "SAMPLE_GRAPHS", False)
+        eager.append(sampler.sample(buffer[:3], greedy, static=buffer))
+    assert [e.result().token_ids for e in eager] == [buffer[1:4].argmax(-1).tolist()] + [got] * 4
+    assert sampler.num_graph_samples == 1

@@ -150,7 +150,8 @@ def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts, monke
     """Decode steps sampled by the sampler's own graph (temperature, top_p, the fused race)
     give the tokens the same sampler draws launching the kernels one by one: every row the
     same Philox draws (the race's seed is a graph input), padding rows unread. Some requests
-    are greedy, one has a seed: those steps take the eager path."""
+    are greedy, one has a seed: those steps take the eager path. All-greedy batches take the
+    argmax graph, with the eager argmax's tokens."""
     from mxserve.worker import sampler as sampler_module
 
     prompts = _prompts(num_prompts)
@@ -159,6 +160,8 @@ def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts, monke
     mixed = params[:-2] + [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
                            SamplingParams(temperature=0.9, seed=4, max_tokens=7,
                                           ignore_eos=True)]
+    greedy = [SamplingParams(temperature=0, max_tokens=10 + i, ignore_eos=True)
+              for i in range(num_prompts)]
     tokens = {}
     for on in (True, False):
         monkeypatch.setattr(sampler_module, "SAMPLE_GRAPHS", on)
@@ -167,5 +170,8 @@ def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts, monke
         tokens[on] = [[o.token_ids for o in llm.generate(prompts, p)] for p in (params, mixed)]
         served = llm.engine.sampler.num_graph_samples
         assert (served > 0) == on
+        tokens[on].append([o.token_ids for o in llm.generate(prompts, greedy)])
+        # every greedy decode step but a batch's first (its prefill) replays the argmax graph
+        assert (llm.engine.sampler.num_graph_samples - served >= 9) == on
     assert tokens[True] == tokens[False]
     assert len({tuple(t) for t in tokens[True][0]}) > 1
