@@ -32,7 +32,8 @@ from mxserve.kernels.mx_linear import _launch_decode, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192), (16384, 2048)]
 # name -> block_n, programs per SM, max steps a split, pipe (0: a wait after every wgmma;
-# 2: block b + 1's wgmma issued before block b's partial is read, a drain a step)
+# 2: block b + 1's wgmma issued before block b's partial is read, a drain a step), [steps of
+# words loaded ahead (1)]
 VARIANTS = {
     "g-n128p4w0": (128, 4, 16, 0),
     "g-n128p4w2": (128, 4, 16, 2),
@@ -40,6 +41,8 @@ VARIANTS = {
     "g-n128p6w2": (128, 6, 16, 2),
     "g-n128p4s32w2": (128, 4, 32, 2),
     "g-n64p8w0": (64, 8, 16, 0),
+    "g-n128p4w2d2": (128, 4, 16, 2, 2),
+    "g-n128p4s32w2d2": (128, 4, 32, 2, 2),
 }
 
 
@@ -107,8 +110,9 @@ def main() -> None:
             gparts = g.prepare_x_rows(x, mp)
             record(**shape, var="prepare_x_rows", us=us(lambda x=x, mp=mp: g.prepare_x_rows(x, mp)))
             for name in args.variants.split(","):
-                bn, pps, max_steps, pipe = VARIANTS[name]
-                opts = dict(block_n=bn, programs_per_sm=pps, max_steps=max_steps, pipe=pipe)
+                bn, pps, max_steps, pipe, *depth = VARIANTS[name]
+                opts = dict(block_n=bn, programs_per_sm=pps, max_steps=max_steps, pipe=pipe,
+                            depth=depth[0] if depth else 1)
                 for with_prep in (True, False):
                     def fn(x=x, ws=weights["f8t"], opts=opts,
                            x_parts=None if with_prep else gparts):
