@@ -14,7 +14,9 @@ instructions reading accumulator registers ... between start and end of the pipe
 when one is in flight across it (tried: the loop-carried copy reads its registers). `PIPE=0`
 waits after every wgmma, as Triton does. Measured (bench/results/mx_f8_gluon_probe.md): the two
 are within 1%, so the wgmma wait is not what bounds this kernel; neither is the words' prefetch
-depth (`DEPTH=2`, two steps ahead, measured no faster).
+depth (`DEPTH=2`, two steps ahead, measured no faster). Splitting x inside the kernel was tried
+and dropped: no faster, and wrong, because of the fp8 -> fp32 upcast of hi in that layout
+(bench/gluon_fp8_split_diag.py).
 
 Shapes, swap-AB: the wgmma's M is the weight rows (64 a warpgroup, decoded in registers: the
 register operand), its N is x's rows, hi parts then lo parts (NX = 2 * MP columns: the lo part
