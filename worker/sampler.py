@@ -125,6 +125,9 @@ class Sampler:
         off."""
         if not SAMPLE_GRAPHS:
             return
+        # One pool for all of them: a replay may reuse what another's capture freed, so a
+        # graph's tokens hold until the next sampler replay of any size. They are consumed
+        # before it: the host copy and the next step's inputs are queued ahead of it.
         pool = torch.cuda.graph_pool_handle()
         for buffer in buffers:
             if buffer.dtype == torch.float32 and buffer.stride(-1) == 1 \
