@@ -26,17 +26,13 @@ results/mx_decode_probe.fp6_halves.json: FP6 decoded in two 128-k halves, one do
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
-from gpu_timing import recorder  # bench/gpu_timing.py
+from gpu_timing import graph_median_us, recorder, write_sweep  # bench/gpu_timing.py
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight
@@ -116,10 +112,6 @@ def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm, tiled=Fa
                                          num_stages=num_stages)
 
 
-def us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/mx_decode_probe.json")
@@ -157,7 +149,7 @@ def main() -> None:
                 def fn(cfg=cfg, pps=pps, tiled=tiled, ws=pcopies, sink=sink):
                     for w_i in ws:
                         load_probe(w_i, sink, *cfg, pps, tiled)
-                t = us(fn) / len(pcopies)
+                t = graph_median_us(fn) / len(pcopies)
                 record(N=n, K=k, fmt=fmt, M=0, var=f"{'t' if tiled else ''}load{cfg[0]}w{cfg[1]}"
                        f"s{cfg[2]}p{pps}", us=t, tbs=mbytes / t / 1e6)
             del pcopies
@@ -168,7 +160,8 @@ def main() -> None:
                 ref = x.float() @ deq.T
                 dense = [w_bf16] + ([w_bf16.clone() for _ in range(int(120e6 // (2 * n * k)))]
                                     if args.past_l2 else [])
-                t_bf16 = us(lambda x=x, ws=dense: [F.linear(x, w_i) for w_i in ws]) / len(dense)
+                t_bf16 = graph_median_us(
+                    lambda x=x, ws=dense: [F.linear(x, w_i) for w_i in ws]) / len(dense)
                 record(N=n, K=k, fmt="bf16", M=m, var="cublas", us=t_bf16,
                        tbs=n * k * 2 / t_bf16 / 1e6)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -187,19 +180,14 @@ def main() -> None:
                     try:
                         fn()
                         err = ((out.float() - ref).norm() / ref.norm()).item()
-                        t = us(fn) / len(copies)
+                        t = graph_median_us(fn) / len(copies)
                     except Exception as exc:  # a config Triton cannot compile: say so, go on
                         record(N=n, K=k, fmt=fmt, M=m, var=name, error=str(exc)[:200])
                         continue
                     record(N=n, K=k, fmt=fmt, M=m, var=name, us=t, x_bf16=t_bf16 / t,
                            tbs=mbytes / t / 1e6, err=err)
             torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(),
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "triton": triton.__version__, "command": " ".join(sys.argv), "rows": rows}
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"done in {time.time() - t0:.0f} s, {len(rows)} rows")
+    write_sweep(args.out, rows, t0)
 
 
 if __name__ == "__main__":

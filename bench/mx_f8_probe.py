@@ -14,20 +14,10 @@ prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
 
 import mx_f8_kernel as f8  # bench/mx_f8_kernel.py
-import torch
-import torch.nn.functional as F
-import triton
-import triton.testing
-from gpu_timing import recorder  # bench/gpu_timing.py
-
-from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import _launch_decode, prepare_mx_weight
+from gpu_timing import graph_median_us, mx_decode_cases, recorder, write_sweep  # bench/
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192), (16384, 2048)]
 # name -> block_n, num_warps, num_stages, programs per SM, mode (True: x's parts against the
@@ -64,10 +54,6 @@ VARIANTS = {
 }
 
 
-def us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/mx_f8_probe.json")
@@ -77,70 +63,31 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16")
     args = ap.parse_args()
     t0 = time.time()
-    gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     record = recorder(rows)
-
-    for n, k in [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]:
-        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-        q = quantize_mx(w, "e2m1")
-        deq = dequantize_mx(q, torch.float32)
-        mbytes = n * k // 2 + n * k // 32
-        ncopies = 1 + int(120e6 // mbytes)
-        weights = {"tc": [prepare_mx_weight(q) for _ in range(ncopies)],
-                   "f8": [f8.prepare_weight(q) for _ in range(ncopies)],
-                   "f8t": [f8.prepare_weight(q, tile=64) for _ in range(ncopies)],
-                   "dense": [w.to(torch.bfloat16) for _ in range(1 + int(120e6 // (2 * n * k)))]}
-        for m in [int(v) for v in args.ms.split(",")]:
-            if time.time() - t0 > args.budget:
-                break
-            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            ref = x.float() @ deq.T
-            shape = dict(N=n, K=k, M=m)
-            dense = weights["dense"]
-            t_bf16 = us(lambda x=x, ws=dense: [F.linear(x, d) for d in ws]) / len(dense)
-            record(**shape, var="cublas", us=t_bf16, tbs=n * k * 2 / t_bf16 / 1e6)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-
-            def tc_fn(x=x, out=out, ws=weights["tc"]):
-                for w_i in ws:
-                    _launch_decode(x, w_i, out, None, None, tc=True)
-                return out
-            err = ((tc_fn().float() - ref).norm() / ref.norm()).item()
-            t_tc = us(tc_fn) / ncopies
-            record(**shape, var="bf16tc", us=t_tc, x_bf16=t_bf16 / t_tc,
-                   tbs=mbytes / t_tc / 1e6, err=err)
-            parts = f8.prepare_x(x)
-            record(**shape, var="prepare_x", us=us(lambda x=x: f8.prepare_x(x)))
-            for name in args.variants.split(","):
-                bn, nw, ns, pps, mode, *tile = VARIANTS[name]
-                if mode in ("stack", "stackx") and m > 4:
-                    continue
-                opts = dict(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=pps,
-                            dup=mode is not False, lag=mode == "lag", no_scale=mode == "noscale",
-                            stack=mode in ("stack", "stackx"), inkx=mode == "stackx")
-                for with_prep in (True, False):
-                    def fn(x=x, ws=weights["f8t" if tile else "f8"], opts=opts,
-                           x_parts=None if with_prep else parts):
-                        for w_i in ws:
-                            y = f8.mx_linear_f8(x, w_i, x_parts=x_parts, **opts)
-                        return y
-                    try:
-                        err = ((fn().float() - ref).norm() / ref.norm()).item()
-                        t = us(fn) / ncopies
-                    except Exception as exc:  # a variant Triton cannot compile: say so, go on
-                        record(**shape, var=name, error=str(exc)[:300])
-                        break
-                    record(**shape, var=name + ("" if with_prep else "-noprep"), us=t,
-                           x_bf16=t_bf16 / t, x_tc=t_tc / t, tbs=mbytes / t / 1e6, err=err)
-        del weights
-        torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(),
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "triton": triton.__version__, "command": " ".join(sys.argv), "rows": rows}
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"done in {time.time() - t0:.0f} s, {len(rows)} rows")
+    shapes = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
+    prepare = {"f8": f8.prepare_weight, "f8t": lambda q: f8.prepare_weight(q, tile=64)}
+    for case in mx_decode_cases(shapes, [int(v) for v in args.ms.split(",")], record,
+                                t0 + args.budget, prepare):
+        x, m = case.x, case.shape["M"]
+        parts = f8.prepare_x(x)
+        record(**case.shape, var="prepare_x", us=graph_median_us(lambda x=x: f8.prepare_x(x)))
+        for name in args.variants.split(","):
+            bn, nw, ns, pps, mode, *tile = VARIANTS[name]
+            if mode in ("stack", "stackx") and m > 4:
+                continue
+            opts = dict(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                        dup=mode is not False, lag=mode == "lag", no_scale=mode == "noscale",
+                        stack=mode in ("stack", "stackx"), inkx=mode == "stackx")
+            for with_prep in (True, False):
+                def fn(x=x, ws=case.weights["f8t" if tile else "f8"], opts=opts,
+                       x_parts=None if with_prep else parts):
+                    for w_i in ws:
+                        y = f8.mx_linear_f8(x, w_i, x_parts=x_parts, **opts)
+                    return y
+                if not case.time(name + ("" if with_prep else "-noprep"), fn):
+                    break  # a variant Triton cannot compile: said, go on
+    write_sweep(args.out, rows, t0)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
-from gpu_timing import recorder  # bench/gpu_timing.py
+from gpu_timing import graph_median_us, recorder  # bench/gpu_timing.py
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _launch_decode, _launch_prefill, mx_linear, prepare_mx_weight
@@ -39,10 +38,6 @@ PREFILL = {
     "fused128x256x64": (128, 256, 64, 8, 3),
     "fused128x128x128": (128, 128, 128, 8, 3),
 }
-
-
-def us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 
 def rel_err(y, ref) -> float:
@@ -75,7 +70,7 @@ def main() -> None:
             if not left():
                 break
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            t_bf16 = us(lambda x=x, w_bf16=w_bf16: F.linear(x, w_bf16))
+            t_bf16 = graph_median_us(lambda x=x, w_bf16=w_bf16: F.linear(x, w_bf16), rep=20)
             record(N=n, K=k, M=m, fmt="bf16", var="cublas", us=t_bf16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for f in fmts:
@@ -95,7 +90,7 @@ def main() -> None:
                         out.fill_(float("nan"))
                         fn()
                         err = rel_err(out, ref)
-                        t = us(fn)
+                        t = graph_median_us(fn, rep=20)
                         record(N=n, K=k, M=m, fmt=f, var=v, us=t, x=t_bf16 / t, err=err)
                 else:
                     names = ["dequant"] + [p for p in PREFILL if m < 2048 or "64x128" not in p]
@@ -113,7 +108,7 @@ def main() -> None:
                         out.fill_(float("nan"))
                         fn()
                         err = rel_err(out, ref)
-                        t = us(fn)
+                        t = graph_median_us(fn, rep=20)
                         record(N=n, K=k, M=m, fmt=f, var=v, us=t, x=t_bf16 / t, err=err)
         torch.cuda.empty_cache()
     with open(args.out, "w") as fh:
