@@ -14,6 +14,7 @@ order, each written to the JSON as soon as it ends (a failing one records its er
   (`async_scheduling=False`, the same engine, in the same run); "eager step" the same with
   `enforce_eager=True`. Roofline = bytes of weights a decode step reads (every decoder linear and
   the LM head; bf16 2 bytes, MXFP4 4.25 bits a weight) / the measured copy bandwidth.
+  Section `mxhead` (not in the default list): MXFP4 with `quantize_lm_head`, the LM head MXFP4 too.
 - mix (bf16): 512 requests all at t=0, lognormal prompt (median 220, sigma 0.9, 16..2048) and
   output (median 150, sigma 0.9, 8..1024) lengths: output tok/s over the whole run, TTFT and time
   per output token p50/p99 (per request: (finish - first token) / (outputs - 1)), preemptions, KV
@@ -107,14 +108,15 @@ def hf_config_dict(shape: str) -> dict:
         return json.load(f)
 
 
-def step_bytes(llm, bits: float) -> int:
+def step_bytes(llm, bits: float, head_bits: float = 16) -> int:
     """Weight bytes one decode step reads: decoder linears at `bits` a weight (+ an E8M0 scale
-    per 32 when MX) and the bf16 LM head; norms and the embedding row are negligible."""
+    per 32 when MX) and the LM head at `head_bits` (bf16 unless `quantize_lm_head`); norms and
+    the embedding row are negligible."""
     cfg = llm.engine.model_config
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     linears = per_layer * cfg.num_hidden_layers
-    return int(linears * bits / 8 + cfg.vocab_size * cfg.hidden_size * 2)
+    return int((linears * bits + cfg.vocab_size * cfg.hidden_size * head_bits) / 8)
 
 
 # ---- sections --------------------------------------------------------------------------------
@@ -156,9 +158,10 @@ def decode_batch1(args, llm, num_tokens: int, async_scheduling: bool = True) -> 
     return out
 
 
-def batch1_section(args, shape: str, bw: float, quant: str | None) -> dict:
+def batch1_section(args, shape: str, bw: float, quant: str | None, head: bool = False) -> dict:
+    """head: `quantize_lm_head` (the LM head in `quant` too)."""
     llm, load_s = make_llm(args, shape, quantization=quant, max_num_seqs=8,
-                           kv_cache_memory_gb=2.0)
+                           kv_cache_memory_gb=2.0, quantize_lm_head=head)
     res = {"load_s": load_s, "graph_capture_s": _capture_s(llm)}
     decode_batch1(args, llm, 16)  # warm-up
     sync = decode_batch1(args, llm, args.batch1_tokens, async_scheduling=False)
@@ -166,7 +169,7 @@ def batch1_section(args, shape: str, bw: float, quant: str | None) -> dict:
     res["sync_engine_step_ms_p50"] = sync["engine_step_ms_p50"]
     res["async_vs_sync_step"] = round(sync["engine_step_ms_p50"] / res["engine_step_ms_p50"], 3)
     bits = 16 if quant is None else 4.25
-    res["weight_bytes_per_step"] = step_bytes(llm, bits)
+    res["weight_bytes_per_step"] = step_bytes(llm, bits, bits if head else 16)
     res["roofline_ms"] = round(res["weight_bytes_per_step"] / (bw * 1e12) * 1e3, 4)
     for key in ("graph_replay_ms_p50", "engine_step_ms_p50"):
         if key in res:
@@ -174,7 +177,7 @@ def batch1_section(args, shape: str, bw: float, quant: str | None) -> dict:
     del llm
     free()
     eager, _ = make_llm(args, shape, quantization=quant, max_num_seqs=8, kv_cache_memory_gb=2.0,
-                        enforce_eager=True)
+                        enforce_eager=True, quantize_lm_head=head)
     decode_batch1(args, eager, 16)
     res["eager_step_ms_p50"] = decode_batch1(args, eager, 64)["engine_step_ms_p50"]
     if quant is None and torch.cuda.is_available():
@@ -587,6 +590,10 @@ def summary(s: dict) -> dict:
         if bf and mx:
             out[f"{shape}_mxfp4_speedup_vs_bf16_step"] = round(
                 bf["engine_step_ms_p50"] / mx["engine_step_ms_p50"], 3)
+        head = s.get(f"{shape}_mxfp4_head_batch1")
+        if bf and head:  # quantize_lm_head
+            out[f"{shape}_mxfp4_head_speedup_vs_bf16_step"] = round(
+                bf["engine_step_ms_p50"] / head["engine_step_ms_p50"], 3)
     if s.get("1b_mix") and s.get("1b_hf"):
         out["1b_mix_vs_hf_best"] = round(s["1b_mix"]["output_tok_s"] / s["1b_hf"]["best_tok_s"], 2)
     if s.get("1b_prefix"):
@@ -611,7 +618,8 @@ def markdown(d: dict) -> str:
     lines += ["", "| batch-1 decode | roofline ms | graph replay ms | engine step ms | "
               "sync engine step ms | eager step ms | step / roofline |",
               "|---|---|---|---|---|---|---|"]
-    for key in ("1b_bf16_batch1", "1b_mxfp4_batch1", "8b_bf16_batch1", "8b_mxfp4_batch1"):
+    for key in ("1b_bf16_batch1", "1b_mxfp4_batch1", "1b_mxfp4_head_batch1", "8b_bf16_batch1",
+                "8b_mxfp4_batch1", "8b_mxfp4_head_batch1"):
         r = s.get(key)
         if r:
             lines.append(f"| {key} | {r['roofline_ms']} | {r.get('graph_replay_ms_p50')} | "
@@ -734,6 +742,8 @@ def main() -> None:
             report.run(f"{role}_bf16_batch1", batch1_section, args, shape, bw, None)
         if "mx" in sections:
             report.run(f"{role}_mxfp4_batch1", batch1_section, args, shape, bw, "mxfp4")
+        if "mxhead" in sections:
+            report.run(f"{role}_mxfp4_head_batch1", batch1_section, args, shape, bw, "mxfp4", True)
         if role != "1b":
             if "mix8b" in sections:
                 mixed = report.run(f"{role}_mix", mix_section, args, shape)

@@ -6,6 +6,8 @@ decoder's linear weights (q/k/v/o, gate/up/down) as they are and after an MX rou
 (dequantize(quantize(w))) for MXFP6 e2m3, MXFP6 e3m2, MXFP4 e2m1 (OCP floor scales) and MXFP4 with
 ceil scales. Embeddings and the (tied) LM head stay in full precision, as `mxserve quantize` keeps
 them. "full" is the checkpoint as shipped: the GGUF holds Q4_1 / Q8_0 weights, dequantized to fp32.
+The `_head` variants are the engine's own loading with `quantize_lm_head` (EngineConfig): the
+decoder linears and the LM head quantized while loading (floor scales), the embedding kept.
 
     python bench/mx_quality.py [--tokens 50000] [--window 1024]
 """
@@ -33,7 +35,9 @@ VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2"
             "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil"),
             # the CPU engine's weights: bf16-rounded (dense path) and its 4-bit copy
             # (worker/model/int4.py, re-quantized from the bf16 weights), for --variants
-            "bf16": ("bf16", None), "cpu_int4": ("int4", None)}
+            "bf16": ("bf16", None), "cpu_int4": ("int4", None),
+            # quantization= and quantize_lm_head, as the engine loads them, for --variants
+            "mxfp6_e2m3_head": ("engine", "mxfp6"), "mxfp4_e2m1_head": ("engine", "mxfp4")}
 DEFAULT_VARIANTS = "full,mxfp6_e2m3,mxfp6_e3m2,mxfp4_e2m1,mxfp4_e2m1_ceil"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -68,6 +72,11 @@ def mx_round_trip(name: str, w: torch.Tensor, variant) -> torch.Tensor:
 
 
 def build_model(checkpoint, variant) -> LlamaForCausalLM:
+    if variant is not None and variant[0] == "engine":
+        model = LlamaForCausalLM(checkpoint.config, dtype=torch.float32, quantization=variant[1],
+                                 quantize_lm_head=True)
+        model.load_weights(checkpoint.weights(progress=False))
+        return model.eval()
     model = LlamaForCausalLM(checkpoint.config, dtype=torch.float32)
     model.load_weights((n, mx_round_trip(n, w, variant)) for n, w in
                        checkpoint.weights(progress=False))

@@ -17,6 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--quantization", default=None, choices=["mxfp4", "mxfp6", "mxfp6_e3m2"],
                    help="MX weights for the decoder linears, quantized while loading")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="the LM head in the same MX format too (needs an MX model)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +113,8 @@ def _llm(args):
     from mxserve.worker.llm import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, quantization=args.quantization)
+               max_model_len=args.max_model_len, quantization=args.quantization,
+               quantize_lm_head=args.quantize_lm_head)
 
 
 def cmd_generate(args) -> int:

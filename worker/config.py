@@ -38,6 +38,12 @@ class EngineConfig:
     # MX weights for the decoder linears (q/k/v/o, gate/up/down), quantized while loading a
     # full-precision checkpoint (one from `mxserve quantize` is MX already; None serves it as is).
     quantization: str | None = None
+    # The LM head in the decoder linears' MX format too, quantized while loading (a tied model's
+    # head gets its own MX copy; the embedding keeps its weights). Needs an MX model. Faster
+    # small-batch decode (the head is the largest single weight a step reads), at a perplexity
+    # cost bench/results/mx_quality.md measures; logits then come from the MX kernel in the
+    # activations' dtype.
+    quantize_lm_head: bool = False
     # "auto": read the checkpoint's weights; "dummy": random weights of its architecture, made on
     # the device from a config alone (`model` = a directory with config.json, or a name in
     # DUMMY_MODELS, worker/model/dummy.py), seeded by `seed`. For benchmarks; no tokenizer needed.

@@ -48,14 +48,23 @@ def quantized(sources, tmp_path_factory):
     return get
 
 
-def _round_trip_dir(src: str, fmt: str, out) -> str:
-    """A float checkpoint whose decoder linears are dequantize(quantize(w)): the reference."""
+def _round_trip_dir(src: str, fmt: str, out, head: bool = False) -> str:
+    """A float checkpoint whose decoder linears (and with `head` its LM head: a tied one untied,
+    the embedding kept) are dequantize(quantize(w)): the reference."""
     shutil.copytree(src, out)
     tensors = load_file(f"{src}/model.safetensors")
+    round_trip = lambda w: dequantize_mx_torch(quantize_mx_torch(w, MX_QUANTIZATIONS[fmt]),  # noqa: E731
+                                               w.dtype)
     for name, w in tensors.items():
         if mx_layers.is_mx_linear(name):
-            mx = quantize_mx_torch(w, MX_QUANTIZATIONS[fmt])
-            tensors[name] = dequantize_mx_torch(mx, w.dtype)
+            tensors[name] = round_trip(w)
+    if head:
+        tensors["lm_head.weight"] = round_trip(tensors.get("lm_head.weight",
+                                                           tensors["model.embed_tokens.weight"]))
+        with open(f"{out}/config.json") as f:
+            config = json.load(f)
+        with open(f"{out}/config.json", "w") as f:
+            json.dump({**config, "tie_word_embeddings": False}, f)
     save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
     return str(out)
 
@@ -137,6 +146,25 @@ def test_served_model_equals_round_trip_reference_and_on_the_fly(sources, quanti
     assert from_dir[0] != _run(sources[arch])[0]  # the quantization did change the model
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantize_lm_head_serves_the_round_tripped_head(tiny_checkpoint, tmp_path, monkeypatch,
+                                                       tied):
+    """quantize_lm_head: the LM head too is dequantize(quantize(w)), a tied model's embedding
+    stays as it was; from a float checkpoint and from an `mxserve quantize` one alike, and in
+    the packed form a GPU keeps (mx_linear, here its reference)."""
+    src = str(tiny_checkpoint("llama", tie_word_embeddings=tied))
+    reference = _run(_round_trip_dir(src, "mxfp4", tmp_path / "ref", head=True))
+    on_the_fly = _run(src, quantization="mxfp4", quantize_lm_head=True)
+    _assert_same(on_the_fly, reference)
+    from_dir = quantize_checkpoint(src, "mxfp4", str(tmp_path / "q"), progress=False)
+    _assert_same(_run(from_dir, quantize_lm_head=True), reference)
+    head_kept = _run(src, quantization="mxfp4")
+    worst = max((x - y).abs().max().item() for x, y in zip(head_kept[1], on_the_fly[1]))
+    assert worst > 1e-2  # the head's quantization did change the logits
+    monkeypatch.setattr(mx_layers, "packed_on", lambda device: True)
+    _assert_same(_run(src, quantization="mxfp4", quantize_lm_head=True), reference)
+
+
 def test_packed_form_matches_the_dequantized_form(sources, quantized, monkeypatch):
     """What a GPU keeps (packed weights, mx_linear) on CPU, where mx_linear is its reference."""
     out = quantized("qwen2-bias", "mxfp6")
@@ -180,6 +208,8 @@ def test_bad_formats_and_shapes_are_clear_errors(sources, quantized, tiny_checkp
         quantize_checkpoint(sources["llama"], "mxfp5", str(tmp_path / "a"))
     with pytest.raises(ValueError, match="'int4'"):
         EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantize_lm_head needs an MX model"):
+        LLM(model=sources["llama"], quantize_lm_head=True, load_progress=False)
     odd = str(tiny_checkpoint("llama", intermediate_size=80))  # down_proj K = 80
     with pytest.raises(ModelLoadError, match=r"mlp\.down_proj\.weight.*K=80"):
         quantize_checkpoint(odd, "mxfp4", str(tmp_path / "b"))

@@ -49,18 +49,20 @@ def test_gpu_engine_matches_cpu_greedy_tokens(setup, options):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["", "lm_head"])
 @pytest.mark.parametrize("quantization", ["mxfp4", "mxfp6"])
-def test_gpu_mx_engine_matches_the_measured_mx_reference(setup, quantization):
+def test_gpu_mx_engine_matches_the_measured_mx_reference(setup, quantization, head):
     """The quality bound of MX weights (bench/results/mx_quality.md) was measured with the weights
     quantized and dequantized in torch, which is what the CPU engine computes with. The GPU engine
     (packed weights, Triton mx_linear kernels, decode graphs) must compute the same function: the
-    CPU MX engine's greedy tokens, token for token."""
+    CPU MX engine's greedy tokens, token for token; with `quantize_lm_head` too."""
     path, prompts, _ = setup
     cpu = LLM(model=path, device="cpu", dtype="float32", load_progress=False,
-              quantization=quantization)
+              quantization=quantization, quantize_lm_head=head)
     expected = [o.token_ids for o in cpu.generate(prompts, GREEDY)]
     gpu = LLM(model=path, device="cuda", dtype="float32", load_progress=False,
-              quantization=quantization)
+              quantization=quantization, quantize_lm_head=head)
     assert gpu.engine.runner.model.layers[0].mlp.down_proj.weight.packed
+    assert (gpu.engine.runner.model.lm_head.mx is not None) == head
     assert [o.token_ids for o in gpu.generate(prompts, GREEDY)] == expected
 

@@ -129,15 +129,20 @@ class LlamaForCausalLM(nn.Module):
     """Embeddings -> decoder layers -> final norm; `compute_logits` applies the LM head.
 
     `quantization` ("mxfp4", "mxfp6", "mxfp6_e3m2"; mx_layers.py): the decoder linears hold MX
-    weights. They load an MX checkpoint's MXTensors as they are and quantize float weights."""
+    weights. They load an MX checkpoint's MXTensors as they are and quantize float weights.
+    `quantize_lm_head`: the LM head is quantized to the same format once its weight has loaded."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, quantize_lm_head: bool = False) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.config = cfg
         self.quantization = quantization
+        if quantize_lm_head and quantization is None:
+            raise ValueError("quantize_lm_head needs an MX model: pass quantization= or serve an "
+                             "`mxserve quantize` checkpoint")
+        self.quantize_lm_head = quantize_lm_head
         quant = None
         if quantization is not None:
             from mxserve.worker.model.mx_layers import model_element_format  # imports Triton
@@ -153,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(
             self.embed_tokens if cfg.tie_word_embeddings else None, cfg.vocab_size,
             cfg.hidden_size, tp, dtype, device)
+        self.mx_format = quant  # the decoder linears' element format, or None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
@@ -188,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                 module.finish_loading()
+        if self.quantize_lm_head:
+            self.lm_head.quantize_mx(self.mx_format)
 
     def _expected_names(self) -> list[str]:
         cfg = self.config

@@ -256,10 +256,30 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden_size,
                                                    dtype=dtype, device=device), requires_grad=False)
         self.packed: torch.Tensor | None = None  # pack_for_cpu: oneDNN's layout, or
-        self.pairs: torch.Tensor | None = None  # cpu_linear.py's (float32 logits)
+        self.pairs: torch.Tensor | None = None  # cpu_linear.py's (float32 logits), or
+        self.mx = None  # quantize_mx on CUDA: an mx_layers.MXWeight
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(self.tp.shard(weight, 0))
+
+    def quantize_mx(self, fmt: str) -> None:
+        """The head's weight (this rank's vocab slice) as MX element format `fmt`, after loading
+        (EngineConfig.quantize_lm_head). Tied: the head gets its own copy and the embedding
+        keeps its weights. CUDA: packed, multiplied by the MX kernels; CPU: dequantized once
+        into a dense weight (as mx_layers.MXWeight does), which the CPU paths below then pack."""
+        from mxserve.worker.model.mx_layers import MXWeight  # imports Triton
+
+        weight = self.embedding.weight if self.tied else self.weight
+        mx = MXWeight(*weight.shape, fmt, weight.dtype, weight.device)
+        mx.load(slice(None), weight.data, TPGroup(), 0)  # already this rank's slice
+        mx.finish_loading()
+        if mx.packed:
+            self.mx = mx
+            weight = weight.new_empty(0)
+        else:
+            weight = mx.weight.data
+        self.tied, self.embedding = False, None
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def use_float32_logits(self) -> None:
         """CPU bf16 with AVX512-BF16 (`cpu_linear.available()`): multiply with kernels/
@@ -283,7 +303,9 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # hidden [T, hidden] -> logits [T, vocab] in out_dtype (None: the model's dtype)
-        if self.pairs is not None:  # [T, vocab / tp] float32
+        if self.mx is not None:
+            logits = self.mx(hidden)
+        elif self.pairs is not None:  # [T, vocab / tp] float32
             logits = cpu_linear.linear_f32(hidden, self.pairs, self.vocab_local)
         elif self.packed is not None:
             logits = _packed_linear(hidden, self.packed, None, None)
