@@ -6,8 +6,10 @@ decoder's linear weights (q/k/v/o, gate/up/down) as they are and after an MX rou
 (dequantize(quantize(w))) for MXFP6 e2m3, MXFP6 e3m2, MXFP4 e2m1 (OCP floor scales) and MXFP4 with
 ceil scales. Embeddings and the (tied) LM head stay in full precision, as `mxserve quantize` keeps
 them. "full" is the checkpoint as shipped: the GGUF holds Q4_1 / Q8_0 weights, dequantized to fp32.
-The `_head` variants are the engine's own loading with `quantize_lm_head` (EngineConfig): the
-decoder linears and the LM head quantized while loading (floor scales), the embedding kept.
+The engine quantizes with "ceil" scales (worker/model/mx_layers.SCALE_MODE, chosen from the
+`_ceil` rows here). The `_head` variants are the engine's own loading with `quantize_lm_head`
+(EngineConfig): the decoder linears and the LM head quantized while loading with the engine's
+scales, the embedding kept.
 
     python bench/mx_quality.py [--tokens 50000] [--window 1024]
 """
@@ -33,6 +35,7 @@ from mxserve.worker.model.loader import open_checkpoint
 
 VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2", "floor"),
             "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil"),
+            "mxfp6_e2m3_ceil": ("e2m3", "ceil"), "mxfp6_e3m2_ceil": ("e3m2", "ceil"),
             # the CPU engine's weights: bf16-rounded (dense path) and its 4-bit copy
             # (worker/model/int4.py, re-quantized from the bf16 weights), for --variants
             "bf16": ("bf16", None), "cpu_int4": ("int4", None),

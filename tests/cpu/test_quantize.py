@@ -53,8 +53,8 @@ def _round_trip_dir(src: str, fmt: str, out, head: bool = False) -> str:
     the embedding kept) are dequantize(quantize(w)): the reference."""
     shutil.copytree(src, out)
     tensors = load_file(f"{src}/model.safetensors")
-    round_trip = lambda w: dequantize_mx_torch(quantize_mx_torch(w, MX_QUANTIZATIONS[fmt]),  # noqa: E731
-                                               w.dtype)
+    round_trip = lambda w: dequantize_mx_torch(  # noqa: E731
+        quantize_mx_torch(w, MX_QUANTIZATIONS[fmt], mx_layers.SCALE_MODE), w.dtype)
     for name, w in tensors.items():
         if mx_layers.is_mx_linear(name):
             tensors[name] = round_trip(w)
@@ -115,7 +115,7 @@ def test_quantized_dir_holds_packed_weights_and_loads(sources, quantized, arch, 
         if not mx_layers.is_mx_linear(name):
             assert stored[name].dtype == w.dtype and torch.equal(stored[name], w), name
             continue
-        (n, k), want = w.shape, quantize_mx_torch(w, elem)
+        (n, k), want = w.shape, quantize_mx_torch(w, elem, mx_layers.SCALE_MODE)
         assert name not in stored
         assert stored[name + "_mx"].dtype == stored[name + "_scale"].dtype == torch.uint8
         assert stored[name + "_mx"].shape == (n, get_format(elem).packed_len(k))
@@ -125,7 +125,7 @@ def test_quantized_dir_holds_packed_weights_and_loads(sources, quantized, arch, 
     with open(f"{out}/config.json") as f:
         qc = json.load(f)["quantization_config"]
     assert qc == {"quant_method": "mx", "format": fmt, "elem_format": elem, "block_size": 32,
-                  "scale_mode": "floor", "modules": list(mx_layers.MX_MODULES)}
+                  "scale_mode": "ceil", "modules": list(mx_layers.MX_MODULES)}
     ckpt = open_checkpoint(out)
     assert ckpt.quantization == fmt
     weights = dict(ckpt.weights(progress=False))
@@ -185,9 +185,10 @@ def test_tensor_parallel_shards_of_mx_weights(monkeypatch, rank, packed):
     down = torch.randn(48, k, generator=gen)
     x = torch.randn(3, k, generator=gen)
     x_local = x.chunk(2, 1)[rank]
-    round_trip = lambda w: dequantize_mx_torch(quantize_mx_torch(w, "e2m1"))  # noqa: E731
+    mode = mx_layers.SCALE_MODE
+    round_trip = lambda w: dequantize_mx_torch(quantize_mx_torch(w, "e2m1", mode))  # noqa: E731
     for as_mx in (True, False):  # an MX checkpoint, and quantizing at load
-        load = (lambda w: quantize_mx_torch(w, "e2m1")) if as_mx else (lambda w: w)
+        load = (lambda w: quantize_mx_torch(w, "e2m1", mode)) if as_mx else (lambda w: w)
         col = ColumnParallelLinear(k, sizes, False, tp, torch.float32, quant="e2m1")
         for i, w in enumerate(fused):
             col.load(i, load(w))

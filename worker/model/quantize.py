@@ -171,7 +171,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)")
     p.add_argument("--format", required=True, choices=sorted(MX_QUANTIZATIONS),
-                   help="mxfp4 = e2m1, mxfp6 = e2m3, mxfp6_e3m2 = e3m2 (OCP floor scales)")
+                   help="mxfp4 = e2m1, mxfp6 = e2m3, mxfp6_e3m2 = e3m2 (unclipped block scales)")
     p.add_argument("--out", required=True, help="output directory (created; must be empty)")
     p.add_argument("--device", default="auto", help="where to quantize (default: CUDA if any)")
 
