@@ -10,6 +10,9 @@ The engine quantizes with "ceil" scales (worker/model/mx_layers.SCALE_MODE, chos
 `_ceil` rows here). The `_head` variants are the engine's own loading with `quantize_lm_head`
 (EngineConfig): the decoder linears and the LM head quantized while loading with the engine's
 scales, the embedding kept.
+The `_gptq` variants are GPTQ (`mxserve quantize --method gptq`, worker/model/gptq.py) with the
+engine's scales, calibrated on KJV text the evaluation does not see: --calibration-tokens tokens
+starting CALIBRATION_GAP tokens after the evaluated ones, in windows of 512.
 
     python bench/mx_quality.py [--tokens 50000] [--window 1024]
 """
@@ -29,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.worker.attention import AttentionBatch, TorchAttention
+from mxserve.worker.model.gptq import collect_hessians, forward_window, gptq_mx
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.loader import open_checkpoint
+from mxserve.worker.model.mx_layers import SCALE_MODE
 
 VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2", "floor"),
             "mxfp4_e2m1": ("e2m1", "floor"), "mxfp4_e2m1_ceil": ("e2m1", "ceil"),
@@ -40,8 +44,11 @@ VARIANTS = {"full": None, "mxfp6_e2m3": ("e2m3", "floor"), "mxfp6_e3m2": ("e3m2"
             # (worker/model/int4.py, re-quantized from the bf16 weights), for --variants
             "bf16": ("bf16", None), "cpu_int4": ("int4", None),
             # quantization= and quantize_lm_head, as the engine loads them, for --variants
-            "mxfp6_e2m3_head": ("engine", "mxfp6"), "mxfp4_e2m1_head": ("engine", "mxfp4")}
+            "mxfp6_e2m3_head": ("engine", "mxfp6"), "mxfp4_e2m1_head": ("engine", "mxfp4"),
+            # GPTQ (worker/model/gptq.py, the engine's scales), calibrated on held-out text
+            "mxfp6_e2m3_gptq": ("gptq", "e2m3"), "mxfp4_e2m1_gptq": ("gptq", "e2m1")}
 DEFAULT_VARIANTS = "full,mxfp6_e2m3,mxfp6_e3m2,mxfp4_e2m1,mxfp4_e2m1_ceil"
+CALIBRATION_GAP = 10_000  # KJV tokens between the evaluated text and GPTQ's calibration text
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -61,10 +68,12 @@ def kjv_tokens(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def mx_round_trip(name: str, w: torch.Tensor, variant) -> torch.Tensor:
+def mx_round_trip(name: str, w: torch.Tensor, variant, hessians=None) -> torch.Tensor:
     if variant is None or not any(f".{p}." in name for p in LINEARS):
         return w
     fmt, mode = variant
+    if fmt == "gptq":
+        return dequantize_mx(gptq_mx(w, hessians[name], mode, SCALE_MODE), torch.float32)
     if fmt == "bf16":
         return w.bfloat16().float()
     if fmt == "int4":
@@ -74,32 +83,23 @@ def mx_round_trip(name: str, w: torch.Tensor, variant) -> torch.Tensor:
     return dequantize_mx(quantize_mx(w.float(), fmt, scale_mode=mode), torch.float32)
 
 
-def build_model(checkpoint, variant) -> LlamaForCausalLM:
+def build_model(checkpoint, variant, hessians=None) -> LlamaForCausalLM:
     if variant is not None and variant[0] == "engine":
         model = LlamaForCausalLM(checkpoint.config, dtype=torch.float32, quantization=variant[1],
                                  quantize_lm_head=True)
         model.load_weights(checkpoint.weights(progress=False))
         return model.eval()
     model = LlamaForCausalLM(checkpoint.config, dtype=torch.float32)
-    model.load_weights((n, mx_round_trip(n, w, variant)) for n, w in
+    model.load_weights((n, mx_round_trip(n, w, variant, hessians)) for n, w in
                        checkpoint.weights(progress=False))
     return model.eval()
 
 
 @torch.inference_mode()
-def window_nll(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> float:
+def window_nll(model: LlamaForCausalLM, ids: list[int]) -> float:
     """Summed negative log-likelihood of ids[1:] given the prefix, one prefill pass."""
-    cfg, n = model.config, len(ids)
-    num_blocks = math.ceil(n / block_size)
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
-    attn = TorchAttention()
-    meta = attn.build_metadata(AttentionBatch([n], [0], [list(range(num_blocks))], 0, block_size,
-                                              torch.device("cpu")))
-    tokens = torch.tensor(ids)
-    hidden = model(tokens, torch.arange(n), caches, attn, meta)
-    logits = model.compute_logits(hidden[:-1])
-    return F.cross_entropy(logits, tokens[1:], reduction="sum").item()
+    logits = model.compute_logits(forward_window(model, ids)[:-1])
+    return F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
 
 
 def perplexity(model, ids: list[int], window: int) -> float:
@@ -114,13 +114,21 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--out", default="bench/results/mx_quality.json")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list; first: base")
+    parser.add_argument("--calibration-tokens", type=int, default=16384,
+                        help="GPTQ variants: KJV tokens after the evaluated ones (and a gap)")
     args = parser.parse_args()
     checkpoint = open_checkpoint(None)
-    ids = kjv_tokens(checkpoint.tokenizer, args.tokens)
+    ids = kjv_tokens(checkpoint.tokenizer, args.tokens + CALIBRATION_GAP + args.calibration_tokens)
+    calibration = ids[args.tokens + CALIBRATION_GAP:]
+    ids = ids[:args.tokens]
+    hessians = None
+    if any(VARIANTS[name] and VARIANTS[name][0] == "gptq" for name in args.variants.split(",")):
+        windows = [calibration[i:i + 512] for i in range(0, len(calibration), 512)]
+        hessians = collect_hessians(build_model(checkpoint, None), windows)
     rows = {}
     for name in args.variants.split(","):
         start = time.time()
-        model = build_model(checkpoint, VARIANTS[name])
+        model = build_model(checkpoint, VARIANTS[name], hessians)
         rows[name] = {"perplexity": perplexity(model, ids, args.window)}
         rows[name]["seconds"] = round(time.time() - start, 1)
         print(name, rows[name], flush=True)
@@ -133,7 +141,8 @@ def main() -> None:
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "command": "python bench/mx_quality.py "
                          f"--tokens {args.tokens} --window {args.window} "
-                         f"--variants {args.variants} --out {args.out}",
+                         f"--variants {args.variants} --out {args.out}"
+                         f" --calibration-tokens {args.calibration_tokens}",
               "num_tokens": len(ids), "window": args.window, "results": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -277,16 +277,53 @@ def quantize_mx_torch(x: torch.Tensor, fmt: str, scale_mode: str = "floor") -> M
     return _quantize_torch(x, _check_input(x, fmt, scale_mode), scale_mode)
 
 
-def _quantize_torch(x: torch.Tensor, f: MXFormat, scale_mode: str) -> MXTensor:
-    xb = x.double().reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # [..., K // 32, 32]
-    amax = xb.abs().amax(-1)
+def scale_exponent(amax: torch.Tensor, fmt: str, scale_mode: str = "floor") -> torch.Tensor:
+    """int64 s of the E8M0 scale 2^s (byte s + 127) that quantize_mx gives a block whose largest
+    magnitude is amax (float64, >= 0, finite)."""
+    f = get_format(fmt)
     s = torch.frexp(amax).exponent.long() - 1 - f.emax  # floor(log2(amax)) - emax
     if scale_mode == "ceil":
         s = s + (amax > f.max_normal * _pow2(s)).long()
-    s = torch.where(amax == 0, -127, s).clamp(-127, 127)
-    y = xb.abs() * _pow2(-s[..., None])
+    return torch.where(amax == 0, -127, s).clamp(-127, 127)
+
+
+def _round_magnitudes(y: torch.Tensor, f: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Magnitudes y (float64, already divided by the block scale) to the grid of f, ties to
+    even: (ee, q), the value q * 2^(ee - mbits) before saturation."""
     ee = torch.where(y == 0, f.emin, (torch.frexp(y).exponent.long() - 1).clamp(min=f.emin))
-    q = torch.round(y * _pow2(f.mbits - ee)).long()
+    return ee, torch.round(y * _pow2(f.mbits - ee)).long()
+
+
+def round_to_grid(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64: each element of y (already divided by its block's scale) as the nearest `fmt`
+    value, ties to even, saturating: what quantize_mx stores for it, decoded."""
+    f = get_format(fmt)
+    y = y.double()
+    ee, q = _round_magnitudes(y.abs(), f)
+    mag = torch.clamp(q * _pow2(ee - f.mbits), max=f.max_normal)
+    return torch.where(torch.signbit(y), -mag, mag)
+
+
+def _quantize_torch(x: torch.Tensor, f: MXFormat, scale_mode: str) -> MXTensor:
+    xb = x.double().reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # [..., K // 32, 32]
+    return _encode_blocks(x, scale_exponent(xb.abs().amax(-1), f.name, scale_mode), f)
+
+
+def quantize_with_exponents(x: torch.Tensor, fmt: str, s: torch.Tensor) -> MXTensor:
+    """x [..., K] as an MXTensor whose block scales are 2^s (s int64 [..., K // 32], in
+    [-127, 127]) instead of ones quantize_mx picks: each element x / 2^s rounded to the grid as
+    quantize_mx rounds it (GPTQ, worker/model/gptq.py, chooses its own scales). x may also be
+    float64 (GPTQ's working precision)."""
+    f = _check_input(x.float() if x.dtype == torch.float64 else x, fmt, "floor")
+    if s.shape != (*x.shape[:-1], x.shape[-1] // BLOCK_SIZE) or s.min() < -127 or s.max() > 127:
+        raise ValueError(f"quantize_with_exponents: s must be [..., K // 32] in [-127, 127], "
+                         f"got {tuple(s.shape)} for x {tuple(x.shape)}")
+    return _encode_blocks(x, s.long(), f)
+
+
+def _encode_blocks(x: torch.Tensor, s: torch.Tensor, f: MXFormat) -> MXTensor:
+    xb = x.double().reshape(*x.shape[:-1], -1, BLOCK_SIZE)
+    ee, q = _round_magnitudes(xb.abs() * _pow2(-s[..., None]), f)
     codes = (q + ((ee - f.emin) << f.mbits)).clamp(max=f.max_code)
     codes = codes | (torch.signbit(xb).long() << (f.ebits + f.mbits))
     data = _pack_codes(codes.reshape(x.shape), f)

@@ -125,7 +125,7 @@ def test_quantized_dir_holds_packed_weights_and_loads(sources, quantized, arch, 
     with open(f"{out}/config.json") as f:
         qc = json.load(f)["quantization_config"]
     assert qc == {"quant_method": "mx", "format": fmt, "elem_format": elem, "block_size": 32,
-                  "scale_mode": "ceil", "modules": list(mx_layers.MX_MODULES)}
+                  "scale_mode": "ceil", "method": "rtn", "modules": list(mx_layers.MX_MODULES)}
     ckpt = open_checkpoint(out)
     assert ckpt.quantization == fmt
     weights = dict(ckpt.weights(progress=False))

@@ -10,7 +10,7 @@ On disk (a Hugging Face directory, written by `mxserve quantize`, worker/model/q
 
     config.json        "quantization_config": {"quant_method": "mx", "format": "mxfp4",
                         "elem_format": "e2m1", "block_size": 32, "scale_mode": "ceil",
-                        "modules": ["q_proj", ..., "down_proj"]}
+                        "method": "rtn", "modules": ["q_proj", ..., "down_proj"]}
     model.safetensors  X.weight_mx     uint8 [N, packed_len(K)]  canonical packing (ARCHITECTURE.md)
                        X.weight_scale  uint8 [N, K // 32]        E8M0 scale bytes
                        for each decoder linear X; every other tensor under its usual name.
@@ -88,11 +88,12 @@ def model_element_format(cfg: ModelConfig, tp_size: int, quantization: str) -> s
 # ---- checkpoint files ----
 
 
-def quantization_config(quantization: str) -> dict:
-    """The config.json entry of an MX checkpoint in `quantization`."""
+def quantization_config(quantization: str, method: str = "rtn") -> dict:
+    """The config.json entry of an MX checkpoint in `quantization`, rounded by `method` ("rtn",
+    "gptq": informational, the loader reads the bytes as they are)."""
     return {"quant_method": "mx", "format": quantization,
             "elem_format": mx_element_format(quantization), "block_size": BLOCK_SIZE,
-            "scale_mode": SCALE_MODE, "modules": list(MX_MODULES)}
+            "scale_mode": SCALE_MODE, "method": method, "modules": list(MX_MODULES)}
 
 
 def parse_quantization_config(qc: dict, path: str) -> str:

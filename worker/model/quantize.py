@@ -1,6 +1,7 @@
 """`mxserve quantize`: write an MX-quantized copy of a checkpoint that the engine serves as is.
 
     mxserve quantize --model PATH --format mxfp4|mxfp6|mxfp6_e3m2 --out DIR
+        [--method gptq --calibration TEXT_FILE]   # GPTQ (gptq.py) instead of round-to-nearest
     LLM(model=DIR)   # Triton MX kernels on GPU; on CPU the weights are dequantized once, at load
 
 The output is a Hugging Face directory in the layout mx_layers.py describes: each decoder linear
@@ -28,6 +29,8 @@ from mxserve.kernels.mx import quantize_mx
 from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.errors import MxserveError
 from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.gptq import collect_hessians, gptq_mx
+from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.loader import Checkpoint, expected_tensor_names, open_checkpoint
 from mxserve.worker.model.mx_layers import (
     SCALE_MODE,
@@ -39,6 +42,7 @@ from mxserve.worker.model.mx_layers import (
 )
 
 WEIGHTS_FILE = "model.safetensors"
+QUANT_METHODS = ("rtn", "gptq")
 # Copied from a Hugging Face source beside the weights (config.json is rewritten).
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -47,15 +51,25 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 
 
 def quantize_checkpoint(model: str | None, fmt: str, out_dir: str, *, device: str = "auto",
-                        progress: bool = True) -> str:
+                        progress: bool = True, method: str = "rtn",
+                        calibration: str | None = None, calibration_tokens: int = 16384,
+                        window: int = 512) -> str:
     """Quantize `model` (as open_checkpoint takes it; None = SmolLM2) to `fmt` ("mxfp4", "mxfp6",
     "mxfp6_e3m2") into `out_dir` (created; must be empty if it exists). Returns out_dir.
 
+    method: "rtn" (each weight rounded to the nearest MX value) or "gptq" (gptq.py: rounding
+    errors compensated against the layer inputs seen on `calibration`, a UTF-8 text file, its
+    first `calibration_tokens` tokens in windows of `window`, run through the model in float32).
     device: where the quantization runs ("auto": CUDA when available, with the Triton kernel;
-    bit-identical to the CPU reference). Raises ValueError for an unknown format, an already MX
-    source or a non-empty out_dir, ModelLoadError for a bad source or a linear whose K is not a
-    multiple of 32 (naming it)."""
+    bit-identical to the CPU reference). Raises ValueError for an unknown format or method, gptq
+    without calibration text, an already MX source or a non-empty out_dir, ModelLoadError for a
+    bad source or a linear whose K is not a multiple of 32 (naming it)."""
     elem = mx_element_format(fmt)
+    if method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of "
+                         f"{QUANT_METHODS}")
+    if method == "gptq" and calibration is None:
+        raise ValueError("method 'gptq' needs calibration text (--calibration FILE)")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir}: output directory is not empty")
     ckpt = open_checkpoint(model)
@@ -63,12 +77,15 @@ def quantize_checkpoint(model: str | None, fmt: str, out_dir: str, *, device: st
         raise ValueError(f"{ckpt.path} is MX-quantized already ({ckpt.quantization}); "
                          "quantize its full-precision source instead")
     model_element_format(ckpt.config, 1, fmt)  # every K a whole number of blocks, before work
-    tensors = _convert(ckpt, fmt, elem, _torch_device(device), progress)
+    dev = _torch_device(device)
+    hessians = _calibrate(ckpt, calibration, calibration_tokens, window, dev) \
+        if method == "gptq" else None
+    tensors = _convert(ckpt, fmt, elem, dev, progress, hessians)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE),
               metadata={"format": "pt", "quantization": fmt})
     _write_json(out_dir, "config.json",
-                {**_hf_config(ckpt), "quantization_config": quantization_config(fmt)})
+                {**_hf_config(ckpt), "quantization_config": quantization_config(fmt, method)})
     _write_tokenizer(ckpt, out_dir)
     return out_dir
 
@@ -79,10 +96,24 @@ def _torch_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _convert(ckpt: Checkpoint, fmt: str, elem: str, device: torch.device,
-             progress: bool) -> dict[str, torch.Tensor]:
-    """The tensors to save: decoder linears as `X.weight_mx` / `X.weight_scale`, the rest as is
-    (GGUF matrices: bfloat16)."""
+def _calibrate(ckpt: Checkpoint, path: str, num_tokens: int, window: int,
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """GPTQ's input Gram matrices (gptq.collect_hessians) from the float32 model on `path`."""
+    with open(path, encoding="utf-8") as f:
+        ids = ckpt.tokenizer.encode(f.read(), add_special_tokens=False)[:num_tokens]
+    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
+    windows = [w for w in windows if len(w) > 1]
+    if not windows:
+        raise ValueError(f"{path}: no calibration tokens")
+    model = LlamaForCausalLM(ckpt.config, dtype=torch.float32, device=device)
+    model.load_weights(ckpt.weights(progress=False))
+    return collect_hessians(model.eval(), windows)
+
+
+def _convert(ckpt: Checkpoint, fmt: str, elem: str, device: torch.device, progress: bool,
+             hessians: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to save: decoder linears as `X.weight_mx` / `X.weight_scale` (GPTQ against
+    `hessians` when given), the rest as is (GGUF matrices: bfloat16)."""
     from_gguf = not os.path.isdir(ckpt.path)
     out: dict[str, torch.Tensor] = {}
     with tqdm(total=len(expected_tensor_names(ckpt.config)), file=sys.stderr, unit="tensor",
@@ -90,7 +121,8 @@ def _convert(ckpt: Checkpoint, fmt: str, elem: str, device: torch.device,
         for name, t in ckpt.weights(progress=False):
             if is_mx_linear(name):
                 check_mx_k(name, t.shape[-1])
-                mx = quantize_mx(t.to(device), elem, SCALE_MODE)
+                mx = gptq_mx(t.to(device), hessians[name], elem, SCALE_MODE) if hessians \
+                    else quantize_mx(t.to(device), elem, SCALE_MODE)
                 out[name + "_mx"], out[name + "_scale"] = mx.data.cpu(), mx.scales.cpu()
             else:
                 out[name] = t.to(torch.bfloat16) if from_gguf and t.dim() == 2 else t.contiguous()
@@ -174,17 +206,25 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mxfp4 = e2m1, mxfp6 = e2m3, mxfp6_e3m2 = e3m2 (unclipped block scales)")
     p.add_argument("--out", required=True, help="output directory (created; must be empty)")
     p.add_argument("--device", default="auto", help="where to quantize (default: CUDA if any)")
+    p.add_argument("--method", default="rtn", choices=QUANT_METHODS,
+                   help="rtn: round to nearest; gptq: compensate rounding errors against the "
+                        "layers' inputs on --calibration text")
+    p.add_argument("--calibration", default=None, help="UTF-8 text file for --method gptq")
+    p.add_argument("--calibration-tokens", type=int, default=16384,
+                   help="calibration tokens used (windows of 512)")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Run `mxserve quantize`; print what was written. Errors -> a message and exit code 2."""
     try:
-        out = quantize_checkpoint(args.model, args.format, args.out, device=args.device)
+        out = quantize_checkpoint(args.model, args.format, args.out, device=args.device,
+                                  method=args.method, calibration=args.calibration,
+                                  calibration_tokens=args.calibration_tokens)
     except (MxserveError, ValueError, OSError) as e:
         print(f"mxserve: error: {e}", file=sys.stderr)
         return 2
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    print(f"wrote {out} ({args.format}, {size / 2**20:.1f} MiB)")
+    print(f"wrote {out} ({args.format}, {args.method}, {size / 2**20:.1f} MiB)")
     return 0
 
 
