@@ -2,7 +2,8 @@
 
 Tiny random Llama, float32 on both sides, a batch of prompts of different lengths; chunked prefill
 at an odd chunk size, prefix-cache hits on a second pass, and preemption under a tiny KV pool;
-and MX-quantized, against the CPU MX engine whose numerics bench/results/mx_quality.md measured.
+and MX-quantized, against the CPU MX engine whose numerics bench/results/mx_quality.scale_modes.md
+measured.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def test_gpu_engine_matches_cpu_greedy_tokens(setup, options):
 @pytest.mark.parametrize("head", [False, True], ids=["", "lm_head"])
 @pytest.mark.parametrize("quantization", ["mxfp4", "mxfp6"])
 def test_gpu_mx_engine_matches_the_measured_mx_reference(setup, quantization, head):
-    """The quality bound of MX weights (bench/results/mx_quality.md) was measured with the weights
-    quantized and dequantized in torch, which is what the CPU engine computes with. The GPU engine
-    (packed weights, Triton mx_linear kernels, decode graphs) must compute the same function: the
-    CPU MX engine's greedy tokens, token for token; with `quantize_lm_head` too."""
+    """The quality bound of MX weights (bench/results/mx_quality.scale_modes.md) was measured
+    with the weights quantized and dequantized in torch, which is what the CPU engine computes
+    with. The GPU engine (packed weights, Triton mx_linear kernels, decode graphs) must compute
+    the same function: the CPU MX engine's greedy tokens, token for token; with
+    `quantize_lm_head` too."""
     path, prompts, _ = setup
     cpu = LLM(model=path, device="cpu", dtype="float32", load_progress=False,
               quantization=quantization, quantize_lm_head=head)
