@@ -1049,8 +1049,12 @@ def _check_linear(x: torch.Tensor, w: MXLinearWeight, bias: torch.Tensor | None)
 
 def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor | None = None,
               *, backend: str = "auto", path: str = "auto", split_k: int | None = None,
-              use_dot_scaled: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              use_dot_scaled: bool | None = None, out: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(w).T + bias, in x's dtype, accumulated in fp32.
+
+    out_dtype: None (x's) or float32: the decode path stores its fp32 sums as they are (logits);
+    the other paths round to x's dtype first.
 
     Pass a prepared MXLinearWeight (prepare_mx_weight, at load); an MXTensor is prepared per call.
     path: "auto" (decode when M <= 16, dense dequantize + cuBLAS from PREFILL_DEQUANT_MIN_M rows
@@ -1062,22 +1066,29 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
     _check_linear(x, w, bias)
     if path not in ("auto", "decode", "prefill", "dequant"):
         raise ValueError(f"mx_linear: path must be auto, decode, prefill or dequant, got {path!r}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"mx_linear: out_dtype must be x's dtype or float32, got {out_dtype}")
+    out_dtype = out_dtype or x.dtype
     if not _use_triton(backend, x):
-        ref = mx_linear_torch(x, w, bias)
+        ref = mx_linear_torch(x, w, bias, out_dtype=out_dtype)
         return ref if out is None else out.copy_(ref)
     n, k = w.shape
     x2 = x.reshape(-1, k)  # [M, K]
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    if out is None:
-        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    if not out.is_contiguous() or out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype:
-        raise ValueError(f"mx_linear: out must be contiguous {x.dtype} {(*x.shape[:-1], n)}")
     m = x2.shape[0]
+    tc_rows = TC_DECODE_MAX_M if x.is_cuda and _tc_ok(x2, w) else DECODE_MAX_M
+    decode = path == "decode" or (path == "auto" and m <= tc_rows)
+    if not decode and out_dtype != x.dtype:  # rounded to x's dtype by the paths below
+        y = mx_linear(x, w, bias, backend=backend, path=path, use_dot_scaled=use_dot_scaled)
+        return y.to(out_dtype) if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n, dtype=out_dtype, device=x.device)
+    if not out.is_contiguous() or out.shape != (*x.shape[:-1], n) or out.dtype != out_dtype:
+        raise ValueError(f"mx_linear: out must be contiguous {out_dtype} {(*x.shape[:-1], n)}")
     if m == 0:
         return out
     out2 = out.view(-1, n)  # [M, N]
-    tc_rows = TC_DECODE_MAX_M if x.is_cuda and _tc_ok(x2, w) else DECODE_MAX_M
-    if path == "decode" or (path == "auto" and m <= tc_rows):
+    if decode:
         _launch_decode(x2, w, out2, bias, split_k)
         return out
     if path == "dequant" or (path == "auto" and x.is_cuda and x.dtype != torch.float32
@@ -1097,8 +1108,9 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
 
 
 def mx_linear_torch(x: torch.Tensor, w: MXTensor | MXLinearWeight,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: dequantize w exactly, matmul in fp32, add bias, cast to x's dtype."""
+                    bias: torch.Tensor | None = None, *,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference: dequantize w exactly, matmul in fp32, add bias, cast to out_dtype (x's)."""
     w = _as_linear_weight(w)
     _check_linear(x, w, bias)
     n, k = w.shape
@@ -1106,5 +1118,5 @@ def mx_linear_torch(x: torch.Tensor, w: MXTensor | MXLinearWeight,
     y = x.float() @ wf.T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 

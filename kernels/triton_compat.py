@@ -72,8 +72,9 @@ def _round_bf16(v):
 
 @triton.jit
 def _cast_out(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """fp32 v.to(dtype); INTERP_BF16 (dtype is bf16): by bits, see _round_bf16 and _to_f32."""
-    if INTERP_BF16:
+    """fp32 v.to(dtype); INTERP_BF16 (bf16 data in the interpreter) and dtype bf16: by bits, see
+    _round_bf16 and _to_f32."""
+    if INTERP_BF16 and dtype == tl.bfloat16:
         bits = _round_bf16(v).to(tl.int32, bitcast=True) >> 16
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return v.to(dtype)

@@ -41,8 +41,7 @@ class EngineConfig:
     # The LM head in the decoder linears' MX format too, quantized while loading (a tied model's
     # head gets its own MX copy; the embedding keeps its weights). Needs an MX model. Faster
     # small-batch decode (the head is the largest single weight a step reads), at a perplexity
-    # cost bench/results/mx_quality.lm_head.md measures; logits then come from the MX kernel in the
-    # activations' dtype.
+    # cost bench/results/mx_quality.lm_head.md measures.
     quantize_lm_head: bool = False
     # "auto": read the checkpoint's weights; "dummy": random weights of its architecture, made on
     # the device from a config alone (`model` = a directory with config.json, or a name in

@@ -290,3 +290,27 @@ def test_tensor_core_decode_refuses_what_it_cannot_run():
     w8 = prepare_mx_weight(quantize_mx(torch.randn(16, 256), "e4m3"))
     with pytest.raises(ValueError, match="no e4m3"):
         _launch_decode(x[:4], w8, out[:4], None, None, tc=True)
+
+
+# ---------------------------------------------------------------- float32 outputs (logits)
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_float32_out_from_bf16_x(path):
+    """out_dtype float32 (the MX LM head's logits): the decode path keeps its fp32 sums, so they
+    match the fp32 reference to summation order, far closer than bf16 rounding; other paths
+    round to bf16 first and say so in their dtype only."""
+    x, w, bias = make_case("e2m1", torch.bfloat16, 3, 48, 128, True, seeded("f32", path))
+    y = mx_linear(x, prepare_mx_weight(w), bias, backend="triton", path=path,
+                  out_dtype=torch.float32)
+    ref = mx_linear_torch(x, w, bias, out_dtype=torch.float32)
+    assert y.dtype == ref.dtype == torch.float32
+    mag = x.double().abs() @ dequantize_mx(w).double().abs().T + bias.double().abs()
+    err = (y.double() - ref.double()).abs()
+    if path == "decode":
+        assert (err <= 1e-5 * mag).all(), f"max err {err.max().item():.3g}"
+        assert not torch.equal(y, y.bfloat16().float())  # not rounded to bf16
+    else:
+        assert torch.equal(y, y.bfloat16().float())
+        assert (err <= RTOL[torch.bfloat16] * mag).all()
+    with pytest.raises(ValueError, match="out_dtype"):
+        mx_linear(x, prepare_mx_weight(w), out_dtype=torch.float16)

@@ -119,6 +119,20 @@ def test_decode_other_dtypes(fmt, dtype):
     check_linear(*make_case(fmt, 4096, 4096, 5, dtype, 3), path="decode")
 
 
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3"])
+def test_decode_float32_logits(fmt, m):
+    """out_dtype float32 (the MX LM head at a vocabulary-sized N): the tensor-core decode stores
+    its fp32 sums, within fp32 summation error of the reference, not rounded to bf16."""
+    x, w, bias = make_case(fmt, 128256, 2048, m, torch.bfloat16, 7)
+    y = mx_linear(x, prepare_mx_weight(w), bias, out_dtype=torch.float32)
+    ref = mx_linear_torch(x, w, bias, out_dtype=torch.float32)
+    mag = x.float().abs() @ dequantize_mx(w).abs().T + bias.float().abs()
+    err = (y - ref).abs()
+    assert y.dtype == torch.float32 and (err <= 1e-5 * mag + 1e-30).all(), err.max()
+    assert not torch.equal(y, y.bfloat16().float())
+
+
 @pytest.mark.parametrize("path", ["prefill", "auto"])  # auto: dequantize + cuBLAS for 16-bit x
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [17, 512, 2000])

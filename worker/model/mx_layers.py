@@ -242,18 +242,20 @@ class MXWeight(nn.Module):
                                                        self.shape))
             self.data = self.scales = None  # the prepared planes hold the same bytes
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x [..., K] -> [..., N]
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # x [..., K] -> [..., N] in out_dtype (None: x's; float32: the LM head's logits)
         if not self.packed:
-            return F.linear(x, self.weight, bias)
+            y = F.linear(x, self.weight, bias)
+            return y if out_dtype is None else y.to(out_dtype)
         if self.prepared is None:
             raise RuntimeError("MXWeight used before finish_loading()")
         if x.is_cuda:  # decode at one row, small weights: the whole-row GEMV (kernels/gemv.py)
             from mxserve.kernels import gemv
 
             if gemv.preferred(x, self.prepared):
-                return gemv.gemv(x, self.prepared, bias)
-        return mx_linear(x, self.prepared, bias)
+                return gemv.gemv(x, self.prepared, bias, out_dtype=out_dtype)
+        return mx_linear(x, self.prepared, bias, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, shape={self.shape}, packed={self.packed}"

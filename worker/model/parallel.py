@@ -304,7 +304,7 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # hidden [T, hidden] -> logits [T, vocab] in out_dtype (None: the model's dtype)
         if self.mx is not None:
-            logits = self.mx(hidden)
+            logits = self.mx(hidden, out_dtype=out_dtype)
         elif self.pairs is not None:  # [T, vocab / tp] float32
             logits = cpu_linear.linear_f32(hidden, self.pairs, self.vocab_local)
         elif self.packed is not None:
