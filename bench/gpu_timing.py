@@ -1,9 +1,11 @@
 """Shared by the GPU benches: device time per call inside one CUDA graph, an engine's step times
 until it is idle, host time spent in a wrapped function, a row recorder for sweeps, the header
-every result JSON starts with, and the MX decode probes' cases with their baselines."""
+every result JSON starts with, and the MX decode probes' command line and cases with their
+baselines."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
@@ -120,6 +122,26 @@ def write_sweep(path: str, rows: list, t0: float, **extra) -> None:
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"done in {time.time() - t0:.0f} s, {len(rows)} rows")
+
+
+def decode_probe_args(name: str, variants, shapes: list[tuple[int, int]], ms: str,
+                      **extra: str) -> argparse.Namespace:
+    """An MX decode probe's command line: --out, --budget (s), --variants, --shapes (NxK,...),
+    --ms (rows, comma list) and `extra` string options with their defaults; shapes, ms and
+    variants come back as lists."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=f"/tmp/{name}.json")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; stops early past it")
+    ap.add_argument("--variants", default=",".join(variants))
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in shapes))
+    ap.add_argument("--ms", default=ms)
+    for key, default in extra.items():
+        ap.add_argument(f"--{key}", default=default)
+    args = ap.parse_args()
+    args.variants = args.variants.split(",")
+    args.shapes = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
+    args.ms = [int(v) for v in args.ms.split(",")]
+    return args
 
 
 @dataclass

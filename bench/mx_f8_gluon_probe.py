@@ -13,13 +13,18 @@ rows) and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import mx_f8_gluon as g  # bench/mx_f8_gluon.py
 import mx_f8_kernel as f8  # bench/mx_f8_kernel.py
 import triton
-from gpu_timing import graph_median_us, mx_decode_cases, recorder, write_sweep  # bench/
+from gpu_timing import (  # bench/
+    decode_probe_args,
+    graph_median_us,
+    mx_decode_cases,
+    recorder,
+    write_sweep,
+)
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192), (16384, 2048)]
 # name -> block_n, programs per SM, max steps a split, pipe (0: a wait after every wgmma;
@@ -38,21 +43,12 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/mx_f8_gluon_probe.json")
-    ap.add_argument("--budget", type=float, default=400.0, help="seconds; stops early past it")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    ap.add_argument("--ms", default="1,4,16")
-    ap.add_argument("--commit", default="")
-    args = ap.parse_args()
+    args = decode_probe_args("mx_f8_gluon_probe", VARIANTS, SHAPES, "1,4,16", commit="")
     t0 = time.time()
     rows = []
     record = recorder(rows)
-    shapes = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
     prepare = {"f8t": lambda q: f8.prepare_weight(q, tile=64)}
-    for case in mx_decode_cases(shapes, [int(v) for v in args.ms.split(",")], record,
-                                t0 + args.budget, prepare):
+    for case in mx_decode_cases(args.shapes, args.ms, record, t0 + args.budget, prepare):
         x, m, ws = case.x, case.shape["M"], case.weights["f8t"]
         if m <= 4:
             parts = f8.prepare_x(x)
@@ -66,7 +62,7 @@ def main() -> None:
         gparts = g.prepare_x_rows(x, mp)
         record(**case.shape, var="prepare_x_rows",
                us=graph_median_us(lambda x=x, mp=mp: g.prepare_x_rows(x, mp)))
-        for name in args.variants.split(","):
+        for name in args.variants:
             bn, pps, max_steps, pipe, *depth = VARIANTS[name]
             opts = dict(block_n=bn, programs_per_sm=pps, max_steps=max_steps, pipe=pipe,
                         depth=depth[0] if depth else 1)

@@ -13,11 +13,16 @@ prints a table.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import mx_f8_kernel as f8  # bench/mx_f8_kernel.py
-from gpu_timing import graph_median_us, mx_decode_cases, recorder, write_sweep  # bench/
+from gpu_timing import (  # bench/
+    decode_probe_args,
+    graph_median_us,
+    mx_decode_cases,
+    recorder,
+    write_sweep,
+)
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192), (16384, 2048)]
 # name -> block_n, num_warps, num_stages, programs per SM, mode (True: x's parts against the
@@ -55,24 +60,16 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/mx_f8_probe.json")
-    ap.add_argument("--budget", type=float, default=400.0, help="seconds; stops early past it")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    ap.add_argument("--ms", default="1,16")
-    args = ap.parse_args()
+    args = decode_probe_args("mx_f8_probe", VARIANTS, SHAPES, "1,16")
     t0 = time.time()
     rows = []
     record = recorder(rows)
-    shapes = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
     prepare = {"f8": f8.prepare_weight, "f8t": lambda q: f8.prepare_weight(q, tile=64)}
-    for case in mx_decode_cases(shapes, [int(v) for v in args.ms.split(",")], record,
-                                t0 + args.budget, prepare):
+    for case in mx_decode_cases(args.shapes, args.ms, record, t0 + args.budget, prepare):
         x, m = case.x, case.shape["M"]
         parts = f8.prepare_x(x)
         record(**case.shape, var="prepare_x", us=graph_median_us(lambda x=x: f8.prepare_x(x)))
-        for name in args.variants.split(","):
+        for name in args.variants:
             bn, nw, ns, pps, mode, *tile = VARIANTS[name]
             if mode in ("stack", "stackx") and m > 4:
                 continue
