@@ -1,12 +1,17 @@
 """The `mxserve` command: generate and chat offline; serve a model on Ray Serve and talk to it
-over gRPC (client, chat --endpoint)."""
+over gRPC (client, chat --endpoint); quantize a checkpoint to MX.
+
+Building the parser imports nothing heavy (no torch, triton or ray), so `mxserve --help` and a
+bad flag answer at once; each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from mxserve.worker.errors import MxserveError
+from mxserve.worker.config import MX_QUANTIZATIONS
+from mxserve.worker.errors import InvalidRequestError, MxserveError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -15,19 +20,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--quantization", default=None, choices=["mxfp4", "mxfp6", "mxfp6_e3m2"],
+    p.add_argument("--quantization", default=None, choices=sorted(MX_QUANTIZATIONS),
                    help="MX weights for the decoder linears, quantized while loading")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="the LM head in the same MX format too (needs an MX model)")
 
 
+# Sampling flags: unset ones take the model's defaults (docs/sampling.md), as in the API.
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g = p.add_argument_group("sampling (unset: the model's defaults, see docs/sampling.md)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="default: until the end of the answer (EOS) or of the context")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,9 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         _sampling_args(p)
     _serve_parser(sub)
     _client_parser(sub)
-    from mxserve.worker.model.quantize import add_quantize_parser
-
-    add_quantize_parser(sub)
+    _quantize_parser(sub)
     return parser
 
 
@@ -102,11 +112,43 @@ def _client_parser(sub) -> None:
     _sampling_args(p)
 
 
-def _sampling_params(args):
+def _quantize_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="write an MX-quantized copy of a checkpoint (mxfp4/mxfp6)",
+                       description="Write an MX-quantized copy of a checkpoint that the engine "
+                                   "serves as is (worker/model/quantize.py).")
+    p.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--format", required=True, choices=sorted(MX_QUANTIZATIONS),
+                   help="mxfp4 = e2m1, mxfp6 = e2m3, mxfp6_e3m2 = e3m2 (unclipped block scales)")
+    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--device", default="auto", help="where to quantize (default: CUDA if any)")
+    p.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
+                   help="rtn: round to nearest; gptq: compensate rounding errors against the "
+                        "layers' inputs on --calibration text")
+    p.add_argument("--calibration", default=None, help="UTF-8 text file for --method gptq")
+    p.add_argument("--calibration-tokens", type=int, default=16384,
+                   help="calibration tokens used (windows of 512)")
+
+
+def _sampling_fields(args) -> dict:
+    """The sampling flags the user set."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS
+            if getattr(args, name) is not None}
+
+
+def _check_request(prompt: str, args) -> None:
+    """Reject an empty prompt or a bad sampling flag before any model loads or call is made."""
     from mxserve.worker.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if not prompt.strip():
+        raise InvalidRequestError("prompt", "is empty")
+    SamplingParams.from_defaults({}, **_sampling_fields(args))
+
+
+def _sampling_params(args, llm):
+    from mxserve.worker.sampling_params import SamplingParams
+
+    return SamplingParams.from_defaults(llm.engine.generation_defaults, **_sampling_fields(args))
 
 
 def _llm(args):
@@ -118,8 +160,9 @@ def _llm(args):
 
 
 def cmd_generate(args) -> int:
-    params = _sampling_params(args)
+    _check_request(args.prompt, args)
     llm = _llm(args)
+    params = _sampling_params(args, llm)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -131,8 +174,9 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     if args.endpoint:
         return _remote_chat(args)
-    params = _sampling_params(args)
+    _check_request("-", args)
     llm = _llm(args)
+    params = _sampling_params(args, llm)
     engine, tokenizer = llm.engine, llm.tokenizer
     messages: list[dict[str, str]] = []
     print("mxserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
@@ -198,19 +242,15 @@ def cmd_serve(args) -> int:
     return serve_until_stopped(config, args.address, ask=args.ask)
 
 
-def _client_sampling(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop)
-
-
 def cmd_client(args) -> int:
     from mxserve.cluster.client import Client
 
+    _check_request(args.prompt, args)
     prompt = dict(messages=[{"role": "user", "content": args.prompt}]) if not args.completion \
         else dict(prompt=args.prompt)
     with Client(args.endpoint, args.app) as client:
         for chunk in client.stream(model=args.model, timeout_s=args.timeout, **prompt,
-                                   **_client_sampling(args)):
+                                   **_sampling_fields(args)):
             print(chunk.text, end="", flush=True)
     print()
     return 0
@@ -227,7 +267,7 @@ def _remote_chat(args) -> int:
             messages.append({"role": "user", "content": line})
             answer = ""
             try:
-                for chunk in client.stream(messages=messages, **_client_sampling(args)):
+                for chunk in client.stream(messages=messages, **_sampling_fields(args)):
                     print(chunk.text, end="", flush=True)
                     answer += chunk.text
             except KeyboardInterrupt:
@@ -237,10 +277,24 @@ def _remote_chat(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    import os
+
+    from mxserve.worker.model.quantize import quantize_checkpoint
+
+    try:
+        out = quantize_checkpoint(args.model, args.format, args.out, device=args.device,
+                                  method=args.method, calibration=args.calibration,
+                                  calibration_tokens=args.calibration_tokens)
+    except (ValueError, OSError) as e:
+        raise MxserveError(str(e)) from None
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"wrote {out} ({args.format}, {args.method}, {size / 2**20:.1f} MiB)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from mxserve.worker.model.quantize import cmd_quantize
-
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
                 "client": cmd_client, "quantize": cmd_quantize}
     try:

@@ -88,9 +88,12 @@ class ServeConfig(BaseModel):
     router_resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
     num_routers: int = Field(1, ge=1)
     max_queued_requests: int = Field(64, ge=0)  # per worker, beyond max_num_seqs running
+    # The local cluster's proxies listen on `host` (loopback unless exposed on purpose, e.g.
+    # "0.0.0.0"); on an existing Ray cluster Serve's gRPC proxy listens on every interface.
+    host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (unused by mxserve)
-    metrics_port: int | None = Field(None, ge=1, le=65535)  # Ray's Prometheus export (local)
+    metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
     # The global prefix index: redis://[:password@]host:port/db (rediss:// for TLS). None:
@@ -128,7 +131,7 @@ class ServeConfig(BaseModel):
         return self.routing.policy == "prefix" and self.redis_url is not None
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **{"load_progress": False, **self.engine})
+        return EngineConfig(model=self.model, **self.engine)
 
     @property
     def served_model_name(self) -> str:

@@ -8,6 +8,8 @@ router/ingress.py (`Router`) and cluster/worker.py (`Worker`).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.logs import setup_process
 from mxserve.cluster.metrics import RayRouterMetrics, WorkerMetricsExporter
 from mxserve.cluster.worker import Worker
 from mxserve.proto import mxserve_pb2 as pb
@@ -28,13 +31,18 @@ from mxserve.worker.engine import StepOutput
 from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
 from mxserve.worker.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
 WORKER, ROUTER = "Worker", "Router"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 
 
-@serve.deployment(name=WORKER)
+# The router logs every request in one line (router/ingress.py), so Serve's access log is off.
+_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}  # mxserve logs at INFO
+
+
+@serve.deployment(name=WORKER, logging_config=_LOGGING)
 class WorkerDeployment:
     """One engine replica. The engine's tokenizer is dropped: the router detokenizes."""
 
@@ -43,9 +51,17 @@ class WorkerDeployment:
         from mxserve.worker.config import EngineConfig
         from mxserve.worker.engine import build_engine
 
-        engine = await asyncio.to_thread(build_engine, EngineConfig(**engine_options))
-        engine.tokenizer = None
+        setup_process()
         replica_id = serve.get_replica_context().replica_id.unique_id
+        config = EngineConfig(**engine_options)
+        logger.info("worker %s: loading %s", replica_id, config.model or "SmolLM2-135M-Instruct")
+        start = time.monotonic()
+        engine = await asyncio.to_thread(build_engine, config)
+        engine.tokenizer = None
+        logger.info("worker %s: ready in %.1f s (%s, %s, %d KV blocks of %d tokens)", replica_id,
+                    time.monotonic() - start, engine.runner.device,
+                    str(engine.runner.dtype).removeprefix("torch."), engine.kv.num_blocks,
+                    engine.kv.block_size)
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id())
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
@@ -113,7 +129,7 @@ class HandleWorkers:
         return [ray.get_actor(name, namespace="serve") for name in names]
 
 
-@serve.deployment(name=ROUTER)
+@serve.deployment(name=ROUTER, logging_config=_LOGGING)
 class RouterDeployment:
     """The gRPC ingress: method names are the proto's RPC names."""
 
@@ -121,10 +137,12 @@ class RouterDeployment:
                        max_model_len: int | None, app_name: str) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
+        setup_process()
         checkpoint = await asyncio.to_thread(open_checkpoint, model)
         cfg = checkpoint.config
         card = ModelCard(model_name, max_model_len or cfg.max_position_embeddings,
-                         cfg.vocab_size, tuple(cfg.eos_token_ids))
+                         cfg.vocab_size, tuple(cfg.eos_token_ids),
+                         dict(checkpoint.generation_defaults))
         self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
                              RayRouterMetrics())
 
@@ -159,7 +177,7 @@ def app_builder(args: dict) -> serve.Application:
 def build_app(config: ServeConfig) -> serve.Application:
     """The application for `serve.run`: a router bound to the worker deployment."""
     engine = config.engine_config()
-    engine_options = {**config.engine, "model": config.model, "load_progress": False}
+    engine_options = {**config.engine, "model": config.model}
     worker_options: dict = dict(
         ray_actor_options=config.worker_resources.ray_actor_options(),
         # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.

@@ -3,6 +3,7 @@ onto an existing Ray cluster (`mxserve serve --address ...`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -10,6 +11,7 @@ import threading
 import time
 
 from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.logs import GRPC_HOST_ENV
 from mxserve.cluster.redis_server import LocalRedis
 
 # Ray Serve settings for a lower-latency token stream (all three are Serve's own knobs; they
@@ -34,7 +36,8 @@ def deploy(config: ServeConfig) -> None:
 
     serve.start(
         proxy_location=config.proxy_location,
-        http_options={"host": "127.0.0.1", "port": config.http_port},
+        logging_config={"log_level": "WARNING"},  # Serve's own actors; replicas set theirs
+        http_options={"host": config.host, "port": config.http_port},
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER],
                                  request_timeout_s=config.request_timeout_s))
     # Serve publishes an application to its proxies (gRPC included) only with a route prefix.
@@ -64,29 +67,41 @@ def wait_for_grpc(config: ServeConfig, host: str = "localhost", timeout_s: float
 
 
 def init_ray(address: str | None, config: ServeConfig, **ray_options) -> None:
-    """Connect to `address`, or start an embedded local Ray (no dashboard) with SERVE_ENV."""
+    """Connect to `address`, or start an embedded local Ray (no dashboard) with SERVE_ENV, its
+    metrics on `config.metrics_port`, and every process set up by logs.setup_process (client
+    errors in one line, the gRPC proxy on `config.host`)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logging.getLogger("ray.serve").addFilter(_warnings_only)  # this process: no Serve chatter
     if address:
         ray.init(address=address, **ray_options)
         return
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
-    if config.metrics_port is not None:
-        ray_options["_metrics_export_port"] = config.metrics_port
-    ray.init(include_dashboard=False, **ray_options)
+    # Token auth stays on, as Ray makes it for a new local cluster, without the warning Ray
+    # prints about that at every start.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+        logging.ERROR)
+    runtime_env = {"worker_process_setup_hook": "mxserve.cluster.logs.setup_process",
+                   "env_vars": {GRPC_HOST_ENV: config.host}}
+    ray.init(include_dashboard=False, _metrics_export_port=config.metrics_port,
+             runtime_env=runtime_env, **ray_options)
+
+
+def _warnings_only(record: logging.LogRecord) -> bool:
+    """A filter (Serve resets its loggers' levels): among other things this drops serve.run's
+    "ready at http://..." line, which names an HTTP route mxserve does not serve."""
+    return record.levelno >= logging.WARNING
 
 
 def serve_until_stopped(config: ServeConfig, address: str | None = None,
                         ask: str | None = None) -> int:
-    """`mxserve serve`: deploy, print the endpoint, and (embedded cluster only) block until
-    Ctrl-C or SIGTERM, then shut Serve and Ray down. With `address` the application stays on
-    that cluster after this returns. With `ask`, send that question over gRPC once the server
-    is up, print the streamed answer, and shut down instead of waiting."""
-    import ray
-    from ray import serve
-
+    """`mxserve serve`: deploy, print one ready line naming every endpoint, and (embedded cluster
+    only) block until Ctrl-C or SIGTERM, then stop the application, Ray and Redis, in that
+    order. With `address` the application stays on that cluster after this returns. With
+    `ask`, send that question over gRPC once the server is up, print the streamed answer, and
+    shut down instead of waiting."""
     redis = None
     if config.routing.policy == "prefix" and config.redis_url is None:
         if address:
@@ -96,27 +111,22 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
         else:
             redis = LocalRedis().start()
             config = config.model_copy(update={"redis_url": redis.url})
+    print(f"mxserve: starting {config.num_workers} worker(s) for {config.served_model_name!r} "
+          f"(each loads the model)...", file=sys.stderr, flush=True)
     init_ray(address, config)
     try:
         deploy(config)
         if not address:
             wait_for_grpc(config)
     except BaseException:
-        if not address:
-            ray.shutdown()
-        if redis is not None:
-            redis.stop()
+        _stop(config, address, redis)
         raise
-    endpoint = f"localhost:{config.grpc_port}"
-    routing = (f"prefix-aware routing, index at {_redacted(config.redis_url)}"
-               if config.uses_prefix_index else "routing by load (no prefix index)"
-               if config.routing.policy == "prefix" else f"routing: {config.routing.policy}")
-    print(f"mxserve: serving {config.served_model_name!r} with {config.num_workers} worker(s); "
-          f"gRPC on {endpoint} (app {config.app_name!r}); {routing}", flush=True)
+    print(ready_line(config, address), flush=True)
     if address:
         print(f"mxserve: deployed onto the Ray cluster at {address}; it keeps serving after this "
               f"command exits (remove it with `serve shutdown`).", flush=True)
         return 0
+    endpoint = f"{config.host}:{config.grpc_port}"
     if ask is not None:
         status = _ask(endpoint, config.app_name, ask)
     else:
@@ -129,18 +139,50 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
             pass
         status = 0
     print("mxserve: shutting down...", file=sys.stderr, flush=True)
-    serve.shutdown()
-    ray.shutdown()
+    _stop(config, address, redis)
+    return status
+
+
+def ready_line(config: ServeConfig, address: str | None) -> str:
+    """The one line that says the server is up, with every endpoint it serves."""
+    if config.uses_prefix_index:
+        routing = f"prefix-aware routing, index at {_redacted(config.redis_url)}"
+    elif config.routing.policy == "prefix":
+        routing = "routing by load (no prefix index)"
+    else:
+        routing = f"routing: {config.routing.policy}"
+    host = config.host if not address else "<each proxy node>"
+    metrics = (f"metrics http://{_url_host(config.host)}:{config.metrics_port}/metrics"
+               if not address else "metrics on each node's Ray metrics export port")
+    return (f"mxserve: ready: {config.served_model_name!r} on {config.num_workers} worker(s); "
+            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}); {metrics}; {routing}")
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _stop(config: ServeConfig, address: str | None, redis: LocalRedis | None) -> None:
+    """Stop the application on the embedded cluster first (its workers leave the prefix index
+    while Redis still runs), then Redis. Ray itself is the caller's to shut down."""
+    import ray
+    from ray import serve
+
+    if not address and ray.is_initialized():
+        try:
+            serve.delete(config.app_name)
+        except Exception as e:  # a failed start may have left nothing to delete
+            print(f"mxserve: stopping the application: {e}", file=sys.stderr, flush=True)
+        ray.shutdown()
     if redis is not None:
         redis.stop()
-    return status
 
 
 def _ask(endpoint: str, app_name: str, question: str) -> int:
     """One chat request over gRPC, streamed to stdout; 0 if an answer came back."""
     from mxserve.cluster.client import Client
 
-    print(f"mxserve: asking over gRPC: {question}", flush=True)
+    print(f"mxserve: asking over gRPC (greedy, up to 64 tokens): {question}", flush=True)
     answer = ""
     with Client(endpoint, app_name) as client:
         for chunk in client.stream(messages=[{"role": "user", "content": question}],

@@ -54,7 +54,10 @@ class LocalRedis:
                 "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A session of its own: a terminal's Ctrl-C goes to mxserve, which stops Redis last,
+        # after the workers have left the index.
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
         self._wait_ready(timeout_s)
         return self
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from . import layer_ops
 from .layer_ops import _round_to
@@ -51,6 +49,8 @@ from .triton_compat import (
     gdc_wait,
     interpreted_bf16,
     pdl_supported,
+    tl,
+    triton,
 )
 from .triton_compat import use_triton as _use_triton
 

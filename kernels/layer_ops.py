@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from .triton_compat import (
     _cast_out,
@@ -28,6 +26,8 @@ from .triton_compat import (
     gdc_launch_dependents,
     interpreted_bf16,
     pdl_supported,
+    tl,
+    triton,
 )
 from .triton_compat import use_triton as _use_triton
 

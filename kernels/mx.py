@@ -22,10 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16, use_triton
+from .triton_compat import _cast_out, _to_f32, interpreted_bf16, tl, triton, use_triton
 
 BLOCK_SIZE = 32  # elements sharing one scale byte
 SCALE_MODES = ("floor", "ceil")

@@ -37,11 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from .mx import MXTensor, _pack_codes, _unpack_codes, dequantize_mx_torch, get_format
-from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16
+from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16, tl, triton
 from .triton_compat import use_triton as _use_triton
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -21,8 +21,6 @@ Index values (block ids, lengths) are the caller's contract and go unchecked: no
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .triton_compat import (
     _cast_out,
@@ -31,6 +29,8 @@ from .triton_compat import (
     gdc_launch_dependents,
     interpreted_bf16,
     pdl_supported,
+    tl,
+    triton,
 )
 from .triton_compat import use_triton as _use_triton
 

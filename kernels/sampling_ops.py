@@ -22,9 +22,8 @@ ms of GPU time for one flat 128k row on the H200 (bench/results/engine_gpu.sweep
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from .triton_compat import tl, triton
 from .triton_compat import use_triton as _use_triton
 
 BLOCK = 2048  # vocabulary entries a stage-1 program reads (8 KB of fp32 logits)

@@ -1,4 +1,5 @@
-"""Backend choice for the kernels, and the Triton interpreter's bf16 workarounds.
+"""Backend choice for the kernels, the one place they import Triton from (a stand-in where it
+is not installed: no_triton.py), and the Triton interpreter's bf16 workarounds.
 
 The interpreter (TRITON_INTERPRET=1, how tests/cpu runs every kernel) differs from the GPU in
 three bf16 details, as of Triton 3.9: fp32 -> bf16 casts truncate, bf16 <-> fp32 casts lose
@@ -12,12 +13,18 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: kernels are defined but cannot launch (no_triton.py)
+    from mxserve.kernels import no_triton as triton
+
+    tl = triton.language
 
 try:  # programmatic dependent launch's grid dependency control, Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # older Triton: pdl_supported says no, and no kernel reaches these
+except ImportError:  # older Triton, or none: pdl_supported says no, and no kernel reaches these
     gdc_launch_dependents = gdc_wait = None
 
 BACKENDS = ("auto", "triton", "torch")

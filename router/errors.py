@@ -13,6 +13,8 @@ RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
+# Ends of a request the client caused or chose: logged in one line, never as server errors.
+CLIENT_STATUSES = ("cancelled", INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED)
 
 
 class ServeError(MxserveError):

@@ -8,19 +8,34 @@ worker stream, and the worker aborts the request and frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.errors import INTERNAL, UNAVAILABLE, ServeError, as_serve_error
+from mxserve.router.errors import (
+    INTERNAL,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    ServeError,
+    as_serve_error,
+)
 from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
 from mxserve.router.stream import OutputStream
 from mxserve.worker.engine import StepOutput
 from mxserve.worker.errors import InvalidRequestError
 from mxserve.worker.model.tokenizer import Tokenizer
 from mxserve.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# A request's end line is INFO (finished, or ended by the client: router.errors.CLIENT_STATUSES)
+# unless the server was short of capacity (WARNING) or at fault (ERROR).
+_LOG_LEVELS = {RESOURCE_EXHAUSTED: logging.WARNING, UNAVAILABLE: logging.WARNING,
+               INTERNAL: logging.ERROR, "error": logging.ERROR}
 
 
 class Workers(Protocol):
@@ -53,40 +68,55 @@ class Router:
         self.workers = workers
         self.metrics = metrics or NullMetrics()
 
-    def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, str]:
+    def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize; raises ServeError(INVALID_ARGUMENT) naming the field."""
         try:
             ids, _ = prompt_token_ids(request, self.tokenizer, self.card)
-            params = sampling_params(request.sampling_params)
+            params = sampling_params(request.sampling_params, self.card.generation_defaults)
         except InvalidRequestError as e:
             raise ServeError.invalid(e) from None
-        return ids, params, request.request_id or f"mx-{uuid.uuid4().hex}"
+        return ids, params
 
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the responses; raises ServeError for anything the client should see."""
-        start, first, status = time.monotonic(), None, "error"
-        ids, params, request_id = self.prepare(request)
-        out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
+        """Stream the responses; raises ServeError for anything the client should see. Each
+        request ends in one log line and one metrics record, however it ends."""
+        request_id = request.request_id or f"mx-{uuid.uuid4().hex}"
+        end = RequestEnd(request_id, time.monotonic())
+        try:
+            ids, params = self.prepare(request)
+            out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
+            async for response in self._stream(request_id, ids, params, out, end):
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):  # the client left, or its deadline
+            end.status = "cancelled"
+            raise
+        except Exception as e:
+            error = as_serve_error(e)
+            end.status, end.detail = (error.code, error.message) if error else ("error", repr(e))
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            self._record(end)
+
+    async def _stream(self, request_id: str, ids: list[int], params: SamplingParams,
+                      out: OutputStream, end: RequestEnd) -> AsyncIterator[pb.GenerateResponse]:
+        end.num_prompt_tokens = len(ids)
         stream = self.workers.generate(ids, params, request_id)
         try:
             async for step in stream:
                 if step.finish_reason == "abort":
                     raise ServeError(UNAVAILABLE, f"request {request_id} was aborted by its worker")
                 num_new = out.add(step.new_token_ids, step.finish_reason)
-                first = first or time.monotonic()
+                end.first = end.first or time.monotonic()
+                end.num_tokens = out.num_tokens
                 yield _response(request_id, out, step, num_new)
                 if out.finished:
-                    status = out.finish_reason
+                    end.status = out.finish_reason
                     return
             raise ServeError(INTERNAL, f"request {request_id}: the worker stream ended early")
-        except Exception as e:
-            error = as_serve_error(e)
-            if error is None:
-                raise
-            raise error from None
         finally:
             await stream.aclose()  # a no-op when the worker finished; else the worker aborts
-            self._record(status, start, first, out.num_tokens)
 
     async def list_models(self) -> pb.ListModelsResponse:
         loads = await self.workers.loads()
@@ -99,11 +129,29 @@ class Router:
         return pb.HealthResponse(healthy=bool(loads),
                                  workers=[pb.WorkerLoad(**load) for load in loads])
 
-    def _record(self, status: str, start: float, first: float | None, num_tokens: int) -> None:
-        end = time.monotonic()
-        ttft = first - start if first is not None else None
-        tpot = (end - first) / (num_tokens - 1) if first is not None and num_tokens > 1 else None
-        self.metrics.on_request_end(status, ttft, tpot, num_tokens)
+    def _record(self, end: RequestEnd) -> None:
+        now = time.monotonic()
+        first, n = end.first, end.num_tokens
+        ttft = first - end.start if first is not None else None
+        tpot = (now - first) / (n - 1) if first is not None and n > 1 else None
+        self.metrics.on_request_end(end.status.lower(), ttft, tpot, n)
+        detail = f": {end.detail}" if end.detail else ""
+        logger.log(_LOG_LEVELS.get(end.status, logging.INFO),
+                   "request %s: %s%s (%d prompt + %d output tokens, %.0f ms)", end.request_id,
+                   end.status, detail, end.num_prompt_tokens, n, (now - end.start) * 1e3)
+
+
+@dataclass
+class RequestEnd:
+    """How a request ended, filled in as it runs: its log line and metrics record."""
+
+    request_id: str
+    start: float  # time.monotonic() at arrival
+    status: str = "error"  # a finish reason, "cancelled", or a gRPC status name
+    detail: str = ""  # the error's message
+    first: float | None = None  # when its first token went out
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
 
 
 def _response(request_id: str, out: OutputStream, step: StepOutput,

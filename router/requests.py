@@ -6,7 +6,7 @@ Every rejection is an InvalidRequestError naming the request field ("model", "pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.worker.errors import InvalidRequestError
@@ -27,16 +27,19 @@ class ModelCard:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # The checkpoint's sampling defaults (Checkpoint.generation_defaults) for unset fields.
+    generation_defaults: dict = field(default_factory=dict)
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """Unset fields take mxserve.SamplingParams' defaults, except max_tokens: unset means "until
-    the context ends", as in vLLM's server."""
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    kwargs["max_tokens"] = msg.max_tokens if msg.HasField("max_tokens") else None
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos,
-                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+def sampling_params(msg: pb.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Unset fields take the model's `defaults`, then SamplingParams' own, except max_tokens:
+    unset means until EOS or the context ends, as in vLLM's server (docs/sampling.md)."""
+    kwargs = {name: getattr(msg, name) for name in (*_OPTIONAL, "max_tokens")
+              if msg.HasField(name)}
+    return SamplingParams.from_defaults(
+        defaults or {}, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+        **kwargs)
 
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer,

@@ -1,12 +1,18 @@
-"""Engine options, as users pass them to `LLM(...)` and deploy configs (vLLM's names)."""
+"""Engine options, as users pass them to `LLM(...)` and deploy configs (vLLM's names).
+
+Torch is imported only by the properties that return torch objects, so the CLI and the serving
+config can validate options without loading it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 # `quantization` values -> the OCP MX element format of the decoder linears' weights.
 MX_QUANTIZATIONS = {"mxfp4": "e2m1", "mxfp6": "e2m3", "mxfp6_e3m2": "e3m2"}
 LOAD_FORMATS = ("auto", "dummy")
@@ -84,16 +90,20 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             native = self.torch_device.type == "cuda" or _cpu_has_native_bf16()
             return torch.bfloat16 if native else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -41,6 +41,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or a list of token ids); outputs in prompt order.
+        Without `sampling_params`, the model's generation defaults apply (docs/sampling.md).
 
         A bad prompt or parameter raises InvalidRequestError before anything runs.
         """
@@ -71,8 +72,9 @@ class LLM:
         return outputs
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
+        if sampling_params is None:  # the model's defaults, with SamplingParams' max_tokens
+            return [SamplingParams.from_defaults(
+                {"max_tokens": SamplingParams.max_tokens, **self.engine.generation_defaults})] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

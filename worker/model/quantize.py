@@ -2,6 +2,7 @@
 
     mxserve quantize --model PATH --format mxfp4|mxfp6|mxfp6_e3m2 --out DIR
         [--method gptq --calibration TEXT_FILE]   # GPTQ (gptq.py) instead of round-to-nearest
+    (the command line is cluster/cli.py's; this module is the work)
     LLM(model=DIR)   # Triton MX kernels on GPU; on CPU the weights are dequantized once, at load
 
 The output is a Hugging Face directory in the layout mx_layers.py describes: each decoder linear
@@ -15,7 +16,6 @@ the rebuilt tokenizer is serialized (tokenizer.json + tokenizer_config.json).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,8 +26,6 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mxserve.kernels.mx import quantize_mx
-from mxserve.worker.config import MX_QUANTIZATIONS
-from mxserve.worker.errors import MxserveError
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.gptq import collect_hessians, gptq_mx
 from mxserve.worker.model.llama import LlamaForCausalLM
@@ -82,12 +80,21 @@ def quantize_checkpoint(model: str | None, fmt: str, out_dir: str, *, device: st
         if method == "gptq" else None
     tensors = _convert(ckpt, fmt, elem, dev, progress, hessians)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE),
-              metadata={"format": "pt", "quantization": fmt})
+    weights = os.path.join(out_dir, WEIGHTS_FILE)
+    save_file(tensors, weights, metadata={"format": "pt", "quantization": fmt})
+    _set_default_permissions(weights)
     _write_json(out_dir, "config.json",
                 {**_hf_config(ckpt), "quantization_config": quantization_config(fmt, method)})
     _write_tokenizer(ckpt, out_dir)
     return out_dir
+
+
+def _set_default_permissions(path: str) -> None:
+    """Give `path` the permissions a file opened for writing gets (0666 less the umask):
+    save_file creates its file private (0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _torch_device(device: str) -> torch.device:
@@ -185,55 +192,3 @@ def _write_json(out_dir: str, name: str, value: dict) -> None:
     with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2, ensure_ascii=False)
         f.write("\n")
-
-
-# ---- command line ----
-
-
-def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `quantize` to an argparse subparsers object (`mxserve quantize`); run cmd_quantize."""
-    p = subparsers.add_parser(
-        "quantize", help="write an MX-quantized copy of a checkpoint (mxfp4 / mxfp6)",
-        description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
-    return p
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--format", required=True, choices=sorted(MX_QUANTIZATIONS),
-                   help="mxfp4 = e2m1, mxfp6 = e2m3, mxfp6_e3m2 = e3m2 (unclipped block scales)")
-    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
-    p.add_argument("--device", default="auto", help="where to quantize (default: CUDA if any)")
-    p.add_argument("--method", default="rtn", choices=QUANT_METHODS,
-                   help="rtn: round to nearest; gptq: compensate rounding errors against the "
-                        "layers' inputs on --calibration text")
-    p.add_argument("--calibration", default=None, help="UTF-8 text file for --method gptq")
-    p.add_argument("--calibration-tokens", type=int, default=16384,
-                   help="calibration tokens used (windows of 512)")
-
-
-def cmd_quantize(args: argparse.Namespace) -> int:
-    """Run `mxserve quantize`; print what was written. Errors -> a message and exit code 2."""
-    try:
-        out = quantize_checkpoint(args.model, args.format, args.out, device=args.device,
-                                  method=args.method, calibration=args.calibration,
-                                  calibration_tokens=args.calibration_tokens)
-    except (MxserveError, ValueError, OSError) as e:
-        print(f"mxserve: error: {e}", file=sys.stderr)
-        return 2
-    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    print(f"wrote {out} ({args.format}, {args.method}, {size / 2**20:.1f} MiB)")
-    return 0
-
-
-def quantize_main(argv: list[str] | None = None) -> int:
-    """`python -m mxserve.worker.model.quantize --model ... --format ... --out ...`."""
-    parser = argparse.ArgumentParser(prog="mxserve quantize", description=__doc__.split("\n\n")[0])
-    _add_arguments(parser)
-    return cmd_quantize(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(quantize_main())
