@@ -77,11 +77,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--num-workers", type=int, default=None, help="worker replicas (default 1)")
     p.add_argument("--worker-cpus", type=float, default=None, help="CPUs per worker (default 1)")
     p.add_argument("--worker-gpus", type=float, default=None, help="GPUs per worker (default 0)")
+    p.add_argument("--host", default=None,
+                   help="address the local cluster's proxies listen on (default 127.0.0.1; "
+                        "0.0.0.0 exposes them to the network)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     p.add_argument("--http-port", type=int, default=None,
                    help="Ray Serve's HTTP proxy port (default 8000; mxserve does not use it)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="Ray's Prometheus metrics port (local cluster)")
+                   help="Ray's Prometheus metrics port (local cluster; default 8080)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="per worker, beyond those running (default 64)")
     p.add_argument("--request-timeout-s", type=float, default=None)
@@ -103,7 +106,7 @@ def _serve_parser(sub) -> None:
 def _client_parser(sub) -> None:
     p = sub.add_parser("client", help="send one prompt to an mxserve server and stream the answer")
     p.add_argument("prompt")
-    p.add_argument("--endpoint", default="localhost:9000", help="host:port (default %(default)s)")
+    p.add_argument("--endpoint", default="127.0.0.1:9000", help="host:port (default %(default)s)")
     p.add_argument("--app", default="mxserve", help="Serve application name")
     p.add_argument("--model", default="", help="model name (default: the served one)")
     p.add_argument("--completion", action="store_true",
@@ -222,7 +225,7 @@ def cmd_serve(args) -> int:
     from mxserve.cluster.local import serve_until_stopped
 
     flags = dict(model=args.model, model_name=args.model_name, num_workers=args.num_workers,
-                 grpc_port=args.grpc_port, http_port=args.http_port,
+                 host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                  metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
                  request_timeout_s=args.request_timeout_s, redis_url=args.redis_url)
     flags = {k: v for k, v in flags.items() if v is not None}

@@ -1,7 +1,7 @@
 """A Python client for an mxserve server (gRPC through Ray Serve's proxy)::
 
     from mxserve.cluster.client import Client
-    with Client("localhost:9000") as client:
+    with Client("127.0.0.1:9000") as client:
         for chunk in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
         print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
@@ -58,7 +58,7 @@ class Client:
     """A connection to one endpoint ("host:port"). `app_name` selects the Serve application
     (needed only when the cluster serves several)."""
 
-    def __init__(self, endpoint: str = "localhost:9000", app_name: str | None = "mxserve",
+    def __init__(self, endpoint: str = "127.0.0.1:9000", app_name: str | None = "mxserve",
                  timeout_s: float | None = None) -> None:
         self.channel = grpc.insecure_channel(endpoint)
         self.stub = pb_grpc.MxServeStub(self.channel)

@@ -44,14 +44,14 @@ def deploy(config: ServeConfig) -> None:
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
 
 
-def wait_for_grpc(config: ServeConfig, host: str = "localhost", timeout_s: float = 60.0) -> None:
+def wait_for_grpc(config: ServeConfig, timeout_s: float = 60.0) -> None:
     """Wait until the gRPC proxy at host:grpc_port routes to the application: `serve.run`
     returns when the replicas are up, a moment before the proxy learns the new route."""
     import grpc
     from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"{host}:{config.grpc_port}") as channel:
+    with grpc.insecure_channel(f"{_url_host(config.host)}:{config.grpc_port}") as channel:
         stub = serve_pb2_grpc.RayServeAPIServiceStub(channel)
         while True:
             try:
@@ -113,8 +113,8 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
             config = config.model_copy(update={"redis_url": redis.url})
     print(f"mxserve: starting {config.num_workers} worker(s) for {config.served_model_name!r} "
           f"(each loads the model)...", file=sys.stderr, flush=True)
-    init_ray(address, config)
     try:
+        init_ray(address, config)
         deploy(config)
         if not address:
             wait_for_grpc(config)
@@ -163,8 +163,9 @@ def _url_host(host: str) -> str:
 
 
 def _stop(config: ServeConfig, address: str | None, redis: LocalRedis | None) -> None:
-    """Stop the application on the embedded cluster first (its workers leave the prefix index
-    while Redis still runs), then Redis. Ray itself is the caller's to shut down."""
+    """On the embedded cluster: stop the application first (its workers leave the prefix
+    index while Redis still runs), then Ray, then Redis. On an existing cluster only the local
+    Redis (none is started there) would be stopped."""
     import ray
     from ray import serve
 

@@ -4,20 +4,51 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 from mxserve.cluster.redis_server import free_port
 
 CLI = [sys.executable, "-m", "mxserve.cluster.cli"]
 
 
-def test_generate_answers_with_paris():
-    done = subprocess.run([*CLI, "generate", "--chat", "What is the capital of France?",
-                           "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
+def test_help_loads_no_torch_triton_or_ray():
+    """The parser and every subcommand's --help import nothing heavy, so they answer at once."""
+    code = ("import sys\nfrom mxserve.cluster import cli\n"
+            "for argv in (['--help'], ['serve', '--help'], ['generate', '--help'],\n"
+            "             ['client', '--help'], ['chat', '--help'], ['quantize', '--help']):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, argv\n"
+            "print('LOADED', sorted(m for m in ('torch', 'triton', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "Paris" in done.stdout
+    assert "usage: mxserve serve" in done.stdout and "--metrics-port" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "LOADED []"
+
+
+def test_bad_input_fails_before_any_work():
+    """An empty prompt or a bad flag is refused before a model loads or a server is called:
+    the model path and the endpoint here do not exist, and the error is about the input."""
+    for argv in (["generate", "", "--model", "/nonexistent/model"],
+                 ["generate", "hi", "--temperature", "-1", "--model", "/nonexistent/model"],
+                 ["client", "  ", "--endpoint", f"127.0.0.1:{free_port()}"]):
+        done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (argv, done.stderr)
+        field = "temperature" if "-1" in argv else "prompt"
+        assert done.stderr.startswith(f"mxserve: error: {field}: "), (argv, done.stderr)
+
+
+def test_generate_answers_with_paris():
+    """The README's offline command, with the model's default sampling."""
+    done = subprocess.run([*CLI, "generate", "--chat", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "The capital of France is Paris."
 
 
 def test_chat_streams_answers_and_quits_on_empty_line():
@@ -34,7 +65,7 @@ def test_serve_ask_is_the_main_job_and_cleans_up():
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([*CLI, "serve", "--ask", "What is the capital of France?",
                            "--grpc-port", str(free_port()), "--http-port", str(free_port()),
-                           "--num-threads", "1"],
+                           "--metrics-port", str(free_port()), "--num-threads", "1"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout
@@ -62,3 +93,85 @@ def test_quantize_then_generate_from_the_quantized_directory(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_first_run_of_serve_looks_finished():
+    """`mxserve serve` as a new user meets it: loading shows progress, one ready line names the
+    gRPC and metrics endpoints, gRPC listens on loopback only, the metrics URL serves mxserve's
+    series, each request the client got wrong is one log line (no traceback, no ERROR), and a
+    terminal's Ctrl-C (SIGINT to the whole process group) stops everything quietly."""
+    import grpc
+
+    from mxserve.cluster.client import Client
+
+    grpc_port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # as a user's shell has them: unset
+        env.pop(key, None)
+    proc = subprocess.Popen([*CLI, "serve", "--grpc-port", str(grpc_port), "--http-port",
+                             str(free_port()), "--metrics-port", str(metrics_port),
+                             "--num-threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        ready = ""
+        for line in proc.stdout:
+            if line.startswith("mxserve: ready:"):
+                ready = line
+                break
+        assert ready, proc.stderr.read()[-3000:]
+        assert f"gRPC 127.0.0.1:{grpc_port}" in ready
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        assert metrics_url in ready
+        # 127.0.0.1 (in IPv4 or IPv4-mapped IPv6 form), no other interface
+        assert _listen_addresses(grpc_port) <= {"0100007F", "0000000000000000FFFF00000100007F"}
+        assert _listen_addresses(grpc_port)
+        with Client(f"127.0.0.1:{grpc_port}") as client:
+            for bad in (dict(prompt="hi", temperature=-1), dict(prompt="")):
+                try:
+                    client.generate(**bad)
+                    raise AssertionError(f"{bad} was accepted")
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            stream = client.stream("hi", max_tokens=200, ignore_eos=True)
+            next(stream)
+            stream.close()  # a cancel
+            assert client.generate("The capital of France is", max_tokens=4).completion_tokens
+        deadline = time.monotonic() + 40
+        while "ray_mxserve_" not in (text := _get(metrics_url)):
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"worker \w+: loading SmolLM2-135M-Instruct", err)
+    assert re.search(r"loading SmolLM2-135M-Instruct.Q4_1.gguf: 100%", err)
+    assert re.search(r"worker \w+: ready in [\d.]+ s \(cpu, ", err)
+    assert len(re.findall(r"INVALID_ARGUMENT: temperature: must be", err)) == 1, err
+    assert len(re.findall(r"INVALID_ARGUMENT: prompt: is empty", err)) == 1, err
+    assert len(re.findall(r"request mx-\w+: cancelled", err)) == 1, err
+    for noise in ("Traceback", "ERROR", "Token authentication", "graceful_shutdown",
+                  "could not leave the prefix index", "is ready at http"):
+        assert noise not in err + out, (noise, err[-3000:])
+    assert not _listen_addresses(grpc_port)
+
+
+def _get(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return ""

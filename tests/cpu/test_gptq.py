@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from mxserve import LLM, SamplingParams
+from mxserve.cluster import cli
 from mxserve.kernels.mx import (
     dequantize_mx_torch,
     quantize_mx_torch,
@@ -22,7 +23,7 @@ from mxserve.kernels.mx import (
 from mxserve.worker.model.gptq import collect_hessians, gptq_mx
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.loader import open_checkpoint
-from mxserve.worker.model.quantize import quantize_checkpoint, quantize_main
+from mxserve.worker.model.quantize import quantize_checkpoint
 
 FORMATS = ["e2m1", "e2m3", "e3m2"]
 
@@ -131,6 +132,6 @@ def test_quantize_method_gptq_writes_a_served_checkpoint(tiny_checkpoint, tmp_pa
         quantize_checkpoint(src, "mxfp4", str(tmp_path / "x"), method="gptq")
     with pytest.raises(ValueError, match="'awq'"):
         quantize_checkpoint(src, "mxfp4", str(tmp_path / "y"), method="awq")
-    assert quantize_main(["--model", src, "--format", "mxfp4", "--out", str(tmp_path / "z"),
+    assert cli.main(["quantize", "--model", src, "--format", "mxfp4", "--out", str(tmp_path / "z"),
                           "--method", "gptq"]) == 2
     assert "needs calibration" in capsys.readouterr().err

@@ -8,6 +8,7 @@ kernels' torch references); quantizing while loading (`quantization=`) must give
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -16,13 +17,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mxserve import LLM, SamplingParams
+from mxserve.cluster import cli
 from mxserve.kernels.mx import MXTensor, dequantize_mx_torch, get_format, quantize_mx_torch
 from mxserve.worker.config import MX_QUANTIZATIONS, EngineConfig
 from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model import mx_layers
 from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
 from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
-from mxserve.worker.model.quantize import quantize_checkpoint, quantize_main
+from mxserve.worker.model.quantize import quantize_checkpoint
 
 ARCHS = {"llama": ("llama", {}), "qwen2-bias": ("qwen2", {})}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -241,14 +243,19 @@ def test_broken_mx_checkpoints_fail_at_open(quantized, tmp_path):
 
 def test_command_line(sources, tmp_path, capsys):
     out = str(tmp_path / "q")
-    assert quantize_main(["--model", sources["llama"], "--format", "mxfp6_e3m2",
+    umask = os.umask(0o022)
+    assert cli.main(["quantize", "--model", sources["llama"], "--format", "mxfp6_e3m2",
                           "--out", out]) == 0
     assert "wrote" in capsys.readouterr().out
     assert open_checkpoint(out).quantization == "mxfp6_e3m2"
-    assert quantize_main(["--model", sources["llama"], "--format", "mxfp4", "--out", out]) == 2
+    os.umask(umask)
+    for name in os.listdir(out):  # the permissions any written file gets, not private ones
+        assert os.stat(os.path.join(out, name)).st_mode & 0o777 == 0o644, name
+    assert cli.main(["quantize", "--model", sources["llama"], "--format", "mxfp4",
+                     "--out", out]) == 2
     assert "not empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        quantize_main(["--format", "mxfp5", "--out", out])
+        cli.main(["quantize", "--format", "mxfp5", "--out", out])
 
 
 @pytest.mark.slow
