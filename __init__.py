@@ -16,10 +16,10 @@ import importlib
 _EXPORTS = {
     "LLM": "mxserve.worker.llm",
     "RequestOutput": "mxserve.worker.llm",
-    "SamplingParams": "mxserve.worker.sampling_params",
-    "InvalidRequestError": "mxserve.worker.errors",
-    "ModelLoadError": "mxserve.worker.errors",
-    "MxserveError": "mxserve.worker.errors",
+    "SamplingParams": "mxserve.api.sampling_params",
+    "InvalidRequestError": "mxserve.api.errors",
+    "ModelLoadError": "mxserve.api.errors",
+    "MxserveError": "mxserve.api.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -190,8 +190,8 @@ def serve_policies(args, requests) -> dict:
 def index_lookup_latency(args) -> dict:
     """`--index-blocks` blocks spread over 16 workers (chains of 64 blocks, each chain held by
     1-3 workers) in a fresh redis-server; then lookups of 64-block prompts, one at a time."""
+    from mxserve.api.prefix_index import PrefixIndex
     from mxserve.cluster.redis_server import LocalRedis
-    from mxserve.router.prefix_index import PrefixIndex
 
     rng = random.Random(args.seed)
     chains = [[rng.getrandbits(128) for _ in range(64)] for _ in range(args.index_blocks // 64)]

@@ -19,10 +19,10 @@ import time
 import torch
 import triton
 
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker import sampler as sampler_mod
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler
-from mxserve.worker.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -76,10 +76,10 @@ def timed(stream_start: float, times: list[float], num_tokens: int) -> tuple[flo
 # ---- the two paths ---------------------------------------------------------------------------
 def inproc_client(args):
     """(one, close) for the in-process engine."""
+    from mxserve.api.sampling_params import SamplingParams
     from mxserve.worker.async_engine import AsyncEngine
     from mxserve.worker.config import EngineConfig
     from mxserve.worker.engine import build_engine
-    from mxserve.worker.sampling_params import SamplingParams
 
     engine = build_engine(EngineConfig(load_progress=False, **ENGINE))
     tok = engine.tokenizer

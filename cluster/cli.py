@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mxserve.api.errors import InvalidRequestError, MxserveError
 from mxserve.worker.config import MX_QUANTIZATIONS
-from mxserve.worker.errors import InvalidRequestError, MxserveError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -141,7 +141,7 @@ def _sampling_fields(args) -> dict:
 
 def _check_request(prompt: str, args) -> None:
     """Reject an empty prompt or a bad sampling flag before any model loads or call is made."""
-    from mxserve.worker.sampling_params import SamplingParams
+    from mxserve.api.sampling_params import SamplingParams
 
     if not prompt.strip():
         raise InvalidRequestError("prompt", "is empty")
@@ -149,7 +149,7 @@ def _check_request(prompt: str, args) -> None:
 
 
 def _sampling_params(args, llm):
-    from mxserve.worker.sampling_params import SamplingParams
+    from mxserve.api.sampling_params import SamplingParams
 
     return SamplingParams.from_defaults(llm.engine.generation_defaults, **_sampling_fields(args))
 

@@ -18,18 +18,18 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from mxserve.api.errors import ServeError
+from mxserve.api.outputs import StepOutput
+from mxserve.api.prefix_index import PrefixIndex
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.logs import setup_process
 from mxserve.cluster.metrics import RayRouterMetrics, WorkerMetricsExporter
 from mxserve.cluster.worker import Worker
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.errors import ServeError
 from mxserve.router.ingress import Router
-from mxserve.router.prefix_index import PrefixIndex
 from mxserve.router.requests import ModelCard
-from mxserve.worker.engine import StepOutput
 from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
-from mxserve.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from ray.serve import metrics
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from mxserve.router.prefix_index import PrefixIndex
+from mxserve.api.block_hash import block_hashes
+from mxserve.api.prefix_index import PrefixIndex
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
-from mxserve.worker.block_hash import block_hashes
 
 
 class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):

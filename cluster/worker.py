@@ -13,11 +13,11 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator
 
-from mxserve.router.errors import RESOURCE_EXHAUSTED, ServeError
+from mxserve.api.errors import RESOURCE_EXHAUSTED, InvalidRequestError, ServeError
+from mxserve.api.outputs import StepOutput
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.async_engine import AsyncEngine
-from mxserve.worker.engine import Engine, StepOutput
-from mxserve.worker.errors import InvalidRequestError
-from mxserve.worker.sampling_params import SamplingParams
+from mxserve.worker.engine import Engine
 
 
 class Worker:

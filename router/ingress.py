@@ -16,20 +16,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.errors import (
+from mxserve.api.errors import (
     INTERNAL,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
+    InvalidRequestError,
     ServeError,
     as_serve_error,
 )
+from mxserve.api.outputs import StepOutput
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.api.stream import OutputStream
+from mxserve.api.tokenizer import Tokenizer
+from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
-from mxserve.router.stream import OutputStream
-from mxserve.worker.engine import StepOutput
-from mxserve.worker.errors import InvalidRequestError
-from mxserve.worker.model.tokenizer import Tokenizer
-from mxserve.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # A request's end line is INFO (finished, or ended by the client: router.errors.CLIENT_STATUSES)

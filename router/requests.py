@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mxserve.api.errors import InvalidRequestError
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.api.tokenizer import Tokenizer
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.worker.errors import InvalidRequestError
-from mxserve.worker.model.tokenizer import Tokenizer
-from mxserve.worker.sampling_params import SamplingParams
 
 # Optional scalar fields of pb.SamplingParams that map 1:1 onto SamplingParams; unset -> default.
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mxserve.router.prefix_index import PrefixIndex
+from mxserve.api.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

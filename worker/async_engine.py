@@ -18,9 +18,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from mxserve.worker.engine import Engine, StepOutput, merge_outputs
+from mxserve.api.outputs import StepOutput, merge_outputs
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.worker.engine import Engine
 from mxserve.worker.kv_cache import KVEvent
-from mxserve.worker.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class AsyncEngine:
         request = self.engine.make_request(prompt_token_ids, sampling_params, request_id)
         rid = request.request_id
         if rid in self._streams:
-            from mxserve.worker.errors import InvalidRequestError
+            from mxserve.api.errors import InvalidRequestError
             raise InvalidRequestError("request_id", f"{rid!r} is already running")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), stream)

@@ -31,47 +31,21 @@ from dataclasses import dataclass
 
 import torch
 
-from mxserve.worker.block_hash import extend_block_hashes
+from mxserve.api.block_hash import extend_block_hashes
+from mxserve.api.errors import InvalidRequestError
+from mxserve.api.outputs import StepOutput
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.api.tokenizer import IncrementalDetokenizer, Tokenizer
 from mxserve.worker.config import EngineConfig
-from mxserve.worker.errors import InvalidRequestError
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
-from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner, StepResult
 from mxserve.worker.sampler import SampledTokens, Sampler
-from mxserve.worker.sampling_params import SamplingParams
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop, stream_holdback
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one request gained in one step (a streaming delta). AsyncEngine merges the deltas
-    a slow consumer has not taken yet into one (merge_outputs)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[dict[int, float]] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    num_output_tokens: int
-
-
-def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
-    """One delta for two consecutive ones of a request: tokens, text and logprobs joined, the
-    state (finished, reason, counts) of the later."""
-    logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
-        (first.new_logprobs or []) + (then.new_logprobs or [])
-    return StepOutput(
-        then.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
-        logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
-        then.num_cached_tokens, then.num_output_tokens)
 
 
 @dataclass

@@ -47,7 +47,7 @@ class KVCacheManager:
     then evicts the least recently released cached block. A request's blocks are released last
     block first, so a sequence's tail is evicted before its head.
 
-    Hashes are the chained block hashes of `mxserve.worker.block_hash`; the manager never computes
+    Hashes are the chained block hashes of `mxserve.api.block_hash`; the manager never computes
     them, it only maps hash <-> block id. Every change to that map is recorded as a `KVEvent`.
     """
 

@@ -1,4 +1,4 @@
-"""Publishing a worker's KV cache changes to the global prefix index (router/prefix_index.py).
+"""Publishing a worker's KV cache changes to the global prefix index (api/prefix_index.py).
 
 The engine's loop thread hands over event batches and snapshots in cache order (AsyncEngine's
 KV sink); this publisher, on the worker's event loop, coalesces what has piled up into one
@@ -22,7 +22,7 @@ import logging
 import random
 from dataclasses import dataclass
 
-from mxserve.router.prefix_index import PrefixIndex
+from mxserve.api.prefix_index import PrefixIndex
 from mxserve.worker.async_engine import AsyncEngine, KVSnapshot
 from mxserve.worker.kv_cache import BlockStored, KVEvent
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mxserve.api.errors import InvalidRequestError
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.engine import Engine, build_engine
-from mxserve.worker.errors import InvalidRequestError
 from mxserve.worker.request import Request
-from mxserve.worker.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

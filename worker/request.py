@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from mxserve.worker.sampling_params import SamplingParams
+from mxserve.api.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mxserve.api.errors import ModelLoadError
 from mxserve.kernels import cpu_attention, cpu_linear
 from mxserve.worker.attention import AttentionBatch, get_attention_backend
 from mxserve.worker.config import EngineConfig
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.host_to_device import index_on, to_device
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM

@@ -29,9 +29,9 @@ from itertools import chain
 import numpy as np
 import torch
 
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.host_to_device import index_on, to_device
 from mxserve.worker.request import Request
-from mxserve.worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 # top_p from the host (on CPU, or TOP_P_ON_DEVICE off) looks for its cutoff among the 256 largest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mxserve.api.stream import find_stop_string, stop_holdback
 from mxserve.worker.request import FinishReason, Request
 
 
@@ -46,28 +47,6 @@ def _cut_at_stop_string(request: Request, text_start: int) -> bool:
     request.output_text = request.output_text[:match[0]]
     request.finish_reason, request.stop_reason = FinishReason.STOP, match[1]
     return True
-
-
-def find_stop_string(text: str, text_start: int, stop: tuple[str, ...],
-                     include_stop_str: bool) -> tuple[int, str] | None:
-    """The stop-string rule, shared by the engine and the router (which detokenizes when the
-    worker does not): the earliest stop string in `text` that may end at or after `text_start`
-    (the text length before the newest token), as (length of text to keep, the stop string);
-    None when there is none."""
-    if not stop:
-        return None
-    search_from = max(0, text_start - max(len(s) for s in stop) + 1)
-    found = [(i, s) for s in stop if (i := text.find(s, search_from)) != -1]
-    if not found:
-        return None
-    index, hit = min(found)
-    return (index + len(hit) if include_stop_str else index), hit
-
-
-def stop_holdback(stop: tuple[str, ...]) -> int:
-    """Characters of output text to withhold while streaming an unfinished request: a stop
-    string may still complete across them, and then they must never have been sent."""
-    return max(len(s) for s in stop) - 1 if stop else 0
 
 
 def stream_holdback(request: Request) -> int:

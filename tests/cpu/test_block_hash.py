@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mxserve.worker.block_hash import block_hashes, extend_block_hashes, hash_block
+from mxserve.api.block_hash import block_hashes, extend_block_hashes, hash_block
 
 MODEL = "HuggingFaceTB/SmolLM2-135M"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mxserve import LLM, InvalidRequestError, SamplingParams
+from mxserve.api.errors import ModelLoadError
 from mxserve.worker.config import EngineConfig
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.dummy import DUMMY_MODELS, WEIGHT_STD, open_dummy, tensor_shape
 from mxserve.worker.model.loader import expected_tensor_names
 

@@ -13,7 +13,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from mxserve.worker.block_hash import block_hashes
+from mxserve.api.block_hash import block_hashes
 from mxserve.worker.kv_cache import BlockRemoved, BlockStored, KVCacheManager
 
 MODEL = "test-model"

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from mxserve.worker.errors import ModelLoadError
+from mxserve.api.errors import ModelLoadError
 from mxserve.worker.model import loader
 from mxserve.worker.model.config import RopeScaling
 from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint

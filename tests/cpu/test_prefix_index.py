@@ -11,14 +11,14 @@ import uuid
 import pytest
 import redis
 
+from mxserve.api.block_hash import block_hashes
+from mxserve.api.prefix_index import PrefixIndex
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.redis_server import LocalRedis
-from mxserve.router.prefix_index import PrefixIndex
 from mxserve.worker.async_engine import AsyncEngine
-from mxserve.worker.block_hash import block_hashes
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.engine import build_engine
 from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
-from mxserve.worker.sampling_params import SamplingParams
 
 _rng = random.Random(0)
 H = [_rng.getrandbits(128) for _ in range(8)]

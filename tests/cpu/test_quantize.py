@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mxserve import LLM, SamplingParams
+from mxserve.api.errors import ModelLoadError
 from mxserve.cluster import cli
 from mxserve.kernels.mx import MXTensor, dequantize_mx_torch, get_format, quantize_mx_torch
 from mxserve.worker.config import MX_QUANTIZATIONS, EngineConfig
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model import mx_layers
 from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
 from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup

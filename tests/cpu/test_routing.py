@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 
+from mxserve.api.block_hash import block_hashes
+from mxserve.api.prefix_index import PrefixIndex
 from mxserve.cluster.redis_server import LocalRedis
-from mxserve.router.prefix_index import PrefixIndex
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
-from mxserve.worker.block_hash import block_hashes
 
 BS = 16
 PROMPT = list(range(3, 3 + 64 * BS))  # 64 blocks: 1024 tokens

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker import sampler as sampler_mod
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler, apply_penalties, filter_threshold
-from mxserve.worker.sampling_params import SamplingParams
 
 # --- references --------------------------------------------------------------------------------
 

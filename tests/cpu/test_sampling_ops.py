@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from mxserve.api.sampling_params import SamplingParams  # noqa: E402
 from mxserve.kernels.sampling_ops import (  # noqa: E402
     BLOCK,
     argmax_rows,
@@ -20,7 +21,6 @@ from mxserve.kernels.sampling_ops import (  # noqa: E402
     top_p_threshold_rows,
 )
 from mxserve.worker.sampler import _top_p_threshold  # noqa: E402
-from mxserve.worker.sampling_params import SamplingParams  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (3, BLOCK), (2, BLOCK + 1), (5, 3 * BLOCK - 17),

@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from mxserve.worker.errors import InvalidRequestError
-from mxserve.worker.sampling_params import SamplingParams
+from mxserve.api.errors import InvalidRequestError
+from mxserve.api.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

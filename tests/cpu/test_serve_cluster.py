@@ -360,8 +360,8 @@ def _wait_indexed(served, prefix: list[int], timeout_s: float = 10.0) -> None:
     arrive asynchronously; a fixed 0.1 s pause was sometimes too short in CI)."""
     import asyncio
 
-    from mxserve.router.prefix_index import PrefixIndex
-    from mxserve.worker.block_hash import block_hashes
+    from mxserve.api.block_hash import block_hashes
+    from mxserve.api.prefix_index import PrefixIndex
 
     hashes = block_hashes(prefix, 16, served.llm.engine.model_config.model_id)
 

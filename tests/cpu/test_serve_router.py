@@ -10,11 +10,11 @@ import pickle
 import pytest
 
 from mxserve import LLM, SamplingParams
+from mxserve.api.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ServeError, as_serve_error
 from mxserve.cluster.client import build_request
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.worker import Worker
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ServeError, as_serve_error
 from mxserve.router.ingress import Router
 from mxserve.router.requests import ModelCard
 from mxserve.worker.config import EngineConfig

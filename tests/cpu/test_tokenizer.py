@@ -14,13 +14,13 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from mxserve.worker.errors import InvalidRequestError
-from mxserve.worker.model.loader import _smollm2_path
-from mxserve.worker.model.tokenizer import (
+from mxserve.api.errors import InvalidRequestError
+from mxserve.api.tokenizer import (
     FALLBACK_CHAT_TEMPLATE,
     IncrementalDetokenizer,
     Tokenizer,
 )
+from mxserve.worker.model.loader import _smollm2_path
 
 
 @pytest.fixture(scope="module")

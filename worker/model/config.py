@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mxserve.worker.errors import ModelLoadError
+from mxserve.api.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 
 import torch
 
-from mxserve.worker.errors import ModelLoadError
+from mxserve.api.errors import ModelLoadError
+from mxserve.api.tokenizer import Tokenizer, read_json
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.loader import Checkpoint, expected_tensor_names, hf_model_config
-from mxserve.worker.model.tokenizer import Tokenizer, read_json
 
 WEIGHT_STD = 0.02
 _LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, num_attention_heads=32,

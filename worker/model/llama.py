@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxserve.api.errors import ModelLoadError
 from mxserve.worker.attention import AttentionBackend
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding, fused_layer_ops
 from mxserve.worker.model.parallel import (

@@ -29,10 +29,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from mxserve.api.errors import ModelLoadError
+from mxserve.api.tokenizer import Tokenizer, gguf_field, read_json
 from mxserve.worker.config import MX_QUANTIZATIONS
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig, RopeScaling
-from mxserve.worker.model.tokenizer import Tokenizer, gguf_field, read_json
 
 if TYPE_CHECKING:
     from mxserve.worker.model.dummy import DummySource

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from mxserve.api.errors import ModelLoadError
 from mxserve.kernels.mx import BLOCK_SIZE, MXTensor, dequantize_mx, get_format, quantize_mx
 from mxserve.kernels.mx_linear import mx_linear, prepare_mx_weight
 from mxserve.worker.config import MX_QUANTIZATIONS
-from mxserve.worker.errors import ModelLoadError
 from mxserve.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from mxserve.worker.errors import InvalidRequestError, ModelLoadError
+from mxserve.api.errors import InvalidRequestError, ModelLoadError
 
 # Used when a checkpoint has no chat template: one "role: content" line per message, then
 # "assistant:" when a generation prompt is asked for. No model is trained on it; it only keeps

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mxserve.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from mxserve.worker.sampling_params import SamplingParams
-from mxserve.worker.stop import find_stop_string, stop_holdback
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.api.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputStream:
@@ -84,3 +83,25 @@ class OutputStream:
         if token in self.eos_token_ids and not self.params.ignore_eos:
             return None
         return token if token in self.params.stop_token_ids else None
+
+
+def find_stop_string(text: str, text_start: int, stop: tuple[str, ...],
+                     include_stop_str: bool) -> tuple[int, str] | None:
+    """The stop-string rule, shared by the engine and the router (which detokenizes when the
+    worker does not): the earliest stop string in `text` that may end at or after `text_start`
+    (the text length before the newest token), as (length of text to keep, the stop string);
+    None when there is none."""
+    if not stop:
+        return None
+    search_from = max(0, text_start - max(len(s) for s in stop) + 1)
+    found = [(i, s) for s in stop if (i := text.find(s, search_from)) != -1]
+    if not found:
+        return None
+    index, hit = min(found)
+    return (index + len(hit) if include_stop_str else index), hit
+
+
+def stop_holdback(stop: tuple[str, ...]) -> int:
+    """Characters of output text to withhold while streaming an unfinished request: a stop
+    string may still complete across them, and then they must never have been sent."""
+    return max(len(s) for s in stop) - 1 if stop else 0

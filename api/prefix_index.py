@@ -1,7 +1,7 @@
 """The global prefix index in Redis: which worker holds which KV block (ARCHITECTURE.md, "The
 global prefix index in Redis"). Workers write their own entries; routers only read.
 
-A block hash (worker/block_hash.py) names a whole prefix, so the index is a radix tree over
+A block hash (api/block_hash.py) names a whole prefix, so the index is a radix tree over
 16-token blocks flattened into one Redis hash per node. Keys, all under one namespace `ns`:
 
     {ns}:b:<hash>      hash: field = worker id, value = when that worker last reported storing

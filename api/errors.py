@@ -1,12 +1,37 @@
-"""The error a serving request ends with, as the client sees it.
+"""The exceptions mxserve raises on purpose, and the gRPC status a serving request ends with.
 
-`ServeError.code` is a gRPC status code name; the router's Serve wrapper sets it on the call.
-It pickles by value, so a worker replica can raise it and the router receives it intact.
+- `InvalidRequestError`: a request (prompt or sampling parameters) is wrong; `field` names what.
+  The engine rejects such a request at `add_request` and keeps serving the others. The gRPC layer
+  maps it to INVALID_ARGUMENT.
+- `ModelLoadError`: a checkpoint is missing, corrupt or of an architecture mxserve cannot run.
+- `ServeError`: a serving request failed with a status the client should get. `code` is a gRPC
+  status code name; the router's Serve wrapper sets it on the call. It pickles by value, so a
+  worker replica can raise it and the router receives it intact.
 """
 
 from __future__ import annotations
 
-from mxserve.worker.errors import InvalidRequestError, MxserveError
+
+class MxserveError(Exception):
+    """Base class of every error mxserve raises on purpose."""
+
+
+class InvalidRequestError(MxserveError, ValueError):
+    """A request field is out of range or of the wrong type.
+
+    Attributes:
+        field: the offending field, e.g. "temperature", "prompt", "stop".
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLoadError(MxserveError):
+    """A checkpoint could not be loaded (missing or corrupt files, unsupported architecture)."""
+
 
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"

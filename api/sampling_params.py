@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from mxserve.worker.errors import InvalidRequestError
+from mxserve.api.errors import InvalidRequestError
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -1,0 +1,32 @@
+"""What a worker streams for a request: one delta per engine step that produced tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one request gained in one step (a streaming delta). AsyncEngine merges the deltas
+    a slow consumer has not taken yet into one (merge_outputs)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int
+
+
+def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
+    """One delta for two consecutive ones of a request: tokens, text and logprobs joined, the
+    state (finished, reason, counts) of the later."""
+    logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
+        (first.new_logprobs or []) + (then.new_logprobs or [])
+    return StepOutput(
+        then.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
+        logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
+        then.num_cached_tokens, then.num_output_tokens)

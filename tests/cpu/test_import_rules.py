@@ -1,0 +1,54 @@
+"""The layers' import rules (docs/architecture.md, "Layout and import rules"): router/ and worker/
+never import each other, what both speak lives in api/, and api/ and router/ load no torch."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# folder -> the mxserve packages its modules must not import
+FORBIDDEN = {
+    "api": ("worker", "router", "cluster", "kernels"),
+    "router": ("worker", "cluster", "kernels"),
+    "worker": ("router", "cluster"),
+    "kernels": ("worker", "router", "cluster", "api"),
+}
+
+
+def _imports(folder: str):
+    """(file, absolute module name) for every import in the folder's modules."""
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        package = ["mxserve", *path.relative_to(ROOT).parent.parts]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                yield from ((path, alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                yield path, ".".join([*base, node.module or ""]).rstrip(".")
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_layers_import_one_way(folder):
+    found = list(_imports(folder))
+    assert found  # the scan sees the folder's imports
+    bad = [f"{path.relative_to(ROOT)} imports {module}" for path, module in found
+           for other in FORBIDDEN[folder]
+           if module == f"mxserve.{other}" or module.startswith(f"mxserve.{other}.")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contracts_and_the_router_load_no_torch():
+    modules = sorted(f"mxserve.{p.parent.name}.{p.stem}" for folder in ("api", "router")
+                     for p in (ROOT / folder).glob("*.py") if p.stem != "__init__")
+    code = (f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\n"
+            "print(sorted(m for m in ('torch', 'triton', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "mxserve.api.stream" in modules and "mxserve.router.ingress" in modules
+    assert done.stdout.strip() == "[]"
