@@ -1,4 +1,5 @@
-"""What a worker streams for a request: one delta per engine step that produced tokens."""
+"""What a worker streams for a request: one delta per engine step that produced tokens (token ids;
+the text is made from them by api/stream.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ class StepOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     new_logprobs: list[dict[int, float]] | None
     finished: bool
     finish_reason: str | None
@@ -22,11 +22,11 @@ class StepOutput:
 
 
 def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
-    """One delta for two consecutive ones of a request: tokens, text and logprobs joined, the
+    """One delta for two consecutive ones of a request: tokens and logprobs joined, the
     state (finished, reason, counts) of the later."""
     logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
         (first.new_logprobs or []) + (then.new_logprobs or [])
     return StepOutput(
-        then.request_id, first.new_token_ids + then.new_token_ids, first.new_text + then.new_text,
+        then.request_id, first.new_token_ids + then.new_token_ids,
         logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
         then.num_cached_tokens, then.num_output_tokens)

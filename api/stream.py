@@ -1,9 +1,8 @@
-"""Token ids from a worker -> the text a client streams: incremental detokenization and stop
-strings, exactly as the engine does them when it detokenizes itself (offline `LLM.generate`).
+"""Token ids from an engine -> the text a client gets: incremental detokenization and stop
+strings, the one text pipeline of mxserve (the router's, and the offline `LLM`'s).
 
-The worker engine runs without a tokenizer, so it ends a request on EOS, stop token ids and
-length only; stop strings are the router's. For each new token, in the engine's order
-(`Engine._update` + `check_stop`):
+The engine emits token ids only and ends a request on EOS, stop token ids and length; stop
+strings are matched here, on the text. For each new token, in order:
   1. append its text (the detokenizer holds back an incomplete UTF-8 character);
   2. the worker said "stop" (EOS or a stop id)      -> done, flush held-back text;
   3. a stop string appears (once min_tokens reached) -> done, text cut there, no flush;
@@ -21,13 +20,15 @@ from mxserve.api.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputStream:
-    """One request's output as the router sees it: token ids in, text deltas out."""
+    """One request's output as the router and the offline LLM see it: token ids in, text deltas
+    out. Without a tokenizer (dummy weights) there is no text, and no stop string is allowed."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int],
+                 params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prompt_ids, params.skip_special_tokens)
         self.text = ""
         self.num_text_sent = 0
         self.num_tokens = 0
@@ -59,7 +60,8 @@ class OutputStream:
     def _add_token(self, token: int, worker_reason: str | None) -> None:
         params = self.params
         text_start = len(self.text)
-        self.text += self._detok.step([token])
+        if self._detok is not None:
+            self.text += self._detok.step([token])
         self.num_tokens += 1
         if worker_reason == "stop":
             self._finish("stop", self._stop_token(token))
@@ -75,7 +77,8 @@ class OutputStream:
             self._finish(worker_reason, None)
 
     def _finish(self, reason: str, stop_reason: int | None) -> None:
-        self.text += self._detok.flush()
+        if self._detok is not None:
+            self.text += self._detok.flush()
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def _stop_token(self, token: int) -> int | None:

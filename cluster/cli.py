@@ -180,14 +180,14 @@ def cmd_chat(args) -> int:
     _check_request("-", args)
     llm = _llm(args)
     params = _sampling_params(args, llm)
-    engine, tokenizer = llm.engine, llm.tokenizer
+    tokenizer = llm.tokenizer
     messages: list[dict[str, str]] = []
     print("mxserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
     while (line := _read_message()) is not None:
         messages.append({"role": "user", "content": line})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        rid = engine.add_request(tokenizer.encode(prompt, add_special_tokens=False), params)
-        answer = _stream(engine, rid)
+        answer = _print_stream(llm.stream(tokenizer.encode(prompt, add_special_tokens=False),
+                                          params))
         messages.append({"role": "assistant", "content": answer})
     return 0
 
@@ -202,18 +202,17 @@ def _read_message() -> str | None:
     return line or None
 
 
-def _stream(engine, request_id: str) -> str:
-    text = ""
+def _print_stream(texts) -> str:
+    """Print text deltas as they come; Ctrl-C ends the answer (closing the stream aborts it)."""
+    answer = ""
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == request_id:
-                    print(out.new_text, end="", flush=True)
-                    text += out.new_text
+        for text in texts:
+            print(text, end="", flush=True)
+            answer += text
     except KeyboardInterrupt:
-        engine.abort(request_id)
+        texts.close()
     print()
-    return text
+    return answer
 
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -268,14 +267,9 @@ def _remote_chat(args) -> int:
     with Client(args.endpoint, args.app) as client:
         while (line := _read_message()) is not None:
             messages.append({"role": "user", "content": line})
-            answer = ""
-            try:
-                for chunk in client.stream(messages=messages, **_sampling_fields(args)):
-                    print(chunk.text, end="", flush=True)
-                    answer += chunk.text
-            except KeyboardInterrupt:
-                pass
-            print()
+            chunks = client.stream(messages=messages, **_sampling_fields(args))
+            answer = _print_stream(chunk.text for chunk in chunks)
+            chunks.close()  # after a Ctrl-C: cancels the request on the server
             messages.append({"role": "assistant", "content": answer})
     return 0
 

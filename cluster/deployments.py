@@ -44,7 +44,7 @@ _LOGGING = {"enable_access_log": False, "log_level": "WARNING"}  # mxserve logs 
 
 @serve.deployment(name=WORKER, logging_config=_LOGGING)
 class WorkerDeployment:
-    """One engine replica. The engine's tokenizer is dropped: the router detokenizes."""
+    """One engine replica: token ids in and out (the router detokenizes)."""
 
     async def __init__(self, engine_options: dict, max_queued_requests: int,
                        index: dict | None = None) -> None:
@@ -57,7 +57,6 @@ class WorkerDeployment:
         logger.info("worker %s: loading %s", replica_id, config.model or "SmolLM2-135M-Instruct")
         start = time.monotonic()
         engine = await asyncio.to_thread(build_engine, config)
-        engine.tokenizer = None
         logger.info("worker %s: ready in %.1f s (%s, %s, %d KV blocks of %d tokens)", replica_id,
                     time.monotonic() - start, engine.runner.device,
                     str(engine.runner.dtype).removeprefix("torch."), engine.kv.num_blocks,

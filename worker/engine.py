@@ -4,6 +4,9 @@
             prefix cache, outputs)
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server.
+The engine emits token ids only and ends a request on EOS, a stop token id or a length limit;
+text (incremental detokenization) and stop strings are `api.stream.OutputStream`'s, which the
+router and the offline `LLM` both wrap around its outputs.
 
 Async scheduling (on by default on CUDA): a step is completed by the next `step()` call, after
 that call has scheduled step N + 1 and queued its model run, so the host's work (scheduling,
@@ -17,7 +20,7 @@ Step N + 1 computes the token step N sampled before the host has seen it: the sc
 completed before N + 1 samples, so the sampler sees every earlier token on the host (penalties,
 min_tokens), and a sampler that must wait for the device (top_p checked from the host, with
 sampler.TOP_P_ON_DEVICE off) waits after the completion work is done. A request whose in-flight
-token ends it (EOS, a stop id or string) got one step too many: that token is dropped. Length
+token ends it (EOS or a stop id) got one step too many: that token is dropped. Length
 limits are known ahead: such a request is not scheduled again.
 """
 
@@ -35,7 +38,7 @@ from mxserve.api.block_hash import extend_block_hashes
 from mxserve.api.errors import InvalidRequestError
 from mxserve.api.outputs import StepOutput
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.api.tokenizer import IncrementalDetokenizer, Tokenizer
+from mxserve.api.tokenizer import Tokenizer
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
@@ -43,7 +46,7 @@ from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner, StepResult
 from mxserve.worker.sampler import SampledTokens, Sampler
 from mxserve.worker.scheduler import Scheduler, StepPlan
-from mxserve.worker.stop import check_stop, stream_holdback
+from mxserve.worker.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class Engine:
         self.runner = runner
         self.model_config = model_config
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the model's, for callers (LLM, the CLI); unused here
         self.kv = KVCacheManager(runner.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config, model_config)
@@ -83,7 +86,6 @@ class Engine:
             self.async_scheduling = runner.device.type == "cuda"
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
         # The last few finished requests, for tests and debugging (bounded).
@@ -126,10 +128,6 @@ class Engine:
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids,
-                request.sampling_params.skip_special_tokens)
         self.scheduler.add(request)
 
     def add_request(self, prompt_token_ids: list[int],
@@ -146,7 +144,7 @@ class Engine:
             return None
         request.finish_reason = FinishReason.ABORT
         self._finish(request)
-        return self._output(request, [], "", 0)
+        return self._output(request, [], 0)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -199,9 +197,9 @@ class Engine:
         sampled = step.samples.result()
         outputs = []
         tokens = iter(zip(sampled.token_ids, sampled.logprobs))
-        bs, detokenize = self.kv.block_size, bool(self._detokenizers)
-        # The checks below skip calls that would do nothing (a block filled, text to send):
-        # this loop runs for every request each step (bench/host_overhead.py).
+        bs = self.kv.block_size
+        # The checks below skip calls that would do nothing (a block filled): this loop runs for
+        # every request each step (bench/host_overhead.py).
         for s in step.plan.scheduled:
             request = s.request
             if s.samples:
@@ -215,41 +213,14 @@ class Engine:
                 if filled_block:
                     self._cache_blocks(request, end)
                 continue
-            num_text = len(request.output_text)
             request.append_output(token, lp)
-            if detokenize:
-                self._detokenize(request, token)
-            check_stop(request, self.max_model_len, num_text)
-            if request.finish_reason is not None and not isinstance(request.stop_reason, str):
-                self._flush_text(request)
+            check_stop(request, self.max_model_len)
             if filled_block:
                 self._cache_blocks(request, end)
-            text = self._text_delta(request) if request.num_text_sent != len(
-                request.output_text) else ""
-            outputs.append(self._output(request, [token], text, 1 if lp is not None else 0))
+            outputs.append(self._output(request, [token], 1 if lp is not None else 0))
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
-
-    def _detokenize(self, request: Request, token: int) -> None:
-        """(Only with a tokenizer: a Serve worker has none, the router detokenizes.)"""
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
-            request.output_text += detok.step([token])
-
-    def _flush_text(self, request: Request) -> None:
-        """A finished request's detokenizer may hold an incomplete character back: emit it."""
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
-            request.output_text += detok.flush()
-
-    def _text_delta(self, request: Request) -> str:
-        """Text not yet streamed, less what a stop string may still claim (called when there
-        is new text; without a tokenizer, as in a Serve worker, there never is)."""
-        end = max(request.num_text_sent, len(request.output_text) - stream_holdback(request))
-        delta = request.output_text[request.num_text_sent:end]
-        request.num_text_sent = end
-        return delta
 
     def _cache_blocks(self, request: Request, end: int) -> None:
         """Hash and register the full blocks of the first `end` tokens, after a step that filled
@@ -264,13 +235,11 @@ class Engine:
         self.scheduler.finish(request)
         self.finished_requests.append(request)
         self.requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
 
-    def _output(self, request: Request, new_ids: list[int], new_text: str,
-                num_logprobs: int) -> StepOutput:
+    def _output(self, request: Request, new_ids: list[int], num_logprobs: int) -> StepOutput:
         reason = request.finish_reason
         return StepOutput(  # positional, in field order: this runs for every request each step
-            request.request_id, new_ids, new_text,
+            request.request_id, new_ids,
             request.output_logprobs[-num_logprobs:] if num_logprobs else None,
             reason is not None, reason.value if reason else None,
             len(request.prompt_token_ids), request.num_cached_tokens,

@@ -1,12 +1,18 @@
-"""The offline API: `LLM(model=..., **engine_options).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model=..., **engine_options).generate(prompts, sampling_params)`.
+
+Each request's token ids go through the same `OutputStream` the router uses (api/stream.py:
+incremental detokenization and stop strings), so offline and served outputs are made alike.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mxserve.api.errors import InvalidRequestError
+from mxserve.api.outputs import StepOutput
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.api.stream import OutputStream
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.engine import Engine, build_engine
 from mxserve.worker.request import Request
@@ -49,13 +55,31 @@ class LLM:
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]  # validate all
-        outputs = []
+        outputs = {}
         for request, prompt in zip(requests, prompts):
             self.engine.add(request)
-            outputs.append(RequestOutput(request.request_id, prompt if isinstance(prompt, str)
-                                         else None, request.prompt_token_ids))
+            outputs[request.request_id] = (RequestOutput(
+                request.request_id, prompt if isinstance(prompt, str) else None,
+                request.prompt_token_ids), self._output_stream(request))
         self._run(outputs)
-        return outputs
+        return [out for out, _ in outputs.values()]
+
+    def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
+        """Generate for one prompt and yield its text as it comes (what `mxserve chat` prints);
+        closing the iterator early aborts the request."""
+        request = self._make_request(prompt_token_ids,
+                                     sampling_params or self._params_per_prompt(None, 1)[0])
+        self.engine.add(request)
+        out = {request.request_id: (RequestOutput(request.request_id, None, prompt_token_ids),
+                                    self._output_stream(request))}
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if (text := self._take(out, delta)):
+                        yield text
+        finally:
+            self._abort_all()
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -90,8 +114,7 @@ class LLM:
             prompt = self.tokenizer.encode(prompt)
         elif not isinstance(prompt, list):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-        if params.stop and self.tokenizer is None:  # served engines have none: the router
-            # applies stop strings there
+        if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer, and this model has "
                                       "none (dummy weights): use stop_token_ids")
         return self.engine.make_request(prompt, params)
@@ -101,18 +124,38 @@ class LLM:
             raise InvalidRequestError("prompt", f"{what} needs a tokenizer, and this model has "
                                       "none (dummy weights): pass token ids")
 
-    def _run(self, outputs: list[RequestOutput]) -> None:
-        by_id = {o.request_id: o for o in outputs}
+    def _output_stream(self, request: Request) -> OutputStream:
+        return OutputStream(self.tokenizer, request.prompt_token_ids, request.sampling_params,
+                            request.eos_token_ids)
+
+    def _run(self, outputs: dict[str, tuple[RequestOutput, OutputStream]]) -> None:
         try:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    out = by_id[delta.request_id]
-                    out.token_ids += delta.new_token_ids
-                    out.text += delta.new_text
-                    if delta.new_logprobs:
-                        out.logprobs = (out.logprobs or []) + delta.new_logprobs
-                    out.finish_reason = delta.finish_reason
-                    out.num_cached_tokens = delta.num_cached_tokens
-        finally:  # e.g. KeyboardInterrupt: leave no request holding blocks
-            for rid in list(self.engine.requests):
-                self.engine.abort(rid)
+                    self._take(outputs, delta)
+        finally:
+            self._abort_all()
+
+    def _take(self, outputs: dict[str, tuple[RequestOutput, OutputStream]],
+              delta: StepOutput) -> str:
+        """Add one engine delta to its request's output; returns the new text. A stop string
+        the stream finds ends the request in the engine too."""
+        out, stream = outputs[delta.request_id]
+        if stream.finished:  # ended by a stop string; this is its in-flight token
+            return ""
+        num_new = stream.add(delta.new_token_ids, delta.finish_reason)
+        out.token_ids += delta.new_token_ids[:num_new]
+        if delta.new_logprobs:
+            out.logprobs = (out.logprobs or []) + delta.new_logprobs[:num_new]
+        out.num_cached_tokens = delta.num_cached_tokens
+        text = stream.take_text()
+        out.text += text
+        out.finish_reason = stream.finish_reason
+        if stream.finished and not delta.finished:
+            self.engine.abort(delta.request_id)
+        return text
+
+    def _abort_all(self) -> None:
+        """Leave no request holding KV blocks (after an interrupt, or a stream closed early)."""
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)

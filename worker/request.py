@@ -50,9 +50,6 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Chained hashes of the full blocks of all_token_ids, extended as blocks fill (block_hash.py).
     block_hashes: list[int] = field(default_factory=list)
-    # Output text so far (filled by the engine's detokenizer when the engine has a tokenizer).
-    output_text: str = ""
-    num_text_sent: int = 0  # characters of output_text already streamed
     # torch.Generator for a seeded request, created by the sampler on first use.
     generator: object | None = None
 

@@ -173,7 +173,6 @@ def test_async_stream_merges_what_a_slow_consumer_has_not_taken(ckpt):
     finally:
         engine.shutdown()
     assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
-    assert "".join(o.new_text for o in outs) == expected.text
     assert [lp for o in outs for lp in o.new_logprobs] == expected.logprobs
     assert len(outs) < len(expected.token_ids)  # some were merged
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
@@ -188,12 +187,11 @@ def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
     engine = AsyncEngine(llm.engine)
     engine.start()
 
-    async def stream_all():
-        ids, text = [], ""
+    async def stream_all():  # token ids only: the engine makes no text (api/stream.py does)
+        ids = []
         async for out in engine.generate(prompt, GREEDY):
             ids += out.new_token_ids
-            text += out.new_text
-        return ids, text
+        return ids
 
     async def cancel_early():
         agen = engine.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True))
@@ -212,8 +210,8 @@ def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
 
     try:
         results = asyncio.run(main())
-        for ids, text in results:
-            assert ids == expected.token_ids and text == expected.text
+        for ids in results:
+            assert ids == expected.token_ids
         for _ in range(200):  # the abort travels through the command queue
             if not llm.engine.requests:
                 break

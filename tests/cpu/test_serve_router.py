@@ -183,7 +183,6 @@ def test_worker_freezes_the_heap_for_its_process_and_thaws_it_on_shutdown(tiny_c
     assert gc.get_freeze_count() == 0
     engine = build_engine(EngineConfig(model=str(tiny_checkpoint("llama")), load_progress=False,
                                        dtype="float32", num_kv_blocks=64, max_num_seqs=2))
-    engine.tokenizer = None
     worker = Worker(engine, max_queued_requests=1)
     worker.start(freeze_gc=True)
     try:
