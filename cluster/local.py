@@ -16,8 +16,7 @@ from mxserve.cluster.redis_server import LocalRedis
 
 # Ray Serve settings for a lower-latency token stream (all three are Serve's own knobs; they
 # are read when the proxy and replica processes start, so they go in the environment Ray starts
-# with). One A/B run of bench/serve_cpu.py on a busy 2-core machine, 1 client: serving overhead
-# 27 -> 17 ms TTFT and 8.2 -> 2.5 ms per output token.
+# with; their effect on the serving overhead: bench/results/serve_cpu.md).
 # - handle calls (proxy -> router -> worker) over gRPC instead of through the object store;
 # - user code on the replica's own event loop instead of a second thread;
 # - request logs buffered instead of flushed per line.

@@ -10,13 +10,13 @@ down 9.8 vs 13.7, LM head 118.7 vs 127.3: bench/results/pdl_probe.json), where c
 kernels sit at a latency floor (12 MB of weights took 5.4 us even from L2:
 bench/results/l2_prefetch_probe.json); from M = 2 cuBLAS wins again (bench/results/gemv_gpu.md:
 `MAX_ROWS`). With PDL (sm_90+) a GEMV starts while the kernel before it runs and loads its
-weights until gdc_wait: 1B batch-1 step 0.884 -> 0.847 ms.
+weights until gdc_wait (bench/results/gemv_gpu.engine_pdl.md).
 
 `decode_projection` runs a decoder block's first projection with what surrounds it, one kernel:
 the add + RMSNorm before (each program normalizes the row: it holds all of K), and after it
 RoPE with the new K/V written to the paged caches (q/k/v), or SiLU-and-mul (gate/up). Programs
-then own row pairs: the two halves of a rotation, or gate j with up j. The 1B batch-1 step
-lost ~110 launches: 1.012 -> 0.885 ms (bench/results/gemv_gpu.engine_fused.md).
+then own row pairs: the two halves of a rotation, or gate j with up j. It removes about 110
+launches from a 1B batch-1 decode step (bench/results/gemv_gpu.engine_fused.md).
 
 The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): ~8k elements a
 program (16k for MX weights), on 4 warps (8 past that). MX rows in spread groups of 16 decode

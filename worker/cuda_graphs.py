@@ -84,8 +84,8 @@ class DecodeGraphs:
         # The rows' block tables, kept from step to step: row i holds the first _row_blocks[i]
         # blocks of the table whose version (KVCacheManager.table_version) is _row_version[i].
         # A step writes only the blocks a row's table gained, or the whole row when the version
-        # differs (another request, or its table made anew or trimmed): 0.36 -> 0.20 ms for
-        # 512 rows on CPU, where building every row took most of this method.
+        # differs (another request, or its table made anew or trimmed): rebuilding every row
+        # each step took most of this method at 512 rows.
         self._tables = np.zeros((n, self.max_blocks), dtype=np.int32)
         self._row_version = [0] * n
         self._row_blocks = [0] * n

@@ -45,9 +45,8 @@ _TOP_P_GROWTH = 16
 # Decide top_p's cutoff on the device (kernels/sampling_ops.py): with top_k off everywhere a
 # radix search of every whole row (top_p_search_rows: 10 launches, no topk or logsumexp), else
 # the candidates checked and searched past on the device (top_p_threshold_rows). No wait for
-# the device, so a top_p step overlaps the next one as a greedy step does. H200, 1B dummy weights
-# (flat logits): top_p 0.9 engine step 2.01 -> 1.34 ms at batch 1, 3.33 -> 2.26 at 64, 7.42 ->
-# 5.57 at 256 (bench/results/engine_gpu.top_p_radix.md). "cuda": on CUDA only (on CPU the host
+# the device, so a top_p step overlaps the next one as a greedy step does
+# (bench/results/engine_gpu.top_p_radix.md). "cuda": on CUDA only (on CPU the host
 # path has no wait to save, and its candidates spare the torch rule's full sort); True / False:
 # always (tests run the kernels' torch rule so) / never.
 TOP_P_ON_DEVICE: bool | str = "cuda"
@@ -480,10 +479,9 @@ def _exp1(shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximal index. On CUDA, up to _TRITON_ARGMAX_ROWS rows: two short
-    kernels (kernels/sampling_ops.py; imported only then, CPU installs need no Triton) instead
-    of torch.argmax's one block a row, 26.7 -> 3.0 us at batch 1 on the H200. At 512 rows both
-    read the logits at about the same speed (75 vs 64 us) and torch's single launch costs the
-    host less (bench/results/decode_step_probe.json)."""
+    kernels (kernels/sampling_ops.py) instead of torch.argmax's one block a row, which is far
+    slower for a few rows; at many rows both read the logits at about the same speed and
+    torch's single launch costs the host less (bench/results/decode_step_probe.json)."""
     if logits.is_cuda and logits.shape[0] <= _TRITON_ARGMAX_ROWS:
         from mxserve.kernels.sampling_ops import argmax_rows
 
