@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # only 1 until tensor parallelism lands (an error otherwise)
     attention_backend: str = "auto"  # "torch" (reference), "cpu" (C decode kernel), "triton"
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
     load_progress: bool = True
@@ -73,6 +73,9 @@ class EngineConfig:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.tensor_parallel_size != 1:  # an accepted option must do something
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported "
+                             "yet: every engine is one rank (use 1)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:

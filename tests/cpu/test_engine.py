@@ -10,6 +10,7 @@ import torch
 
 from mxserve import LLM, InvalidRequestError, SamplingParams
 from mxserve.worker.async_engine import AsyncEngine
+from mxserve.worker.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -256,3 +257,14 @@ def test_packed_cpu_weights_give_the_same_numbers(ckpt):
         assert all((m.packed is not None) == pack for m in linears)
         outs[pack] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_an_option_the_engine_cannot_honour_is_an_error():
+    """tensor_parallel_size > 1 until tensor parallelism lands: refused, not silently one rank."""
+    from mxserve.cluster.config import ServeConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
+        EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ServeConfig(engine={"tensor_parallel_size": 2})
+    assert EngineConfig(tensor_parallel_size=1).tensor_parallel_size == 1
