@@ -374,28 +374,27 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
 
 def eager_sampler_sweep(args, llm, sampling: dict = GREEDY,
                         batches: list[int] | None = None) -> dict:
-    """A decode sweep again with the sampler's kernels launched one by one (worker/sampler.py
-    SAMPLE_GRAPHS off: no _SampleGraph, no _ArgmaxGraph), the baseline of its graphs."""
-    from mxserve.worker import sampler
-
-    keep, sampler.SAMPLE_GRAPHS = sampler.SAMPLE_GRAPHS, False
+    """A decode sweep again with the sampler's kernels launched one by one (its `graphs` off,
+    as EngineConfig(sample_graphs=False): no _SampleGraph, no _ArgmaxGraph), the baseline of
+    its graphs."""
+    sampler = llm.engine.sampler
+    keep, sampler.graphs = sampler.graphs, False
     try:
         return decode_sweep(args, llm, sampling, batches)
     finally:
-        sampler.SAMPLE_GRAPHS = keep
+        sampler.graphs = keep
 
 
 def top_p_host_sweep(args, llm) -> dict:
-    """The top_p sweep again with top_p's cutoff checked from the host (worker/sampler.py
-    TOP_P_ON_DEVICE off: the sampler waits for the device each step), the baseline of the
-    default, decided on the device."""
-    from mxserve.worker import sampler
-
-    keep, sampler.TOP_P_ON_DEVICE = sampler.TOP_P_ON_DEVICE, False
+    """The top_p sweep again with top_p's cutoff checked from the host (the sampler's
+    top_p_on_device off, as EngineConfig(top_p_on_device=False): it waits for the device each
+    step), the baseline of the default, decided on the device."""
+    sampler = llm.engine.sampler
+    keep, sampler.top_p_on_device = sampler.top_p_on_device, False
     try:
         return decode_sweep(args, llm, TOP_P, args.top_p_batches)
     finally:
-        sampler.TOP_P_ON_DEVICE = keep
+        sampler.top_p_on_device = keep
 
 
 def load_hf(args, shape: str):

@@ -20,7 +20,6 @@ import torch
 import triton
 
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.worker import sampler as sampler_mod
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler
 
@@ -36,8 +35,7 @@ def main() -> None:
         logits = torch.randn(batch, 128256, device="cuda") * 0.02
         requests = [Request(f"r{i}", [1, 2, 3], params) for i in range(batch)]
         for on_device in (True, False):
-            sampler_mod.TOP_P_ON_DEVICE = on_device
-            sampler = Sampler(0)
+            sampler = Sampler(0, top_p_on_device=on_device)
             for _ in range(5):
                 sampler.sample(logits.clone(), requests).result()
             torch.cuda.synchronize()

@@ -59,6 +59,10 @@ class EngineConfig:
     # Schedule and launch step N + 1 before completing step N (engine.py), so the host's work
     # hides behind the device's. None: on for CUDA, off on CPU (no device to overlap).
     async_scheduling: bool | None = None
+    # The sampler's options (worker/sampler.py, Sampler): top_p's cutoff decided on the device
+    # (None: on CUDA; True: always; False: never), and sampling decode batches as CUDA graphs.
+    top_p_on_device: bool | None = None
+    sample_graphs: bool = True
     # CPU, bf16: multiply with oneDNN's blocked copies of the linear weights (same numbers,
     # faster; worker/model/parallel.py `pack_for_cpu`). False keeps plain torch.matmul.
     pack_cpu_weights: bool = True

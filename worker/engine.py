@@ -19,7 +19,7 @@ Step N + 1 computes the token step N sampled before the host has seen it: the sc
 (Request.num_inflight) and the runner copies its id from N's samples on the device. Step N is
 completed before N + 1 samples, so the sampler sees every earlier token on the host (penalties,
 min_tokens), and a sampler that must wait for the device (top_p checked from the host, with
-sampler.TOP_P_ON_DEVICE off) waits after the completion work is done. A request whose in-flight
+top_p_on_device off) waits after the completion work is done. A request whose in-flight
 token ends it (EOS or a stop id) got one step too many: that token is dropped. Length
 limits are known ahead: such a request is not scheduled again.
 """
@@ -80,7 +80,8 @@ class Engine:
         self.max_model_len = self._max_model_len(config, model_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, top_p_on_device=config.top_p_on_device,
+                               graphs=config.sample_graphs)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none
             self.async_scheduling = runner.device.type == "cuda"

@@ -16,7 +16,7 @@ row of the batch has a seed, Philox draws inside the fused race, kernels/samplin
 
 `sample` only queues work (and the tokens' copy to the host) for the device; `SampledTokens`
 waits for it. A decode graph's logits sampled the common way go through one more graph
-(_SampleGraph, SAMPLE_GRAPHS), a plain-greedy batch's through its argmax graph (_ArgmaxGraph).
+(_SampleGraph; Sampler's `graphs`), a plain-greedy batch's through its argmax graph (_ArgmaxGraph).
 Under async scheduling the engine completes the previous step before sampling this one, so
 every earlier output token is on the host here.
 """
@@ -34,7 +34,7 @@ from mxserve.worker.host_to_device import index_on, to_device
 from mxserve.worker.request import Request
 
 _NEG_INF = float("-inf")
-# top_p from the host (on CPU, or TOP_P_ON_DEVICE off) looks for its cutoff among the 256 largest
+# top_p from the host (on CPU, or top_p_on_device off) looks for its cutoff among the 256 largest
 # logits (a partial sort, ~10x cheaper than a full one at vocab 49k); when they hold less than
 # top_p of the mass, on CPU among 16x more, and so on. On CUDA it sorts the whole row at once
 # instead: each growth waits for the device, and a
@@ -42,21 +42,7 @@ _NEG_INF = float("-inf")
 # H200 (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
-# Decide top_p's cutoff on the device (kernels/sampling_ops.py): with top_k off everywhere a
-# radix search of every whole row (top_p_search_rows: 10 launches, no topk or logsumexp), else
-# the candidates checked and searched past on the device (top_p_threshold_rows). No wait for
-# the device, so a top_p step overlaps the next one as a greedy step does
-# (bench/results/engine_gpu.top_p_radix.md). "cuda": on CUDA only (on CPU the host
-# path has no wait to save, and its candidates spare the torch rule's full sort); True / False:
-# always (tests run the kernels' torch rule so) / never.
-TOP_P_ON_DEVICE: bool | str = "cuda"
 _TRITON_ARGMAX_ROWS = 64
-# The logits of a decode graph replay (cuda_graphs.py) sit in that graph's static buffer; when
-# every row of such a batch samples the common way (no greedy row, seed, top_k or min_p), its
-# temperature, top_p cutoff and race are one more graph replay (_SampleGraph, recorded for each
-# decode graph at start-up) instead of ~14 kernel launches from Python; a plain-greedy batch's
-# argmax is one replay of _ArgmaxGraph instead of two launches.
-SAMPLE_GRAPHS = True
 
 
 @dataclass
@@ -100,10 +86,28 @@ class SampledTokens:
 
 
 class Sampler:
-    """Samples one token per request from a batch of logits; holds only the unseeded RNG."""
+    """Samples one token per request from a batch of logits; holds only the unseeded RNG and
+    the CUDA graphs it recorded.
 
-    def __init__(self, seed: int = 0) -> None:
+    top_p_on_device: decide top_p's cutoff on the device (kernels/sampling_ops.py): with top_k
+    off everywhere a radix search of every whole row (top_p_search_rows), else the candidates
+    checked and searched past on the device (top_p_threshold_rows). No wait for the device, so
+    a top_p step overlaps the next one as a greedy step does
+    (bench/results/engine_gpu.top_p_radix.md). None: on CUDA only (on CPU the host path has no
+    wait to save, and its candidates spare the torch rule's full sort); True: always (on CPU it
+    runs the kernels' torch rule: tests); False: never.
+    graphs: a decode graph replay's logits (cuda_graphs.py) sit in that graph's static buffer;
+    when every row of such a batch samples the common way (no greedy row, seed, top_k or min_p),
+    its temperature, top_p cutoff and race are one more graph replay (_SampleGraph, recorded for
+    each decode graph at start-up) instead of ~14 kernel launches from Python; a plain-greedy
+    batch's argmax is one replay of _ArgmaxGraph instead of two launches. False: never.
+    """
+
+    def __init__(self, seed: int = 0, *, top_p_on_device: bool | None = None,
+                 graphs: bool = True) -> None:
         self.seed = seed
+        self.top_p_on_device = top_p_on_device
+        self.graphs = graphs
         self._race_calls = 0  # keys race_rows' draws (CUDA, rows without a seed)
         # Per device, the generator of rows without a seed (created lazily off CPU).
         self._generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
@@ -120,9 +124,9 @@ class Sampler:
     def capture_graphs(self, buffers: list[torch.Tensor]) -> None:
         """Record a _SampleGraph and an _ArgmaxGraph over each static logits buffer [size,
         vocab] (the decode graphs' outputs; their contents are divided by 1 meanwhile) where
-        their kernels take it (else the eager path runs). CUDA only; nothing with SAMPLE_GRAPHS
+        their kernels take it (else the eager path runs). CUDA only; nothing with `graphs`
         off."""
-        if not SAMPLE_GRAPHS:
+        if not self.graphs:
             return
         # One pool for all of them: a replay may reuse what another's capture freed, so a
         # graph's tokens hold until the next sampler replay of any size. They are consumed
@@ -139,13 +143,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request],
                static: torch.Tensor | None = None) -> SampledTokens:
         """Queue the sampling of `logits` (as __call__) without waiting for the device (top_p
-        from the host, TOP_P_ON_DEVICE off, waits: whether its 256 candidates hold the mass).
+        from the host, top_p_on_device off, waits: whether its 256 candidates hold the mass).
         static: a decode graph's logits buffer [size >= rows, vocab]; its _SampleGraph (or, for
         a plain-greedy batch, its _ArgmaxGraph) samples when `logits` is that buffer's first
         rows (not a copy of some of them)."""
         params = [r.sampling_params for r in requests]
         if all(_is_plain_greedy(r) for r in requests):  # fast path: nothing to do but argmax
-            graph = _static_graph(self._argmax_graphs, logits, static)
+            graph = self._static_graph(self._argmax_graphs, logits, static)
             if graph is None:
                 return SampledTokens(_argmax(logits), (), [], params)
             self.num_graph_samples += 1
@@ -178,7 +182,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if any(sp.temperature != 1.0 for sp in params):
             logits = logits.div_(_column([sp.temperature for sp in params], logits))
-        threshold = filter_threshold(logits, params)
+        threshold = filter_threshold(logits, params, self.top_p_on_device)
         if logits.is_cuda and logits.dtype == torch.float32 and logits.stride(-1) == 1 \
                 and logits.numel() < 2**31 and all(sp.seed is None for sp in params):
             from mxserve.kernels.sampling_ops import race_rows
@@ -199,15 +203,26 @@ class Sampler:
                    params: list[SamplingParams]) -> _SampleGraph | None:
         """The _SampleGraph that can sample these rows: logits are its buffer's first rows and
         every row takes the path it recorded (sampled, unseeded, top_k and min_p off)."""
-        if TOP_P_ON_DEVICE is False:  # (the graph decides top_p on the device)
+        if self.top_p_on_device is False:  # (the graph decides top_p on the device)
             return None
-        graph = _static_graph(self._graphs, logits, static)
+        graph = self._static_graph(self._graphs, logits, static)
         vocab = logits.shape[1]
         if graph is not None and all(
                 not sp.greedy and sp.seed is None and (sp.top_k <= 0 or sp.top_k >= vocab)
                 and sp.min_p <= 0.0 for sp in params):
             return graph
         return None
+
+    def _static_graph(self, graphs: dict, logits: torch.Tensor, static: torch.Tensor | None):
+        """The graph in `graphs` recorded over `static` when `logits` are that buffer's first
+        rows (not a copy of some of them) and it has room for them; else None."""
+        if static is None or not self.graphs or logits.data_ptr() != static.data_ptr():
+            return None
+        graph = graphs.get(static.data_ptr())
+        if graph is None or graph.logits.shape[1] != logits.shape[1] \
+                or logits.shape[0] > graph.size:
+            return None
+        return graph
 
     def _exponentials(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """q ~ Exp(1) like probs: seeded rows from their own generator, the others from ours."""
@@ -364,11 +379,13 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     _write_rows(logits, rows, sub)
 
 
-def filter_threshold(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+def filter_threshold(logits: torch.Tensor, params: list[SamplingParams],
+                     top_p_on_device: bool | None = None) -> torch.Tensor | None:
     """top_k, top_p then min_p on temperature-scaled logits [rows, vocab], as one threshold.
 
     A token survives iff its logit >= threshold[row] ([rows, 1]); None when no row filters. The
     top token always survives, and so do tokens tied with the last one a filter keeps.
+    top_p_on_device: as Sampler's.
     """
     vocab = logits.shape[1]
     top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]  # vocab = off
@@ -378,7 +395,8 @@ def filter_threshold(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         return None
     threshold = torch.full((len(params), 1), _NEG_INF, device=logits.device)  # [rows, 1]
     if use_top_k_or_p:
-        threshold = _top_k_top_p_threshold(logits, params, top_k)
+        on_device = top_p_on_device is True or (top_p_on_device is None and logits.is_cuda)
+        threshold = _top_k_top_p_threshold(logits, params, top_k, on_device)
     if use_min_p:
         # prob < min_p * max prob  <=>  logit < max logit + log(min_p); log(0) = -inf keeps all.
         min_p = _column([sp.min_p for sp in params], logits)
@@ -387,12 +405,12 @@ def filter_threshold(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 
 def _top_k_top_p_threshold(
-    logits: torch.Tensor, params: list[SamplingParams], top_k: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], top_k: list[int], on_device: bool
 ) -> torch.Tensor:
-    """Per-row logit threshold [rows, 1] for top_k and, over the top_k survivors, top_p."""
+    """Per-row logit threshold [rows, 1] for top_k and, over the top_k survivors, top_p (its
+    cutoff decided on the device when `on_device`)."""
     vocab = logits.shape[1]
     use_top_p = any(sp.top_p < 1.0 for sp in params)
-    on_device = TOP_P_ON_DEVICE is True or (TOP_P_ON_DEVICE == "cuda" and logits.is_cuda)
     if on_device and use_top_p and all(k == vocab for k in top_k):
         from mxserve.kernels.sampling_ops import top_p_search_rows
 
@@ -487,18 +505,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
         return argmax_rows(logits)
     return logits.argmax(-1)
-
-
-def _static_graph(graphs: dict, logits: torch.Tensor, static: torch.Tensor | None):
-    """The graph in `graphs` recorded over `static` when `logits` are that buffer's first rows
-    (not a copy of some of them) and it has room for them; else None."""
-    if static is None or not SAMPLE_GRAPHS or logits.data_ptr() != static.data_ptr():
-        return None
-    graph = graphs.get(static.data_ptr())
-    if graph is None or graph.logits.shape[1] != logits.shape[1] \
-            or logits.shape[0] > graph.size:
-        return None
-    return graph
 
 
 def _is_plain_greedy(r: Request) -> bool:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.worker import sampler as sampler_mod
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler, apply_penalties, filter_threshold
 
@@ -73,9 +72,10 @@ def make_request(rid="r", prompt=(1, 2, 3), outputs=(), eos=(), **params) -> Req
     return r
 
 
-def sample_many(logits: list[float], num_samples: int, seed: int = 0, **params) -> list[int]:
+def sample_many(logits: list[float], num_samples: int, seed: int = 0,
+                top_p_on_device: bool | None = None, **params) -> list[int]:
     """num_samples draws for one row of logits, in batches of 1000 identical unseeded requests."""
-    sampler, out = Sampler(seed=seed), []
+    sampler, out = Sampler(seed=seed, top_p_on_device=top_p_on_device), []
     requests = [make_request(str(i), **params) for i in range(1000)]
     row = torch.tensor(logits, dtype=torch.float32)
     for _ in range(num_samples // 1000):
@@ -146,19 +146,18 @@ PROBS = [0.05, 0.3, 0.1, 0.4, 0.15]  # descending: id 3, 1, 4, 2, 0
     ],
 )
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
-def test_filters_keep_exactly_the_allowed_tokens(params, kept, on_device, monkeypatch):
-    """Both top_p paths: candidates grown from the host, and the device rule (TOP_P_ON_DEVICE:
+def test_filters_keep_exactly_the_allowed_tokens(params, kept, on_device):
+    """Both top_p paths: candidates grown from the host, and the device rule (top_p_on_device:
     kernels/sampling_ops' cutoff, here its torch form), wired with top_k's survivors."""
-    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     logits = [math.log(p) for p in PROBS]
-    emitted = set(sample_many(logits, 4000, temperature=1.0, **params))
+    emitted = set(sample_many(logits, 4000, top_p_on_device=on_device, temperature=1.0,
+                              **params))
     assert emitted == kept
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
-def test_top_p_on_a_large_vocab_matches_reference(on_device, monkeypatch):
+def test_top_p_on_a_large_vocab_matches_reference(on_device):
     # A flat row needs thousands of tokens to reach top_p, more than the first candidate pass holds.
-    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(3, 5000, generator=gen) * 0.5).tolist()
     params, expected = [], []
@@ -169,7 +168,7 @@ def test_top_p_on_a_large_vocab_matches_reference(on_device, monkeypatch):
         params.append(SamplingParams(top_p=top_p))
         expected.append(set(sorted(range(len(row)), key=lambda i, r=row: -r[i])[: m + 1]))
     logits = torch.tensor(logits)
-    survives = logits >= filter_threshold(logits, params)
+    survives = logits >= filter_threshold(logits, params, on_device)
     for row, kept in zip(survives, expected, strict=True):
         assert set(row.nonzero().flatten().tolist()) == kept
 
@@ -320,7 +319,7 @@ def test_unseeded_sampler_is_reproducible_from_its_seed():
 # --- the sampler's graph of a static logits buffer (run as it is on CPU; replays: tests/gpu) ----
 
 
-def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race(monkeypatch):
+def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
     """A batch whose logits are the first rows of a buffer with a _SampleGraph, every row
     sampled the common way, goes through it: temperature, top_p cutoff and race of those rows
     as the kernels draw them with this call's seed (the rows past the batch do not matter);
@@ -358,16 +357,16 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race(monkeypatc
         two = [make_request("a"), make_request("b")]
         sampler.sample(buffer[1:3], two, static=buffer).result()
         sampler.sample(buffer[:2].clone(), two).result()
-        monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", False)
+        sampler.top_p_on_device = False
         sampler.sample(buffer[:2], two, static=buffer).result()
     assert sampler.num_graph_samples == 3
 
 
-def test_argmax_graph_takes_plain_greedy_batches_of_its_buffer(monkeypatch):
+def test_argmax_graph_takes_plain_greedy_batches_of_its_buffer():
     """A plain-greedy batch whose logits are the first rows of a buffer with an _ArgmaxGraph
     gets its tokens from it (each row's first maximal index, the rows past the batch unread);
     a batch with min_tokens still to go or a sampled row, logits that are not the buffer's
-    start, a copy, or SAMPLE_GRAPHS off take the eager paths, with the same tokens."""
+    start, a copy, or `graphs` off take the eager paths, with the same tokens."""
     from mxserve.worker.sampler import _ArgmaxGraph
 
     gen = torch.Generator().manual_seed(6)
@@ -388,7 +387,7 @@ def test_argmax_graph_takes_plain_greedy_batches_of_its_buffer(monkeypatch):
                  sampler.sample(buffer[:3], greedy[:2] + [make_request(  # its EOS: a low logit
                      "m", temperature=0.0, min_tokens=2, eos=(int(buffer[2].argmin()),))],
                      static=buffer)]
-        monkeypatch.setattr(sampler_mod, "SAMPLE_GRAPHS", False)
+        sampler.graphs = False
         eager.append(sampler.sample(buffer[:3], greedy, static=buffer))
     assert [e.result().token_ids for e in eager] == [buffer[1:4].argmax(-1).tolist()] + [got] * 4
     assert sampler.num_graph_samples == 1

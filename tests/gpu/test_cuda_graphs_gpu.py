@@ -146,14 +146,12 @@ def test_the_last_steps_graph_replays_that_step(path):
 
 
 @pytest.mark.parametrize("num_prompts", [3, 11])
-def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts, monkeypatch):
+def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts):
     """Decode steps sampled by the sampler's own graph (temperature, top_p, the fused race)
     give the tokens the same sampler draws launching the kernels one by one: every row the
     same Philox draws (the race's seed is a graph input), padding rows unread. Some requests
     are greedy, one has a seed: those steps take the eager path. All-greedy batches take the
     argmax graph, with the eager argmax's tokens."""
-    from mxserve.worker import sampler as sampler_module
-
     prompts = _prompts(num_prompts)
     params = [SamplingParams(temperature=0.6 + 0.1 * (i % 5), top_p=0.8 if i % 2 else 1.0,
                              max_tokens=12 + 2 * i, ignore_eos=True) for i in range(num_prompts)]
@@ -164,9 +162,8 @@ def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts, monke
               for i in range(num_prompts)]
     tokens = {}
     for on in (True, False):
-        monkeypatch.setattr(sampler_module, "SAMPLE_GRAPHS", on)
         llm = LLM(model=path, device="cuda", dtype="float32", load_progress=False,
-                  max_num_seqs=13, seed=3)
+                  max_num_seqs=13, seed=3, sample_graphs=on)
         tokens[on] = [[o.token_ids for o in llm.generate(prompts, p)] for p in (params, mixed)]
         served = llm.engine.sampler.num_graph_samples
         assert (served > 0) == on

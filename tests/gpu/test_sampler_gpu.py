@@ -11,37 +11,34 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from mxserve.api.sampling_params import SamplingParams  # noqa: E402
-from mxserve.worker import sampler as sampler_mod  # noqa: E402
 from mxserve.worker.request import Request  # noqa: E402
 from mxserve.worker.sampler import Sampler, filter_threshold  # noqa: E402
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
 @pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["flat", "normal", "peaked"])
-def test_top_p_keeps_the_cpu_nucleus(scale, on_device, monkeypatch):
-    """Both CUDA paths: the cutoff decided on the device (sampler.TOP_P_ON_DEVICE, the default:
-    a whole-row radix search, top_k being off), and the candidates checked from the host."""
-    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
+def test_top_p_keeps_the_cpu_nucleus(scale, on_device):
+    """Both CUDA paths: the cutoff decided on the device (top_p_on_device, on by default on
+    CUDA: a whole-row radix search, top_k being off), and the candidates checked from the host."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 50000, generator=gen) * scale
     params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.99, 0.3, 1.0)]
     kept = {}
     for device in ("cpu", "cuda"):
         x = logits.to(device)
-        kept[device] = (x >= filter_threshold(x, params)).sum(-1).cpu()
+        kept[device] = (x >= filter_threshold(x, params, on_device)).sum(-1).cpu()
     # The same cutoff, but for a float-summation difference at the boundary token.
     assert ((kept["cuda"] - kept["cpu"]).abs() <= 1).all(), (kept["cpu"], kept["cuda"])
     assert kept["cpu"][-1] == 50000  # top_p = 1 keeps everything
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
-def test_top_p_with_top_k_rows_keeps_the_cpu_nucleus(on_device, monkeypatch):
+def test_top_p_with_top_k_rows_keeps_the_cpu_nucleus(on_device):
     """Rows with top_k on among top_p rows: on the device the candidates' check and the search
     past them (top_p_threshold_rows), the mass of top_k rows renormalized over their k."""
-    monkeypatch.setattr(sampler_mod, "TOP_P_ON_DEVICE", on_device)
     logits = torch.randn(4, 50000, generator=torch.Generator().manual_seed(9)) * 0.01
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=k) for k in (20, -1, 300, -1)]
-    kept = {d: (x >= filter_threshold(x, params)).sum(-1).cpu()
+    kept = {d: (x >= filter_threshold(x, params, on_device)).sum(-1).cpu()
             for d, x in (("cpu", logits), ("cuda", logits.cuda()))}
     assert ((kept["cuda"] - kept["cpu"]).abs() <= 1).all(), kept
     assert kept["cpu"][0] <= 20 and kept["cpu"][2] <= 300 and kept["cpu"][1] > 300
