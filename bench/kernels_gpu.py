@@ -87,7 +87,7 @@ def run_shape(n: int, k: int, ms: list[int], gen: torch.Generator) -> list[dict]
 def attention_case(batch: int, seq_len: int, gen: torch.Generator) -> dict:
     """K/V over shuffled pages, the same K/V contiguous for SDPA (the faster of its GQA and
     expanded-heads forms, timed here), q, the fp32 reference output (also for
-    bench/paged_decode_tune.py)."""
+    bench/tune/paged_decode_tune.py)."""
     pages = batch * seq_len // PAGE
     shape = (pages + 1, PAGE, HKV, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()

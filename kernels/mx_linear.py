@@ -1010,7 +1010,7 @@ def _launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
 
 
 # (BLOCK_N, BLOCK_K, num_warps) of the dequantize kernel on the GPU: small tiles, many programs
-# (bench/mx_dequant_tune.py; H200: 16x256x2 is 21-24% faster than 32x256x4 on the shapes)
+# (the winner of bench/tune/mx_dequant_tune.py on the H200)
 _DEQUANT = (16, 256, 2)
 
 

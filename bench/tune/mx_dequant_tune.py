@@ -2,7 +2,7 @@
 call, then cuBLAS), on the GPU: each config's output must equal the default's bit for bit; times
 are CUDA-graph medians, next to a bf16 copy of the output's size. Feeds `dequantize_linear_weight`.
 
-    python bench/mx_dequant_tune.py --out /tmp/dequant.json
+    python bench/tune/mx_dequant_tune.py --out /tmp/dequant.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ GPU, at the issue's two shapes (32 query / 8 KV heads, head dim 128, page 16, bf
 held contiguously before it is timed; SDPA's time is the baseline (the faster of its GQA and
 expanded-heads forms). Picks the config with the best geometric-mean ratio to SDPA.
 
-    python bench/paged_decode_tune.py --out bench/results/paged_decode_tune.json
+    python bench/tune/paged_decode_tune.py --out bench/results/paged_decode_tune.json
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ import datetime
 import itertools
 import json
 import math
+import pathlib
 import platform
+import sys
 
 import torch
 import triton
-from kernels_gpu import ATTN_SHAPES as SHAPES  # (batch, tokens); this script's directory
-from kernels_gpu import attention_case, bench_ms
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s helpers
+from kernels_gpu import ATTN_SHAPES as SHAPES  # noqa: E402 (bench/, put on the path above)
+from kernels_gpu import attention_case, bench_ms  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels import paged_attention as pa
 
@@ -86,7 +90,7 @@ def main() -> None:
         date=datetime.date.today().isoformat(),
         versions=dict(python=platform.python_version(), torch=torch.__version__,
                       triton=triton.__version__),
-        command="python bench/paged_decode_tune.py", shapes=SHAPES,
+        command="python bench/tune/paged_decode_tune.py", shapes=SHAPES,
         sdpa_ms={f"{b}x{s}": cases[(b, s)]["sdpa_ms"] for b, s in SHAPES},
         best=best, current=current, rows=rows)
     with open(args.out, "w") as f:

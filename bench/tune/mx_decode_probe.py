@@ -12,7 +12,7 @@ For the issue's three linear shapes, MXFP4 (e2m1) and MXFP6 (e2m3), M = 1 and 16
 Times are CUDA-graph medians (triton.testing.do_bench_cudagraph). Writes JSON (device, date,
 versions, command, rows) and prints a table.
 
-    python bench/mx_decode_probe.py --out $OUT/mx_decode_probe.json
+    python bench/tune/mx_decode_probe.py --out $OUT/mx_decode_probe.json
 
 results/mx_decode_probe.run1.json: the first run (commit cb625cc's kernel, which also had a
 register-prefetch variant "pf*": slower everywhere, dropped). It chose 3 stages and 8 programs
@@ -26,13 +26,17 @@ results/mx_decode_probe.fp6_halves.json: FP6 decoded in two 128-k halves, one do
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_timing import graph_median_us, recorder, write_sweep  # bench/gpu_timing.py
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s helpers
+from gpu_timing import graph_median_us, recorder, write_sweep  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight

@@ -2,19 +2,23 @@
 (||y - ref|| / ||ref||, ref = x @ dequantized(w) in fp32) and times it (CUDA-graph median), next to
 bf16 cuBLAS. Feeds the tables in kernels/mx_linear.py (_DECODE_*, _PREFILL, thresholds).
 
-    python bench/mx_linear_tune.py --out /tmp/tune.json --budget 150
+    python bench/tune/mx_linear_tune.py --out /tmp/tune.json --budget 150
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
-from gpu_timing import graph_median_us, recorder  # bench/gpu_timing.py
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s helpers
+from gpu_timing import graph_median_us, recorder  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_linear import _launch_decode, _launch_prefill, mx_linear, prepare_mx_weight
