@@ -45,7 +45,7 @@ class Worker:
         replica): move every object alive now (the model, the engine, the libraries) out of the
         cyclic garbage collector's reach (`gc.freeze`), so its full collections scan only what
         requests create. Without it a full collection walks the whole heap while the engine
-        thread waits: ~100 ms pauses every few hundred steps at batch 512
+        thread waits: long pauses every few hundred steps at large batches
         (bench/results/host_overhead.md)."""
         if freeze_gc:
             gc.collect()

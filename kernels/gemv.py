@@ -4,13 +4,12 @@ dtype or MX (mx_linear's layout, decoded exactly in registers), on the CUDA core
 A program owns BLOCK_N rows of w and loads its whole [BLOCK_N, K] tile at once, before it reads
 x: every load of a program is in flight together (16-byte vectors), with no K loop and no
 pipeline to fill. Then each of the M rows of x is reduced against the tile held in registers
-(fp32 products and sums), so w is read once for all rows. On the H200 this beat cuBLAS on the
-1B model's decode shapes at M = 1 (q/k/v 5.2 vs 6.8 us, o 4.3 vs 6.2, gate/up 17.4 vs 18.4,
-down 9.8 vs 13.7, LM head 118.7 vs 127.3: bench/results/pdl_probe.json), where cuBLAS's
-kernels sit at a latency floor (12 MB of weights took 5.4 us even from L2:
-bench/results/l2_prefetch_probe.json); from M = 2 cuBLAS wins again (bench/results/gemv_gpu.md:
-`MAX_ROWS`). With PDL (sm_90+) a GEMV starts while the kernel before it runs and loads its
-weights until gdc_wait (bench/results/gemv_gpu.engine_pdl.md).
+(fp32 products and sums), so w is read once for all rows. On the H200 this beats cuBLAS on
+every 1B decode shape at M = 1 (bench/results/pdl_probe.json), where cuBLAS's kernels sit at a
+latency floor even with the weights in L2 (bench/results/l2_prefetch_probe.json); from M = 2
+cuBLAS wins again (bench/results/gemv_gpu.md: `MAX_ROWS`). With PDL (sm_90+) a GEMV starts
+while the kernel before it runs and loads its weights until gdc_wait
+(bench/results/gemv_gpu.engine_pdl.md).
 
 `decode_projection` runs a decoder block's first projection with what surrounds it, one kernel:
 the add + RMSNorm before (each program normalizes the row: it holds all of K), and after it

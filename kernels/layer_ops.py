@@ -2,8 +2,8 @@
 in), rotary embedding in place, SiLU-and-mul.
 
 In plain torch each of these is 3 to 9 small kernels (casts, chunks, products, a concat); a decode
-step at batch 1 is dominated by such launches, not by bytes (bench/engine_gpu: ~65 us a layer
-beyond the weights' read time on the H200). Each kernel here computes in fp32 and rounds where the
+step at batch 1 is dominated by such launches, not by bytes (bench/results/graph_profile.md).
+Each kernel here computes in fp32 and rounds where the
 torch reference rounds, so GPU and CPU steps agree to fp32 summation order:
 
 - add_rms_norm_: residual += x (rounded to the activation dtype, as torch's add), then

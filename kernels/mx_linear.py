@@ -74,9 +74,9 @@ MAX_GROUP = 16
 # Tile-major planes (weights in spread groups of 16): each plane is stored as [N / TILE_ROWS,
 # K / E / 16, TILE_ROWS, 16] words (rows padded to a whole tile with zeros), so a decode step's
 # [rows, 16]-word tile is one contiguous run and a program's steps follow one another; the
-# kernels address words through _word_offsets. The H200 load ceilings past L2 (words only,
-# bench/results/mx_decode_probe.tiled_load.md): FP6 2.5 -> 4.3 TB/s, FP4 3.5 -> 3.9 on 28672 x
-# 8192. TILE_ROWS divides every tensor-core decode tile (64, 128 rows).
+# kernels address words through _word_offsets: it raises the load ceilings past L2, most for
+# FP6 (bench/results/mx_decode_probe.tiled_load.md). TILE_ROWS divides every tensor-core decode
+# tile (64, 128 rows).
 TILE_ROWS = 64
 # format -> (MAG, SIGN): per pair u % 4, the bit of the (top 3) magnitude bits' LSB and of the
 # sign in each half; the kernels hold them as nibble constants (_placed_bits)
@@ -879,7 +879,7 @@ def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], 
     came from one weight read again and again, half of it from L2):
     - FP4 at one row: 128-row tiles, 4 programs an SM (summed over the shapes 8% under 64 / 8);
       at more rows 64-row tiles (128 lose there), 4 programs an SM unless the tiles alone
-      outnumber 2 an SM, then 8 (the 28672-row weights: 57 -> 63 us at 4, kernels_gpu);
+      outnumber 2 an SM, then 8 (the 28672-row weights are slower at 4);
     - FP6 (~160 registers: ~3 programs fit an SM): 2 programs an SM, one wave, unless the tiles
       alone outnumber that, then 8, finer splits evening out the waves (13% under 64 / 8)."""
     many_tiles = triton.cdiv(n, 64) > 2 * sms

@@ -260,10 +260,9 @@ def _num_sms(device: torch.device) -> int:
 def _decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device) -> int:
     """No split when the (request, KV head) programs already fill two an SM; else enough splits
     for four an SM, >= MIN_SPLIT_TOKENS each. Swept on the H200 (bench/tune/paged_decode_tune.py):
-    1 x 32768 tokens 46.7 -> 39.8 us (0.80x -> 0.94x SDPA) going from two to four an SM, while
-    64 x 4096 is fastest unsplit (0.99x SDPA; four an SM would split it, 0.95x). The minimum split
-    matters for short contexts in the CUDA graphs (split for max_model_len): the 1B model's
-    batch-1 replay took 1.175 ms at 256 tokens, 1.134 at 64, 1.144 at 32
+    a long single context gains from four an SM over two, while a batch of 64 x 4096 is fastest
+    unsplit. The minimum split matters for short contexts in the CUDA graphs (split for
+    max_model_len): 64 tokens gave the fastest batch-1 replay
     (bench/results/decode_step_probe.json)."""
     programs, sms = num_seqs * num_kv_heads, _num_sms(device)
     if programs >= 2 * sms:

@@ -1,9 +1,9 @@
 """Sampling kernels (GPU): greedy's argmax over the vocabulary, and top_p's cutoff without a
 host round trip.
 
-argmax_rows: torch.argmax reduces a row in one thread block: a 128k-entry row took ~28 us on
-the H200 at batch 1 (bench/results/engine_gpu.batch1_mx.json, eager kernel profile), 2-3% of a
-1B model's decode step. Here a row is cut into BLOCK-wide chunks, one program each (its maximum
+argmax_rows: torch.argmax reduces a row in one thread block, a few percent of a 1B model's
+batch-1 decode step on the H200 for a 128k-entry row (bench/results/engine_gpu.batch1_mx.json,
+eager kernel profile). Here a row is cut into BLOCK-wide chunks, one program each (its maximum
 and that maximum's first index), and then one program a row takes the first chunk holding the
 row's maximum: the result is the first maximal index, as torch.argmax's. A NaN counts as +inf
 here (torch.argmax returns the first NaN instead); such logits come from a broken model either
@@ -360,9 +360,8 @@ def top_p_search_rows(logits: torch.Tensor, top_p: torch.Tensor, *,
                       backend: str = "auto") -> torch.Tensor:
     """top_p's logit cutoff [R, 1] over whole rows (top_k off): as top_p_threshold_rows, with
     the softmax denominator taken here and no candidates; every row with top_p < 1 is searched
-    (-inf where top_p >= 1). 10 launches, nothing before them: no topk, no logsumexp (~90 host
-    launches a top_p sampler call at batch 1 before, ~1.1 ms of host time on the H200:
-    bench/results/sampler_probe.radix.md)."""
+    (-inf where top_p >= 1). 10 launches, nothing before them: no topk, no logsumexp, which
+    cost far more launches and host time (bench/results/sampler_probe.radix.md)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1 or vocab == 0:
         raise ValueError(f"top_p_search_rows: need fp32 logits [R, V > 0] with contiguous rows; "

@@ -159,7 +159,7 @@ class AsyncEngine:
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, one hand-over per event loop. A call_soon_threadsafe per output
         (a wake-up of the loop each, and the loop thread contending for the GIL) cost the
-        engine thread 3-5 ms a step at batch 512 on CPU (bench/results/host_overhead.md,
+        engine thread milliseconds a step at large batches (bench/results/host_overhead.md,
         "deliver")."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:

@@ -72,8 +72,8 @@ class DecodeGraphs:
         # Pinned staging of the inputs, two sets used in turn: (tokens [3 * n] int64, seq_lens
         # [n] int32, block tables [n * max_blocks] int32), and an event after each set's copies.
         # A step fills the front of each, contiguously: a strided pinned source would be
-        # staged through pageable memory, and that copy waits for the device (0.3 ms a step,
-        # the whole overlap, seen on the H200: bench/results/host_step_probe.json).
+        # staged through pageable memory, and that copy waits for the device, losing the
+        # overlap (bench/results/host_step_probe.json).
         pin = dev.type == "cuda"  # (bench/host_overhead.py runs these on CPU tensors)
         self._staging = [(torch.zeros(3 * n, dtype=torch.long, pin_memory=pin),
                           torch.zeros(n, dtype=torch.int32, pin_memory=pin),

@@ -37,9 +37,8 @@ _NEG_INF = float("-inf")
 # top_p from the host (on CPU, or top_p_on_device off) looks for its cutoff among the 256 largest
 # logits (a partial sort, ~10x cheaper than a full one at vocab 49k); when they hold less than
 # top_p of the mass, on CPU among 16x more, and so on. On CUDA it sorts the whole row at once
-# instead: each growth waits for the device, and a
-# flat row (random weights) grew 256 -> 4096 -> 65536 -> 128256, 2.8 ms a step at batch 1 on the
-# H200 (bench/results/engine_gpu.step_order.md).
+# instead: each growth waits for the device, and a flat row (random weights) grows to the whole
+# vocabulary (bench/results/engine_gpu.step_order.md).
 _TOP_P_CANDIDATES = 256
 _TOP_P_GROWTH = 16
 _TRITON_ARGMAX_ROWS = 64

@@ -45,10 +45,10 @@ MX_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # How the engine and `mxserve quantize` pick a block's scale (kernels/mx.py SCALE_MODES): "ceil",
 # the smallest scale at which the block's largest element does not clip, rather than the OCP
 # rule's "floor" (kernels/mx.py's default), which clips it by up to 25% (to 6 from 7.99 in e2m1).
-# Same format and kernels, only other scale bytes. SmolLM2-135M perplexity on KJV (fp32, 13.817
-# unquantized; bench/results/mx_quality.scale_modes.md): e2m1 25.36 -> 21.20, e2m3 14.37 ->
-# 14.29, e3m2 15.04 -> 14.82. Choosing floor or ceil per block by squared weight error was worse
-# for e2m1 (22.94): the clipped largest elements matter more than the error average says.
+# Same format and kernels, only other scale bytes; lower perplexity in every format, most in
+# e2m1 (bench/results/mx_quality.scale_modes.md). Choosing floor or ceil per block by squared
+# weight error was worse for e2m1: the clipped largest elements matter more than the error
+# average says.
 # A checkpoint's recorded scale_mode is informational: its scale bytes are read as they are.
 SCALE_MODE = "ceil"
 
