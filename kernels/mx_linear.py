@@ -24,8 +24,8 @@ which that multiply scales exactly). Where a block's 2^(scale - bias) would over
   the counter.
 - prefill (M > 16, or > 64 where the tensor-core decode applies): on a GPU with 16-bit x the
   weight is dequantized once per call to x's dtype (one pass, `dequantize_linear_weight`) and
-  cuBLAS runs the product: on the H200 that beat the fused kernel from M = 256 up and is
-  within 10% at M = 64 (bench/results/kernels_gpu.tune*).
+  cuBLAS runs the product: on the H200 that beats the fused kernel at large M and nearly ties
+  it at M = 64 (bench/results/kernels_gpu.tune3.json).
   The fused kernel (grouped output tiles, dequantized tiles into tl.dot, computed transposed so
   the weights are wgmma's register operand) serves fp32 x and path="prefill", where a
   tl.dot_scaled variant (FP4/FP8 weights, 16-bit x) is used if the hardware has native MX MMA
@@ -875,9 +875,9 @@ _DECODE_PREFETCH = True
 def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], int]:
     """The tensor-core decode's (BLOCK_N, num_warps, num_stages) and programs per SM (split-K),
     from an H200 sweep over the 1B/8B decode shapes with the weights cycled past L2, as a model
-    reads them (bench/results/mx_decode_probe.past_l2.json; the earlier 64 rows and 8 programs
-    came from one weight read again and again, half of it from L2):
-    - FP4 at one row: 128-row tiles, 4 programs an SM (summed over the shapes 8% under 64 / 8);
+    reads them (bench/results/mx_decode_probe.past_l2.json; a sweep over one weight read again
+    and again, half of it from L2, would pick otherwise):
+    - FP4 at one row: 128-row tiles, 4 programs an SM;
       at more rows 64-row tiles (128 lose there), 4 programs an SM unless the tiles alone
       outnumber 2 an SM, then 8 (the 28672-row weights are slower at 4);
     - FP6 (~160 registers: ~3 programs fit an SM): 2 programs an SM, one wave, unless the tiles

@@ -14,9 +14,9 @@ must look further when they hold less than top_p of the mass; asking whether the
 host wait for the device every step (worker/sampler.py). Here the device decides: one program a
 row takes the candidates' cutoff when they hold the mass, else an exact search of the whole row
 runs, a radix select over the logits' ordered float bits (RADIX_BITS a level, each level one
-launch with the row split over many programs, each summing its chunk's mass per bucket). A first
-version searched a row in one program (a 33-step bisection, each step a pass over the row): 1.8
-ms of GPU time for one flat 128k row on the H200 (bench/results/engine_gpu.sweep_last_size.md).
+launch with the row split over many programs, each summing its chunk's mass per bucket): one
+program a row with a bisection over its values is far slower on a flat row
+(bench/results/engine_gpu.sweep_last_size.md).
 """
 
 from __future__ import annotations
