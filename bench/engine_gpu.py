@@ -375,7 +375,7 @@ def decode_sweep(args, llm, sampling: dict = GREEDY, batches: list[int] | None =
 def eager_sampler_sweep(args, llm, sampling: dict = GREEDY,
                         batches: list[int] | None = None) -> dict:
     """A decode sweep again with the sampler's kernels launched one by one (its `graphs` off,
-    as EngineConfig(sample_graphs=False): no _SampleGraph, no _ArgmaxGraph), the baseline of
+    as EngineConfig(sample_graphs=False): no SampleGraph, no ArgmaxGraph), the baseline of
     its graphs."""
     sampler = llm.engine.sampler
     keep, sampler.graphs = sampler.graphs, False

@@ -33,8 +33,8 @@ class StepResult:
     # Final hidden states [num_sampling, hidden] of those rows, for a draft model (None otherwise).
     hidden_states: torch.Tensor | None = None
     # The static logits buffer of the decode graph replayed (`logits` is its first rows when
-    # every row samples, else a copy), for the sampler's own graphs of it (sampler._SampleGraph,
-    # _ArgmaxGraph); None for an eager step.
+    # every row samples, else a copy), for the sampler's own graphs of it (sampler_graphs.py:
+    # SampleGraph, ArgmaxGraph); None for an eager step.
     static_logits: torch.Tensor | None = None
 
 

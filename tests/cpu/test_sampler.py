@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.worker.logits_ops import apply_penalties, filter_threshold
 from mxserve.worker.request import Request
-from mxserve.worker.sampler import Sampler, apply_penalties, filter_threshold
+from mxserve.worker.sampler import Sampler
 
 # --- references --------------------------------------------------------------------------------
 
@@ -320,19 +321,19 @@ def test_unseeded_sampler_is_reproducible_from_its_seed():
 
 
 def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
-    """A batch whose logits are the first rows of a buffer with a _SampleGraph, every row
+    """A batch whose logits are the first rows of a buffer with a SampleGraph, every row
     sampled the common way, goes through it: temperature, top_p cutoff and race of those rows
     as the kernels draw them with this call's seed (the rows past the batch do not matter);
     a greedy row, a seed, top_k, min_p, logits that are not the buffer's start or top_p kept
     off the device do not."""
     from mxserve.kernels.sampling_ops import race_rows, top_p_search_rows
-    from mxserve.worker.sampler import _SampleGraph
+    from mxserve.worker.sampler_graphs import SampleGraph
 
     gen = torch.Generator().manual_seed(4)
     with torch.inference_mode():  # as the decode graphs' buffers
         buffer = torch.randn(4, 3000, generator=gen) * 3
     sampler = Sampler(seed=5)
-    sampler._graphs[buffer.data_ptr()] = _SampleGraph(buffer)
+    sampler._graphs[buffer.data_ptr()] = SampleGraph(buffer)
     params = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3), dict(top_p=0.5)]
     for step in range(3):
         with torch.inference_mode():
@@ -363,18 +364,18 @@ def test_sample_graph_takes_eligible_batches_and_draws_the_fused_race():
 
 
 def test_argmax_graph_takes_plain_greedy_batches_of_its_buffer():
-    """A plain-greedy batch whose logits are the first rows of a buffer with an _ArgmaxGraph
+    """A plain-greedy batch whose logits are the first rows of a buffer with an ArgmaxGraph
     gets its tokens from it (each row's first maximal index, the rows past the batch unread);
     a batch with min_tokens still to go or a sampled row, logits that are not the buffer's
     start, a copy, or `graphs` off take the eager paths, with the same tokens."""
-    from mxserve.worker.sampler import _ArgmaxGraph
+    from mxserve.worker.sampler_graphs import ArgmaxGraph
 
     gen = torch.Generator().manual_seed(6)
     with torch.inference_mode():
         buffer = torch.randn(5, 700, generator=gen)
         buffer[1, 3] = buffer[1, 9] = buffer[1].max() + 1  # a tie: the first index wins
     sampler = Sampler(seed=1)
-    sampler._argmax_graphs[buffer.data_ptr()] = _ArgmaxGraph(buffer)
+    sampler._argmax_graphs[buffer.data_ptr()] = ArgmaxGraph(buffer)
     greedy = [make_request(str(i), temperature=0.0) for i in range(3)]
     with torch.inference_mode():
         got = sampler.sample(buffer[:3], greedy, static=buffer).result().token_ids

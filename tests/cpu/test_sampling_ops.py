@@ -20,7 +20,7 @@ from mxserve.kernels.sampling_ops import (  # noqa: E402
     top_p_search_rows,
     top_p_threshold_rows,
 )
-from mxserve.worker.sampler import _top_p_threshold  # noqa: E402
+from mxserve.worker.logits_ops import _top_p_threshold  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (3, BLOCK), (2, BLOCK + 1), (5, 3 * BLOCK - 17),

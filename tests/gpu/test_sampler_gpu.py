@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from mxserve.api.sampling_params import SamplingParams  # noqa: E402
+from mxserve.worker.logits_ops import filter_threshold  # noqa: E402
 from mxserve.worker.request import Request  # noqa: E402
-from mxserve.worker.sampler import Sampler, filter_threshold  # noqa: E402
+from mxserve.worker.sampler import Sampler  # noqa: E402
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_check", "on_device"])
