@@ -10,8 +10,8 @@ import torch
 from mxserve import LLM, InvalidRequestError, SamplingParams
 from mxserve.api.errors import ModelLoadError
 from mxserve.worker.config import EngineConfig
+from mxserve.worker.model.checkpoint import expected_tensor_names
 from mxserve.worker.model.dummy import DUMMY_MODELS, WEIGHT_STD, open_dummy, tensor_shape
-from mxserve.worker.model.loader import expected_tensor_names
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.worker.model import loader
+from mxserve.worker.model.checkpoint import expected_tensor_names
 from mxserve.worker.model.config import RopeScaling
-from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
+from mxserve.worker.model.gguf_checkpoint import unpermute_rope_rows
+from mxserve.worker.model.loader import open_checkpoint
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -244,7 +246,7 @@ def test_unpermute_inverts_llama_cpp_permute():
                 .swapaxes(1, 2).reshape(w.shape))
 
     w = np.random.default_rng(0).standard_normal((3 * 16, 5)).astype(np.float32)
-    assert np.array_equal(loader._unpermute_rope_rows(llama_cpp_permute(w, 3), 3), w)
+    assert np.array_equal(unpermute_rope_rows(llama_cpp_permute(w, 3), 3), w)
     assert not np.array_equal(llama_cpp_permute(w, 3), w)
 
 

@@ -22,7 +22,8 @@ from mxserve.cluster import cli
 from mxserve.kernels.mx import MXTensor, dequantize_mx_torch, get_format, quantize_mx_torch
 from mxserve.worker.config import MX_QUANTIZATIONS, EngineConfig
 from mxserve.worker.model import mx_layers
-from mxserve.worker.model.loader import expected_tensor_names, open_checkpoint
+from mxserve.worker.model.checkpoint import expected_tensor_names
+from mxserve.worker.model.loader import open_checkpoint
 from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from mxserve.worker.model.quantize import quantize_checkpoint
 

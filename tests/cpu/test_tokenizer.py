@@ -20,19 +20,19 @@ from mxserve.api.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
 )
-from mxserve.worker.model.loader import _smollm2_path
+from mxserve.worker.model.loader import smollm2_path
 
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(_smollm2_path()))
+    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_path()))
 
 
 @pytest.fixture(scope="module")
 def theirs():
     from transformers import AutoTokenizer
 
-    path = _smollm2_path()
+    path = smollm2_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 

@@ -22,8 +22,9 @@ import torch
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.api.tokenizer import Tokenizer, read_json
+from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names
 from mxserve.worker.model.config import ModelConfig
-from mxserve.worker.model.loader import Checkpoint, expected_tensor_names, hf_model_config
+from mxserve.worker.model.loader import hf_model_config
 
 WEIGHT_STD = 0.02
 _LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, num_attention_heads=32,

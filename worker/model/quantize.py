@@ -26,10 +26,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mxserve.kernels.mx import quantize_mx
+from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.gptq import collect_hessians, gptq_mx
 from mxserve.worker.model.llama import LlamaForCausalLM
-from mxserve.worker.model.loader import Checkpoint, expected_tensor_names, open_checkpoint
+from mxserve.worker.model.loader import open_checkpoint
 from mxserve.worker.model.mx_layers import (
     SCALE_MODE,
     check_mx_k,
