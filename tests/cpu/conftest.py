@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -55,3 +56,92 @@ def compile_outside_interpreter():
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.splitlines()[-1]
     return run
+
+
+MB = 2**20
+SERVED_ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
+
+
+# ---- the multi-node serving cluster of test_serve_cluster.py ---------------------------------
+
+
+class Served:
+    """The running cluster: the main app's config, its offline twin, and helpers."""
+
+    def __init__(self, cluster, config, llm) -> None:
+        self.cluster, self.config, self.llm = cluster, config, llm
+        self.endpoint = f"localhost:{config.grpc_port}"
+
+    def client(self, app: str | None = None, **kwargs):
+        from mxserve.cluster.client import Client
+
+        return Client(self.endpoint, app or self.config.app_name, **kwargs)
+
+    def deploy(self, **overrides):
+        from mxserve.cluster.config import ServeConfig
+        from mxserve.cluster.local import deploy, wait_for_grpc
+
+        config = ServeConfig(**{**self.config.model_dump(), **overrides})
+        deploy(config)
+        wait_for_grpc(config)
+        return config
+
+    def requests_per_worker(self) -> dict[str, int]:
+        return {w.worker_id: w.num_requests_total for w in self.wait_idle()}
+
+    def wait_idle(self, app: str | None = None, timeout_s: float = 20.0):
+        """Every worker's load once none runs, waits or holds KV blocks (or fail)."""
+        deadline = time.monotonic() + timeout_s
+        with self.client(app) as client:
+            while True:
+                loads = client.health().workers
+                if all(w.num_running == w.num_waiting == w.num_kv_blocks_used == 0
+                       for w in loads):
+                    return loads
+                assert time.monotonic() < deadline, f"workers still busy: {loads}"
+                time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_env():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, monkeypatch_env, redis_server):
+    """A local multi-node Ray cluster serving a tiny Llama over gRPC, with prefix-aware
+    routing against a real redis-server."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from mxserve import LLM
+    from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
+    from mxserve.cluster.redis_server import free_port
+
+    for key, value in SERVE_ENV.items():  # as `mxserve serve` starts Ray
+        monkeypatch_env.setenv(key, value)
+    model = str(tiny_checkpoint("llama"))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=4, resources={"router_node": 4, "spare": 4}, include_dashboard=False,
+        object_store_memory=512 * MB, _system_config={"metrics_report_interval_ms": 1000}))
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={"worker_node": 1}, object_store_memory=128 * MB)
+    ray.init(address=cluster.address)
+    config = ServeConfig(
+        model=model, app_name="tiny", num_workers=2, engine=SERVED_ENGINE, max_queued_requests=16,
+        worker_resources=Resources(num_cpus=0.5, resources={"worker_node": 1}),
+        router_resources=Resources(num_cpus=0.25, resources={"router_node": 1}),
+        grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
+        redis_url=redis_server.url, routing=dict(retry_after_s=0.5))
+    try:
+        deploy(config)
+        wait_for_grpc(config)
+        yield Served(cluster, config, LLM(model=model, load_progress=False, **SERVED_ENGINE))
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

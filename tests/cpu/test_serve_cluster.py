@@ -2,9 +2,10 @@
 client -> Serve's gRPC proxy -> router replica (head node) -> worker replicas (two other nodes),
 with prefix-aware routing against a real redis-server (the global prefix index).
 
-One Ray cluster serves the whole module (start-up is the slow part): a head node with the
-router and two nodes with one worker each. The main application serves a tiny random Llama
-(fast, deterministic in float32); a few tests deploy a second application beside it.
+One Ray cluster serves the whole module (start-up is the slow part; the `served` fixture,
+tests/cpu/conftest.py): a head node with the router and two nodes with one worker each. The
+main application serves a tiny random Llama (fast, deterministic in float32); a few tests deploy
+a second application beside it.
 """
 
 from __future__ import annotations
@@ -18,90 +19,11 @@ import grpc
 import pytest
 import ray
 
-from mxserve import LLM, SamplingParams
-from mxserve.cluster.client import Client
-from mxserve.cluster.config import Resources, ServeConfig
-from mxserve.cluster.redis_server import free_port
+from mxserve import SamplingParams
+from mxserve.cluster.config import Resources
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-MB = 2**20
-ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
-
-
-class Served:
-    """The running cluster: the main app's config, its offline twin, and helpers."""
-
-    def __init__(self, cluster, config: ServeConfig, llm: LLM) -> None:
-        self.cluster, self.config, self.llm = cluster, config, llm
-        self.endpoint = f"localhost:{config.grpc_port}"
-
-    def client(self, app: str | None = None, **kwargs) -> Client:
-        return Client(self.endpoint, app or self.config.app_name, **kwargs)
-
-    def deploy(self, **overrides) -> ServeConfig:
-        from mxserve.cluster.local import deploy, wait_for_grpc
-
-        config = ServeConfig(**{**self.config.model_dump(), **overrides})
-        deploy(config)
-        wait_for_grpc(config)
-        return config
-
-    def requests_per_worker(self) -> dict[str, int]:
-        return {w.worker_id: w.num_requests_total for w in self.wait_idle()}
-
-    def wait_idle(self, app: str | None = None, timeout_s: float = 20.0):
-        """Every worker's load once none runs, waits or holds KV blocks (or fail)."""
-        deadline = time.monotonic() + timeout_s
-        with self.client(app) as client:
-            while True:
-                loads = client.health().workers
-                if all(w.num_running == w.num_waiting == w.num_kv_blocks_used == 0
-                       for w in loads):
-                    return loads
-                assert time.monotonic() < deadline, f"workers still busy: {loads}"
-                time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_env():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def served(tiny_checkpoint, monkeypatch_env, redis_server):
-    from ray.cluster_utils import Cluster
-
-    from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
-
-    for key, value in SERVE_ENV.items():  # as `mxserve serve` starts Ray
-        monkeypatch_env.setenv(key, value)
-    model = str(tiny_checkpoint("llama"))
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=4, resources={"router_node": 4, "spare": 4}, include_dashboard=False,
-        object_store_memory=512 * MB, _system_config={"metrics_report_interval_ms": 1000}))
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, resources={"worker_node": 1}, object_store_memory=128 * MB)
-    ray.init(address=cluster.address)
-    config = ServeConfig(
-        model=model, app_name="tiny", num_workers=2, engine=ENGINE, max_queued_requests=16,
-        worker_resources=Resources(num_cpus=0.5, resources={"worker_node": 1}),
-        router_resources=Resources(num_cpus=0.25, resources={"router_node": 1}),
-        grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
-        redis_url=redis_server.url, routing=dict(retry_after_s=0.5))
-    try:
-        deploy(config)
-        wait_for_grpc(config)
-        yield Served(cluster, config, LLM(model=model, load_progress=False, **ENGINE))
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-
 
 CASES = [
     dict(temperature=0, max_tokens=12, ignore_eos=True),
@@ -245,7 +167,7 @@ def test_more_than_the_queue_limit_is_resource_exhausted(served):
     from ray import serve
 
     small = served.deploy(app_name="small", num_workers=1, max_queued_requests=1,
-                          engine={**ENGINE, "max_num_seqs": 1},
+                          engine={**served.config.engine, "max_num_seqs": 1},
                           worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}))
     try:
         with served.client("small") as client:
