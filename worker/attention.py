@@ -146,6 +146,9 @@ class TorchAttention(AttentionBackend):
 
     grouped_decodes = True  # False: CPUAttention's one kernel call over the paged cache
 
+    def __init__(self, group_cost_tokens: int = GROUP_COST_TOKENS) -> None:
+        self.group_cost_tokens = group_cost_tokens  # group_by_length's cost of one more group
+
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         dev, nd, bs = batch.device, batch.num_decodes, batch.block_size
         tables = _padded(batch.block_tables, dev)  # [R, max_blocks]
@@ -162,7 +165,7 @@ class TorchAttention(AttentionBackend):
         groups, index = [], None
         if self.grouped_decodes:
             groups = [self._decode_group(tables, ends, rows, bs, dev)
-                      for rows in group_by_length(ends[:nd])]
+                      for rows in group_by_length(ends[:nd], self.group_cost_tokens)]
         elif nd:
             index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
         spans, first = [], nd

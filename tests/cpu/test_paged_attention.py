@@ -34,7 +34,6 @@ from mxserve.kernels.paged_attention import (  # noqa: E402
     write_kv_cache,
     write_kv_cache_torch,
 )
-from mxserve.worker import attention as attention_module  # noqa: E402
 from mxserve.worker.attention import (  # noqa: E402
     ATTENTION_BACKENDS,
     AttentionBatch,
@@ -212,13 +211,11 @@ def test_decodes_are_grouped_by_length_where_padding_costs_more_than_a_call():
 # one-request group read its context as a view of the cache instead of a gather
 @pytest.mark.parametrize("group_cost, consecutive", [(None, False), (0, False), (0, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecutive,
-                                                     monkeypatch):
-    if group_cost is not None:
-        monkeypatch.setattr(attention_module, "GROUP_COST_TOKENS", group_cost)
+def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecutive):
+    torch_backend = TorchAttention() if group_cost is None else TorchAttention(group_cost)
     gen = seeded("backend", dtype)
     batch = attention_batch(gen, consecutive=consecutive)
-    groups = TorchAttention().build_metadata(batch).decode_groups
+    groups = torch_backend.build_metadata(batch).decode_groups
     if consecutive:  # (random ids may happen to be consecutive too)
         assert any(g.first_block is not None and g.blocks.shape[1] > 1 for g in groups)
     num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)
@@ -227,7 +224,7 @@ def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecut
     qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
     results = []
-    backends = [TorchAttention(), get_attention_backend("triton"), get_attention_backend("cpu")]
+    backends = [torch_backend, get_attention_backend("triton"), get_attention_backend("cpu")]
     for backend in backends:
         k_cache, v_cache = (c.clone() for c in caches)
         out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(batch))
