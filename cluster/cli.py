@@ -139,11 +139,12 @@ def _sampling_fields(args) -> dict:
             if getattr(args, name) is not None}
 
 
-def _check_request(prompt: str, args) -> None:
-    """Reject an empty prompt or a bad sampling flag before any model loads or call is made."""
+def _check_request(prompt: str | None, args) -> None:
+    """Reject an empty prompt or a bad sampling flag before any model loads or call is made
+    (prompt None: no prompt to check, as for `chat`)."""
     from mxserve.api.sampling_params import SamplingParams
 
-    if not prompt.strip():
+    if prompt is not None and not prompt.strip():
         raise InvalidRequestError("prompt", "is empty")
     SamplingParams.from_defaults({}, **_sampling_fields(args))
 
@@ -177,7 +178,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     if args.endpoint:
         return _remote_chat(args)
-    _check_request("-", args)
+    _check_request(None, args)
     llm = _llm(args)
     params = _sampling_params(args, llm)
     tokenizer = llm.tokenizer
