@@ -88,7 +88,8 @@ class Router:
             async for response in self._stream(request_id, ids, params, out, end):
                 yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client left, or its deadline
-            end.status = "cancelled"
+            if end.status == "error":  # (not after its last response: then it had finished)
+                end.status = "cancelled"
             raise
         except Exception as e:
             error = as_serve_error(e)

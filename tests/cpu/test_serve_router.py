@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import pickle
+import re
 
 import pytest
 
@@ -293,3 +295,30 @@ def test_build_app_wires_prefix_routing_to_redis():
     assert worker.init_args[2] is None
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "RoundRobinRequestRouter")
+
+
+def test_each_request_ends_in_one_log_line(tiny, caplog):
+    """However a request ends (rejected, finished, cancelled by its client), the router logs
+    it once, at INFO, with no traceback: what the operator reads instead of Serve's errors."""
+    router, _ = tiny
+    caplog.set_level(logging.INFO, logger="mxserve.router.ingress")
+    with pytest.raises(ServeError):
+        asyncio.run(collect(router, build_request("w5", temperature=-1.0)))
+    asyncio.run(collect(router, build_request("w5 w6", max_tokens=3, ignore_eos=True)))
+
+    async def cancel():
+        stream = router.generate(build_request("w5 w6", max_tokens=50, ignore_eos=True))
+        await anext(stream)
+        await stream.aclose()
+
+    asyncio.run(cancel())
+    records = [r for r in caplog.records if r.name == "mxserve.router.ingress"]
+    assert [r.levelno for r in records] == [logging.INFO] * 3
+    assert not any(r.exc_info for r in records)
+    rejected, finished, cancelled = (r.getMessage() for r in records)
+    assert re.fullmatch(r"request mx-\w+: INVALID_ARGUMENT: temperature: must be a number >= 0, "
+                        r"got -1\.0 \(0 prompt \+ 0 output tokens, \d+ ms\)", rejected)
+    assert re.fullmatch(r"request mx-\w+: length \(\d+ prompt \+ 3 output tokens, \d+ ms\)",
+                        finished)
+    assert re.fullmatch(r"request mx-\w+: cancelled \(\d+ prompt \+ 1 output tokens, \d+ ms\)",
+                        cancelled)
