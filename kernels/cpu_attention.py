@@ -349,10 +349,10 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     dtype of float32/bfloat16, last dims contiguous; block_tables [B, >= max blocks] and seq_lens
     [B] int32, their values the caller's contract (unchecked). ValueError otherwise, or when the
     kernel is unavailable (check `available()` first)."""
-    from .paged_attention import _check
+    from .paged_attention import check_attention_args
 
     num_seqs = q.shape[0] if q.dim() == 3 else -1
-    _check("paged_decode_attention_cpu", q, k_cache, v_cache, out,
+    check_attention_args("paged_decode_attention_cpu", q, k_cache, v_cache, out,
            block_tables=(block_tables, (num_seqs, None)), seq_lens=(seq_lens, (num_seqs,)))
     (_, num_heads, head_dim), (_, block_size, num_kv_heads, _) = q.shape, k_cache.shape
     if q.device.type != "cpu" or not available(q.dtype, num_heads, num_kv_heads, head_dim,

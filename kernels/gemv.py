@@ -32,23 +32,23 @@ from dataclasses import dataclass
 import torch
 
 from . import layer_ops
-from .layer_ops import _round_to
+from .layer_ops import round_to_dtype
 from .mx_linear import (
     MXLinearWeight,
-    _format_args,
-    _row_words,
-    _tc_pairs,
-    _weight_tile,
+    format_args,
     mx_linear_torch,
+    row_words,
+    tc_pairs,
+    weight_tile,
 )
 from .triton_compat import (
-    _cast_out,
-    _to_f32,
+    cast_out,
     gdc_launch_dependents,
     gdc_wait,
     interpreted_bf16,
     pdl_supported,
     tl,
+    to_f32,
     triton,
 )
 from .triton_compat import use_triton as _use_triton
@@ -88,7 +88,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    # MX weights: their element format and layout (mx_linear._format_args)
+    # MX weights: their element format and layout (mx_linear.format_args)
     MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
     E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     NAN_SCALES: tl.constexpr, LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
@@ -121,12 +121,12 @@ def _gemv_kernel(
     if MX_PAIRS:  # words in spread groups of 16: pairs decoded as bf16x2, widened to fp32
         # (rows [BLOCK_N] or row pairs [BLOCK_N, 2]: words, and pairs p_u, [*rows.shape, K' / E]
         # and [.., K' / E, 2]: elements 2u, 2u + 1 of each word, in k order of _x_pairs)
-        w0, w1, w2, sa, sb = _row_words(w_ptr, scales_ptr, rows, N, K // E, stride_plane,
+        w0, w1, w2, sa, sb = row_words(w_ptr, scales_ptr, rows, N, K // E, stride_plane,
                                         stride_wn, stride_sn, E, P, BLOCK_K, TILE)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
+        p0, p1, p2, p3, p4, p5, p6, p7 = tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
                                                    NAN_SCALES, INTERP_BF16, True)
     elif MX:  # short rows (spread groups under 16) or e4m3: element by element in fp32
-        w = _weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
+        w = weight_tile(w_ptr, scales_ptr, tl.reshape(rows, [ROWS]), 0, N, K // E,
                          stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S,
                          FOLD, 23, ROWS, BLOCK_K, TILE)
         if EPILOGUE != 0:
@@ -134,25 +134,26 @@ def _gemv_kernel(
     else:
         w = tl.load(w_ptr + tl.expand_dims(rows, -1) * stride_wn + offs_k, mask=k_mask,
                     other=0.0)
-        w = _to_f32(w, INTERP_BF16)
+        w = to_f32(w, INTERP_BF16)
     if HAS_BIAS:
-        bias = _to_f32(tl.load(bias_ptr + rows), INTERP_BF16)
+        bias = to_f32(tl.load(bias_ptr + rows), INTERP_BF16)
     if NORM:
-        norm_w = _to_f32(tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
+        norm_w = to_f32(tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
     if LAUNCH_PDL:
         gdc_wait()  # everything above is constant; x and the rest come from earlier kernels
     for m in range(M):
-        x = _to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
+        x = to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
         if NORM:  # layer_ops.add_rms_norm_'s steps and roundings, the sum kept apart
             if ADD:
-                r = _to_f32(tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0),
+                r = to_f32(tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0),
                             INTERP_BF16)
-                x = _round_to(x + r, dtype, INTERP_BF16)
+                x = round_to_dtype(x + r, dtype, INTERP_BF16)
                 if pid == 0:
                     tl.store(new_res_ptr + m * stride_nm + offs_k,
-                             _cast_out(x, dtype, INTERP_BF16), mask=k_mask)
+                             cast_out(x, dtype, INTERP_BF16), mask=k_mask)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = _round_to(_round_to(x * rstd, dtype, INTERP_BF16) * norm_w, dtype, INTERP_BF16)
+            x = round_to_dtype(round_to_dtype(x * rstd, dtype, INTERP_BF16) * norm_w, dtype,
+                               INTERP_BF16)
         if MX_PAIRS:  # one product chain per element slot, then one reduction
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(x, E, BLOCK_K)
             prod = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
@@ -165,19 +166,19 @@ def _gemv_kernel(
             acc += bias
         out_row = out_ptr + m * stride_om
         if EPILOGUE == 0:  # (fp32 out: the value rounded to x's dtype, as a cast after would)
-            y = _cast_out(acc, dtype, INTERP_BF16)
+            y = cast_out(acc, dtype, INTERP_BF16)
             tl.store(out_row + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
         elif EPILOGUE == 1:  # layer_ops.silu_and_mul's roundings
-            gate, up = tl.split(_round_to(acc, dtype, INTERP_BF16))
-            silu = _round_to(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
-            tl.store(out_row + pairs, _cast_out(silu * up, dtype, INTERP_BF16), mask=valid)
+            gate, up = tl.split(round_to_dtype(acc, dtype, INTERP_BF16))
+            silu = round_to_dtype(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
+            tl.store(out_row + pairs, cast_out(silu * up, dtype, INTERP_BF16), mask=valid)
         else:  # layer_ops.apply_rotary_'s steps on the rounded products; v as they are
-            lo, hi = tl.split(_round_to(acc, dtype, INTERP_BF16))
+            lo, hi = tl.split(round_to_dtype(acc, dtype, INTERP_BF16))
             pos = tl.load(pos_ptr + m).to(tl.int64)
             cos = tl.load(cos_ptr + pos * stride_c + pairs % HALF, mask=rot, other=1.0)
             sin = tl.load(sin_ptr + pos * stride_c + pairs % HALF, mask=rot, other=0.0)
             lo, hi = tl.where(rot, lo * cos - hi * sin, lo), tl.where(rot, hi * cos + lo * sin, hi)
-            lo, hi = _cast_out(lo, dtype, INTERP_BF16), _cast_out(hi, dtype, INTERP_BF16)
+            lo, hi = cast_out(lo, dtype, INTERP_BF16), cast_out(hi, dtype, INTERP_BF16)
             tl.store(out_row + a, lo, mask=valid)
             tl.store(out_row + b, hi, mask=valid)
             if KV:  # the new token's k and v into the caches (paged_attention.write_kv_cache)
@@ -199,7 +200,7 @@ def _gemv_kernel(
 def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_K] in natural k order -> per pair u (8 results; E = 8 fills the last four with
     copies) [BLOCK_K // E, 2]: x at k = 16 E t + 32 u + 2 jj + h for word j = 16 t + jj, the
-    elements p_u of mx_linear._tc_pairs multiply (mx_linear's spread groups of 16)."""
+    elements p_u of mx_linear.tc_pairs multiply (mx_linear's spread groups of 16)."""
     T: tl.constexpr = BLOCK_K // (16 * E)
     G: tl.constexpr = BLOCK_K // E
     if E == 8:  # u = 2 u1 + u0; [t, jj] merged into the word j = 16 t + jj
@@ -427,7 +428,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
     pdl = PDL and pdl_supported(x2)
     if isinstance(w, MXLinearWeight):
-        mx, fmt = True, dict(_format_args(w), NAN_SCALES=w.nan_scales)
+        mx, fmt = True, dict(format_args(w), NAN_SCALES=w.nan_scales)
         w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \
             w.planes.stride(0)
     else:

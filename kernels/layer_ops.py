@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from .triton_compat import (
-    _cast_out,
-    _to_f32,
+    cast_out,
     gdc_launch_dependents,
     interpreted_bf16,
     pdl_supported,
     tl,
+    to_f32,
     triton,
 )
 from .triton_compat import use_triton as _use_triton
@@ -35,9 +35,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _round_to(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+def round_to_dtype(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """fp32 v rounded to `dtype` and back to fp32."""
-    return _to_f32(_cast_out(v, dtype, INTERP_BF16), INTERP_BF16)
+    return to_f32(cast_out(v, dtype, INTERP_BF16), INTERP_BF16)
 
 
 @triton.jit
@@ -56,15 +56,15 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
-    x = _to_f32(tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0), INTERP_BF16)
+    x = to_f32(tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0), INTERP_BF16)
     if HAS_RESIDUAL:
-        r = _to_f32(tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0), INTERP_BF16)
-        x = _round_to(x + r, dtype, INTERP_BF16)
-        tl.store(res_ptr + row * stride_r + offs, _cast_out(x, dtype, INTERP_BF16), mask=mask)
+        r = to_f32(tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0), INTERP_BF16)
+        x = round_to_dtype(x + r, dtype, INTERP_BF16)
+        tl.store(res_ptr + row * stride_r + offs, cast_out(x, dtype, INTERP_BF16), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = _to_f32(tl.load(w_ptr + offs, mask=mask, other=0.0), INTERP_BF16)
-    y = _round_to(x * rstd, dtype, INTERP_BF16) * w
-    tl.store(out_ptr + row * stride_o + offs, _cast_out(y, dtype, INTERP_BF16), mask=mask)
+    w = to_f32(tl.load(w_ptr + offs, mask=mask, other=0.0), INTERP_BF16)
+    y = round_to_dtype(x * rstd, dtype, INTERP_BF16) * w
+    tl.store(out_ptr + row * stride_o + offs, cast_out(y, dtype, INTERP_BF16), mask=mask)
 
 
 @triton.jit
@@ -82,13 +82,13 @@ def _rotary_kernel(
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
     lo = qk_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
-    x1 = _to_f32(tl.load(lo, mask=mask, other=0.0), INTERP_BF16)
-    x2 = _to_f32(tl.load(lo + HALF, mask=mask, other=0.0), INTERP_BF16)
+    x1 = to_f32(tl.load(lo, mask=mask, other=0.0), INTERP_BF16)
+    x2 = to_f32(tl.load(lo + HALF, mask=mask, other=0.0), INTERP_BF16)
     cos = tl.load(cos_ptr + pos * stride_c + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_c + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
     dtype = qk_ptr.dtype.element_ty
-    tl.store(lo, _cast_out(x1 * cos - x2 * sin, dtype, INTERP_BF16), mask=mask)
-    tl.store(lo + HALF, _cast_out(x2 * cos + x1 * sin, dtype, INTERP_BF16), mask=mask)
+    tl.store(lo, cast_out(x1 * cos - x2 * sin, dtype, INTERP_BF16), mask=mask)
+    tl.store(lo + HALF, cast_out(x2 * cos + x1 * sin, dtype, INTERP_BF16), mask=mask)
 
 
 @triton.jit
@@ -104,10 +104,10 @@ def _silu_and_mul_kernel(
     offs = col * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
-    gate = _to_f32(tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0), INTERP_BF16)
-    up = _to_f32(tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0), INTERP_BF16)
-    silu = _round_to(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
-    tl.store(out_ptr + row * stride_o + offs, _cast_out(silu * up, dtype, INTERP_BF16), mask=mask)
+    gate = to_f32(tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0), INTERP_BF16)
+    up = to_f32(tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0), INTERP_BF16)
+    silu = round_to_dtype(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
+    tl.store(out_ptr + row * stride_o + offs, cast_out(silu * up, dtype, INTERP_BF16), mask=mask)
 
 
 def _check_rows(fn: str, *tensors: torch.Tensor) -> None:

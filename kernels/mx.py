@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_compat import _cast_out, _to_f32, interpreted_bf16, tl, triton, use_triton
+from .triton_compat import cast_out, interpreted_bf16, tl, to_f32, triton, use_triton
 
 BLOCK_SIZE = 32  # elements sharing one scale byte
 SCALE_MODES = ("floor", "ceil")
@@ -194,7 +194,7 @@ def _quantize_mx_kernel(
     # element format
     EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX_CODE: tl.constexpr,
     MAX_MANT: tl.constexpr, PACK: tl.constexpr, GROUP_BYTES: tl.constexpr, CEIL: tl.constexpr,
-    # tiling; INTERP_BF16: see _to_f32
+    # tiling; INTERP_BF16: see to_f32
     BLOCK_B: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     GROUPS: tl.constexpr = 32 // PACK
@@ -202,13 +202,13 @@ def _quantize_mx_kernel(
     bmask = blocks < num_blocks
     cols = tl.arange(0, 32)
     x = tl.load(x_ptr + blocks[:, None] * 32 + cols[None, :], mask=bmask[:, None], other=0.0)
-    s = _shared_exponent(tl.max(tl.abs(_to_f32(x, INTERP_BF16)), axis=1), EMAX, MAX_MANT, CEIL)
+    s = _shared_exponent(tl.max(tl.abs(to_f32(x, INTERP_BF16)), axis=1), EMAX, MAX_MANT, CEIL)
     tl.store(scales_ptr + blocks, (s + 127).to(tl.uint8), mask=bmask)
 
     g = tl.arange(0, GROUPS)
     word = tl.zeros((BLOCK_B, GROUPS), dtype=tl.int32)
     for t in tl.static_range(PACK):  # element g * PACK + t is code t of group g
-        xt = _to_f32(tl.load(x_ptr + blocks[:, None] * 32 + g[None, :] * PACK + t,
+        xt = to_f32(tl.load(x_ptr + blocks[:, None] * 32 + g[None, :] * PACK + t,
                              mask=bmask[:, None], other=0.0), INTERP_BF16)
         word |= _encode(xt, s[:, None], EBITS, MBITS, MAX_CODE) << (t * (1 + EBITS + MBITS))
     out = data_ptr + blocks[:, None] * (GROUPS * GROUP_BYTES) + g[None, :] * GROUP_BYTES
@@ -249,7 +249,7 @@ def quantize_mx(x: torch.Tensor, fmt: str, scale_mode: str = "floor", *, backend
     return out
 
 
-def _pack_codes(codes: torch.Tensor, f: MXFormat) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, f: MXFormat) -> torch.Tensor:
     """[..., K] int64 codes -> [..., packed_len(K)] uint8, canonical layout."""
     groups = codes.reshape(*codes.shape[:-1], -1, f.pack)  # [..., K // pack, pack]
     word = (groups << (torch.arange(f.pack, device=codes.device) * f.bits)).sum(-1)
@@ -257,7 +257,7 @@ def _pack_codes(codes: torch.Tensor, f: MXFormat) -> torch.Tensor:
     return nbytes.reshape(*codes.shape[:-1], -1).to(torch.uint8)
 
 
-def _unpack_codes(data: torch.Tensor, f: MXFormat) -> torch.Tensor:
+def unpack_codes(data: torch.Tensor, f: MXFormat) -> torch.Tensor:
     """[..., packed_len(K)] uint8 -> [..., K] int64 codes."""
     groups = data.reshape(*data.shape[:-1], -1, f.group_bytes).long()
     word = (groups << (8 * torch.arange(f.group_bytes, device=data.device))).sum(-1)
@@ -324,7 +324,7 @@ def _encode_blocks(x: torch.Tensor, s: torch.Tensor, f: MXFormat) -> MXTensor:
     ee, q = _round_magnitudes(xb.abs() * _pow2(-s[..., None]), f)
     codes = (q + ((ee - f.emin) << f.mbits)).clamp(max=f.max_code)
     codes = codes | (torch.signbit(xb).long() << (f.ebits + f.mbits))
-    data = _pack_codes(codes.reshape(x.shape), f)
+    data = pack_codes(codes.reshape(x.shape), f)
     return MXTensor(data, (s + 127).to(torch.uint8), f.name, tuple(x.shape))
 
 
@@ -339,7 +339,7 @@ def _dequantize_mx_kernel(
     # element format
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, PACK: tl.constexpr,
     GROUP_BYTES: tl.constexpr,
-    # tiling; INTERP_BF16: see _cast_out
+    # tiling; INTERP_BF16: see cast_out
     BLOCK_B: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     GROUPS: tl.constexpr = 32 // PACK
@@ -355,7 +355,7 @@ def _dequantize_mx_kernel(
         code = (word >> (t * (1 + EBITS + MBITS))) & ((1 << (1 + EBITS + MBITS)) - 1)
         v = _decode(code, EBITS, MBITS, NAN_CODE) * scale[:, None]
         tl.store(out_ptr + blocks[:, None] * 32 + g[None, :] * PACK + t,
-                 _cast_out(v, out_ptr.dtype.element_ty, INTERP_BF16), mask=bmask[:, None])
+                 cast_out(v, out_ptr.dtype.element_ty, INTERP_BF16), mask=bmask[:, None])
 
 
 def _check_mx(t: MXTensor, dtype: torch.dtype) -> MXFormat:
@@ -404,7 +404,7 @@ def element_values(fmt: str) -> torch.Tensor:
 def dequantize_mx_torch(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference: table lookup of element values times 2^(byte-127), in float64."""
     f = _check_mx(t, dtype)
-    codes = _unpack_codes(t.data, f)  # [..., K]
+    codes = unpack_codes(t.data, f)  # [..., K]
     vals = element_values(t.fmt).to(codes.device)[codes]
     vals = vals.reshape(*codes.shape[:-1], -1, BLOCK_SIZE)  # [..., K // 32, 32]
     s = t.scales.long()

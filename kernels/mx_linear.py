@@ -1,9 +1,9 @@
 """Weight-only MX linear: y = x @ dequantize(w).T + bias, activations fp32/bf16/fp16.
 
 Weights live in the kernels' layout (`prepare_mx_weight`, once, at load): int32 word planes
-[P, N, K // E], each word group holding E elements of a row (spread over k, see _PLANES), stored
+[P, N, K // E], each word group holding E elements of a row (spread over k, see PLANES), stored
 tile-major in 64-row tiles where the spread groups are 16 words (TILE_ROWS); every weight load
-is a contiguous 16-byte vector. One tile builder (`_weight_tile`) turns words into
+is a contiguous 16-byte vector. One tile builder (`weight_tile`) turns words into
 values by bit placement: the code's sign, exponent and mantissa bits are moved straight into a
 bf16 (or fp32) bit pattern, and one multiply by 2^(scale - bias) fixes the exponent bias and
 applies the E8M0 scale at once (an element with exponent 0 lands on a subnormal of the target,
@@ -13,7 +13,7 @@ which that multiply scales exactly). Where a block's 2^(scale - bias) would over
 - decode (M <= 64 on a GPU), bf16 x, K a multiple of E * 16, not e4m3:
   `_mx_linear_decode_tc_kernel`, tensor cores for every M (x padded to 16, 32 or 64 rows, so
   each weight is decoded once for all rows); 3 pipeline stages. Per step one spread group (see
-  _PLANES) is decoded pair by pair (bf16x2 bits, one mul.rn.bf16x2 for the scale) in the
+  PLANES) is decoded pair by pair (bf16x2 bits, one mul.rn.bf16x2 for the scale) in the
   registers that hold it and joined into wgmma's register operand without data exchange.
 - decode otherwise (other x dtypes, e4m3, short K; the default on CPU): grid (N tiles, K
   splits); the next tile's words are loaded before the current one is decoded. M = 1 uses
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .mx import MXTensor, _pack_codes, _unpack_codes, dequantize_mx_torch, get_format
-from .triton_compat import _cast_out, _round_bf16, _to_f32, interpreted_bf16, tl, triton
+from .mx import MXTensor, dequantize_mx_torch, get_format, pack_codes, unpack_codes
+from .triton_compat import cast_out, interpreted_bf16, round_bf16, tl, to_f32, triton
 from .triton_compat import use_triton as _use_triton
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,7 +69,7 @@ PREFILL_DEQUANT_MIN_M = DECODE_MAX_M + 1
 # S = 16 a tile of S words decodes pair u of every word into 32 consecutive k of one scale block,
 # so a [BLOCK_N, E*S] tile in natural k order is a join / permute of the per-pair tiles with no
 # data movement between threads, and each pair needs one scale per row (_spread_tile).
-_PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
+PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
 MAX_GROUP = 16
 # Tile-major planes (weights in spread groups of 16): each plane is stored as [N / TILE_ROWS,
 # K / E / 16, TILE_ROWS, 16] words (rows padded to a whole tile with zeros), so a decode step's
@@ -97,7 +97,7 @@ _LOW = _nibbles(_LOW_SLOTS)
 
 
 def _group_words(e: int, k: int) -> int:
-    """S of a weight with K = k (see _PLANES)."""
+    """S of a weight with K = k (see PLANES)."""
     s = MAX_GROUP
     while k % (e * s):
         s //= 2
@@ -105,7 +105,7 @@ def _group_words(e: int, k: int) -> int:
 
 
 def _fields(fmt: str, e: int) -> list[tuple[int, int, int, int]]:
-    """(plane, bit, width, code_shift) of element e of a word group (see _PLANES)."""
+    """(plane, bit, width, code_shift) of element e of a word group (see PLANES)."""
     u, h = divmod(e, 2)
     bits = get_format(fmt).bits
     if bits == 8:
@@ -124,13 +124,13 @@ class MXLinearWeight:
     `counters` is the split-K scratch of the decode kernel (zero between calls): use one weight
     object from one stream at a time."""
 
-    planes: torch.Tensor  # int32 [P, N, K // E], see _PLANES
+    planes: torch.Tensor  # int32 [P, N, K // E], see PLANES
     scales: torch.Tensor  # uint8 [N, K // 32], canonical
     fmt: str
     shape: tuple[int, int]  # (N, K)
     fold: bool  # every scale byte <= 127 + bias (or 255): 2^(scale - bias) fits the target
     counters: torch.Tensor  # int32 [>= N // 8]
-    group: int = 1  # S, word groups per spread group (see _PLANES)
+    group: int = 1  # S, word groups per spread group (see PLANES)
     nan_scales: bool = True  # some scale byte is 0xFF (NaN): the kernels must check for it
     tile: int = 0  # 0: planes row-major; else tile-major in tiles of `tile` rows (see TILE_ROWS)
 
@@ -142,9 +142,9 @@ def prepare_mx_weight(w: MXTensor) -> MXLinearWeight:
         raise ValueError("prepare_mx_weight expects a 2-D MXTensor [N, K]")
     f = get_format(w.fmt)
     n, k = w.shape
-    e, p = _PLANES[f.bits]
+    e, p = PLANES[f.bits]
     group = _group_words(e, k)
-    codes = _spread(_unpack_codes(w.data, f), e, group).view(n, k // e, e)
+    codes = _spread(unpack_codes(w.data, f), e, group).view(n, k // e, e)
     planes = torch.zeros(p, n, k // e, dtype=torch.int64, device=codes.device)
     for i in range(e):
         for plane, bit, width, shift in _fields(w.fmt, i):
@@ -175,7 +175,7 @@ def _tiled(planes: torch.Tensor, tile: int, inverse: bool = False, n: int = 0) -
 
 
 def _spread(codes: torch.Tensor, e: int, group: int, inverse: bool = False) -> torch.Tensor:
-    """[N, K] codes in natural k order -> element order of the word groups (see _PLANES)."""
+    """[N, K] codes in natural k order -> element order of the word groups (see PLANES)."""
     n, k = codes.shape
     natural = (n, k // (e * group), e // 2, group, 2)  # [N, t, u, jj, h]
     stored = (n, k // (e * group), group, e // 2, 2)  # [N, t, jj, u, h]
@@ -183,18 +183,18 @@ def _spread(codes: torch.Tensor, e: int, group: int, inverse: bool = False) -> t
     return src.permute(0, 1, 3, 2, 4).reshape(n, k)
 
 
-def _canonical_data(w: MXLinearWeight) -> torch.Tensor:
+def canonical_data(w: MXLinearWeight) -> torch.Tensor:
     """The canonical packed bytes [N, packed K] of a prepared weight."""
     f = get_format(w.fmt)
     n, k = w.shape
-    e, _ = _PLANES[f.bits]
+    e, _ = PLANES[f.bits]
     planes = _tiled(w.planes, w.tile, inverse=True, n=n) if w.tile else w.planes
     planes = planes.long() & 0xFFFFFFFF
     codes = torch.zeros(n, k // e, e, dtype=torch.int64, device=planes.device)
     for i in range(e):
         for plane, bit, width, shift in _fields(w.fmt, i):
             codes[..., i] |= ((planes[plane] >> bit) & (2**width - 1)) << shift
-    return _pack_codes(_spread(codes.view(n, k), e, w.group, inverse=True), f)
+    return pack_codes(_spread(codes.view(n, k), e, w.group, inverse=True), f)
 
 
 def _as_linear_weight(w: MXTensor | MXLinearWeight) -> MXLinearWeight:
@@ -215,7 +215,7 @@ def _shl(v, D: tl.constexpr):
 @triton.jit
 def _placed_bits(w0, w1, w2, T: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
                  NAN_CODE: tl.constexpr, E: tl.constexpr, F: tl.constexpr, PAIR: tl.constexpr):
-    """int32 bits of element T of each word group (see _PLANES) as a float with F mantissa bits
+    """int32 bits of element T of each word group (see PLANES) as a float with F mantissa bits
     (7: bf16 in the low half, 23: fp32) whose value is the element's / 2^(127 - bias). PAIR
     (F = 7): elements T and T + 1 at once, T + 1 in the high half (a bf16x2 word)."""
     MS: tl.constexpr = F - MBITS  # where the code's mantissa LSB goes
@@ -332,7 +332,7 @@ def _load_groups(planes_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
 @triton.jit
 def _pair_scales(scales_ptr, offs_n, j0, N, num_words, stride_sn, U: tl.constexpr,
                  E: tl.constexpr, S: tl.constexpr, G: tl.constexpr):
-    """int32 scale bytes [BLOCK_N, G] of pair U of word groups j0..j0+G (see _PLANES: one block
+    """int32 scale bytes [BLOCK_N, G] of pair U of word groups j0..j0+G (see PLANES: one block
     per pair and spread group)."""
     j = j0 + tl.arange(0, G)
     blk = (E * S * (j // S) + 2 * S * U) // 32
@@ -342,7 +342,7 @@ def _pair_scales(scales_ptr, offs_n, j0, N, num_words, stride_sn, U: tl.constexp
 
 
 @triton.jit
-def _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
+def weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane, stride_wn,
                  stride_sn, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
                  E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr,
                  F: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -375,7 +375,7 @@ def _decoded_pair(w0, w1, w2, scales_ptr, offs_n, j0, N, num_words, stride_sn, U
 @triton.jit
 def _spread_tile4(p0, p1, p2, p3, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pairs u = 0..3 [BLOCK_N, G, 2] (element 2u + h of word j at [j, h]) -> [BLOCK_N, BLOCK_K]
-    in natural k order: k = 8*S*t + 2*S*u + 2*jj + h for word j = S*t + jj (see _PLANES)."""
+    in natural k order: k = 8*S*t + 2*S*u + 2*jj + h for word j = S*t + jj (see PLANES)."""
     w = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BN, G, h, u & 1, u >> 1]
     if BLOCK_K == 8 * S:  # one group (no size-1 dim: Triton then keeps the tile in registers)
         w = tl.reshape(tl.permute(w, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
@@ -434,7 +434,7 @@ def _dot_w_xt(w, x, acc, INTERP_BF16: tl.constexpr):
     """acc + w @ x.T (the transposed product: the dequantized weights are the left operand, which
     Hopper's wgmma reads from registers), with w rounded to x's dtype; see _dot_wt."""
     if INTERP_BF16:
-        return tl.dot(_round_bf16(w.to(tl.float32)), tl.trans(_to_f32(x, INTERP_BF16)), acc,
+        return tl.dot(round_bf16(w.to(tl.float32)), tl.trans(to_f32(x, INTERP_BF16)), acc,
                       input_precision="ieee")
     return tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision="ieee")
 
@@ -444,8 +444,8 @@ def _dot_wt(x, w, acc, INTERP_BF16: tl.constexpr):
     """acc + x @ w.T with w rounded to x's dtype. INTERP_BF16 (the interpreter's bf16 tl.dot is
     wrong, its casts truncate): the same rounded operands multiplied in fp32, exact for bf16."""
     if INTERP_BF16:
-        wt = tl.trans(_round_bf16(w.to(tl.float32)))
-        return tl.dot(_to_f32(x, INTERP_BF16), wt, acc, input_precision="ieee")
+        wt = tl.trans(round_bf16(w.to(tl.float32)))
+        return tl.dot(to_f32(x, INTERP_BF16), wt, acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee")
 
 
@@ -461,7 +461,7 @@ def _mx_linear_decode_kernel(
     M, N, K, num_words, split_k, words_per_split,
     # strides
     stride_xm, stride_plane, stride_wn, stride_sn, stride_om, stride_ps,
-    # element format and layout (see _PLANES, _scale_factors)
+    # element format and layout (see PLANES, _scale_factors)
     EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr, E: tl.constexpr,
     P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     # tiling. USE_DOT: tensor cores on a dequantized tile in x's dtype (bf16 bits straight from
@@ -502,7 +502,7 @@ def _mx_linear_decode_kernel(
             acc = _dot_wt(x, w, acc, INTERP_BF16)
         else:
             x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-            acc2 += w * _to_f32(x, INTERP_BF16)[None, :]
+            acc2 += w * to_f32(x, INTERP_BF16)[None, :]
     if not USE_DOT:
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
     _finish_decode(acc, offs_m, offs_n, pid_k, pid_m * tl.num_programs(0) + pid_n, M, N,
@@ -545,7 +545,7 @@ def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
              INTERP: tl.constexpr, F32: tl.constexpr = False):
     """[..., 2] bf16 (F32: the same values in fp32): pair U of each word group (words [...]);
     sw int32, broadcastable to the words, holds the scale bytes of pairs 4 (U // 4) ..
-    4 (U // 4) + 3 (one block each, see _PLANES). NAN_SCALES: some byte may be 0xFF (NaN);
+    4 (U // 4) + 3 (one block each, see PLANES). NAN_SCALES: some byte may be 0xFF (NaN);
     without it the factor is one multiply-add of the byte."""
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
     s = (sw >> (8 * (U % 4))) & 0xFF
@@ -577,7 +577,7 @@ def _tc_pair(w0, w1, w2, sw, U: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.con
 
 
 @triton.jit
-def _tc_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
+def tc_pairs(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr, E: tl.constexpr,
               FOLD: tl.constexpr, NAN_SCALES: tl.constexpr, INTERP: tl.constexpr,
               F32: tl.constexpr = False):
     """Pairs 0..E/2-1 of each word group (_tc_pair; sa holds pairs 0..3's scale bytes, sb
@@ -603,7 +603,7 @@ def _decoded_groups(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr
     [BLOCK_N, BLOCK_K // E] of whole spread groups of 16 (each pair decoded in the registers
     that hold its words, joined with no data exchange: _spread_tile4/8); sa, sb: the groups'
     scale words (_tc_scales), broadcastable to the words."""
-    p0, p1, p2, p3, p4, p5, p6, p7 = _tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
+    p0, p1, p2, p3, p4, p5, p6, p7 = tc_pairs(w0, w1, w2, sa, sb, EBITS, MBITS, E, FOLD,
                                                NAN_SCALES, INTERP)
     if E == 8:
         w = _spread_tile4(p0, p1, p2, p3, 16, BLOCK_N, BLOCK_K)
@@ -613,12 +613,12 @@ def _decoded_groups(w0, w1, w2, sa, sb, EBITS: tl.constexpr, MBITS: tl.constexpr
 
 
 @triton.jit
-def _row_words(planes_ptr, scales_ptr, rows, N, num_words, stride_plane, stride_wn, stride_sn,
+def row_words(planes_ptr, scales_ptr, rows, N, num_words, stride_plane, stride_wn, stride_sn,
                E: tl.constexpr, P: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr = 0):
     """(w0, w1, w2, sa, sb): the words [*rows.shape, BLOCK_K // E] of whole rows (0 past K =
     E * num_words) of a weight in spread groups of 16, and the scale words of each word's group
     (_tc_scales, one per word), for kernels that hold whole rows (kernels/gemv.py): every
-    load at once. rows < N; decode with _tc_pairs."""
+    load at once. rows < N; decode with tc_pairs."""
     G: tl.constexpr = BLOCK_K // E  # words a row (BLOCK_K a power of 2 >= E * 16)
     whole = (num_words // 16) * 16  # (= num_words; so written, the loads are 16-byte vectors)
     w0, w1, w2 = _load_groups(planes_ptr, rows, 0, N, whole, stride_plane, stride_wn, P, G, TILE)
@@ -683,7 +683,7 @@ def _tc_step(acc, w0, w1, w2, sa, sb, x_ptr, offs_m, j0, M, stride_xm,
     xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                  mask=offs_m[None, :] < M, other=0.0)  # [BLOCK_K, BLOCK_M]
     if INTERP_BF16:
-        acc = tl.dot(_to_f32(w, True), _to_f32(xt, True), acc, input_precision="ieee")
+        acc = tl.dot(to_f32(w, True), to_f32(xt, True), acc, input_precision="ieee")
     else:
         acc = tl.dot(w, xt, acc)
     return acc
@@ -762,12 +762,12 @@ def _finish_decode(acc, offs_m, offs_n, pid_k, tile, M, N, split_k, bias_ptr, ou
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(
                     tl.float32)[None, :]
             out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-            tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+            tl.store(out, cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
+        tl.store(out, cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
 
 
 # ---------------------------------------------------------------- prefill (M > 16)
@@ -806,7 +806,7 @@ def _mx_linear_prefill_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if DOT_SCALED_FMT == "":
-            w = _weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
+            w = weight_tile(planes_ptr, scales_ptr, offs_n, j0, N, num_words, stride_plane,
                              stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P, S, FOLD,
                              7 if WBF16 else 23, BLOCK_N, BLOCK_K, TILE)
             acc = _dot_w_xt(w, x, acc, INTERP_BF16)
@@ -822,7 +822,7 @@ def _mx_linear_prefill_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out, _cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16),
+    tl.store(out, cast_out(acc, out_ptr.dtype.element_ty, INTERP_BF16),
              mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
 
@@ -841,20 +841,20 @@ def _mx_linear_dequant_kernel(
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    w = _weight_tile(planes_ptr, scales_ptr, offs_n, tl.program_id(1) * (BLOCK_K // E), N,
+    w = weight_tile(planes_ptr, scales_ptr, offs_n, tl.program_id(1) * (BLOCK_K // E), N,
                      num_words, stride_plane, stride_wn, stride_sn, EBITS, MBITS, NAN_CODE, E, P,
                      S, FOLD, 7 if WBF16 else 23, BLOCK_N, BLOCK_K, TILE)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    v = w if WBF16 else _cast_out(w, out_ptr.dtype.element_ty, INTERP_BF16)
+    v = w if WBF16 else cast_out(w, out_ptr.dtype.element_ty, INTERP_BF16)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], v,
              mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
 
 
 # ---------------------------------------------------------------- launch
 
-def _format_args(w: MXLinearWeight) -> dict:
+def format_args(w: MXLinearWeight) -> dict:
     f = get_format(w.fmt)
-    e, p = _PLANES[f.bits]
+    e, p = PLANES[f.bits]
     return dict(EBITS=f.ebits, MBITS=f.mbits, NAN_CODE=0x7F if w.fmt == "e4m3" else -1, E=e, P=p,
                 S=w.group, FOLD=w.fold, TILE=w.tile)
 
@@ -898,7 +898,7 @@ def _tc_ok(x2: torch.Tensor, w: MXLinearWeight) -> bool:
 def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
-    e, _ = _PLANES[get_format(w.fmt).bits]
+    e, _ = PLANES[get_format(w.fmt).bits]
     tuned, tuned_pps = _tc_config(e, m, n, _num_sms(x2.device))
     block_n, num_warps, num_stages, *maxnreg = (config or tuned) if on_gpu else (16, 4, 1)
     launch = dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}
@@ -923,14 +923,14 @@ def _launch_decode_tc(x2, w, out2, bias, split_k, config=None, programs_per_sm=N
         m, n, k, k // e, split_k, words_per_split, x2.stride(0), w.planes.stride(0),
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
-        EBITS=f.ebits, MBITS=f.mbits, E=e, P=_PLANES[f.bits][1], FOLD=w.fold,
+        EBITS=f.ebits, MBITS=f.mbits, E=e, P=PLANES[f.bits][1], FOLD=w.fold,
         NAN_SCALES=w.nan_scales, TILE=w.tile, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16, **launch)
 
 
-def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
+def launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, programs_per_sm=None,
                    prefetch=None, tc=None):
     """config (BLOCK_N, BLOCK_K, num_warps, num_stages), use_dot, programs_per_sm, tc (the
     tensor-core kernel; default: where it applies, on a GPU): overrides of the tuned choices
@@ -949,7 +949,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
     if config is None:
         config = (_DECODE_DOT if use_dot else _DECODE_FMA) if on_gpu else (16, 128, 4, 1)
     block_n, block_k, num_warps, num_stages = config
-    e, _ = _PLANES[get_format(w.fmt).bits]
+    e, _ = PLANES[get_format(w.fmt).bits]
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     if split_k is None:  # enough programs in flight to hide the memory latency
         want = (programs_per_sm or _DECODE_TARGET_PROGRAMS_PER_SM) * _num_sms(x2.device)
@@ -971,7 +971,7 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
         m, n, k, k // e, split_k, words_per_split, x2.stride(0), w.planes.stride(0),
         w.planes.stride(1), w.scales.stride(0), out2.stride(0),
         partial.stride(0) if split_k > 1 else 0,
-        **_format_args(w), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        **format_args(w), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         PREFETCH=_DECODE_PREFETCH if prefetch is None else prefetch,
         WBF16=x2.dtype == torch.bfloat16 and not interp_bf16, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, INTERP_BF16=interp_bf16,
@@ -985,23 +985,23 @@ def _launch_decode(x2, w, out2, bias, split_k, config=None, use_dot=None, progra
 _PREFILL = (128, 128, 64, 8, 2)
 
 
-def _launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
+def launch_prefill(x2, w, out2, bias, use_dot_scaled, config=None):
     (m, k), n = x2.shape, w.shape[0]
     on_gpu = x2.is_cuda
     block_m, block_n, block_k, num_warps, num_stages = config or (
         _PREFILL if on_gpu else (32, 32, 64, 4, 1))
     f = get_format(w.fmt)
-    if _PLANES[f.bits][0] * w.group > block_k:  # whole spread groups; x's smem tile must fit
-        block_k = _PLANES[f.bits][0] * w.group
+    if PLANES[f.bits][0] * w.group > block_k:  # whole spread groups; x's smem tile must fit
+        block_k = PLANES[f.bits][0] * w.group
         block_m = min(block_m, 64)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    planes = _canonical_data(w) if use_dot_scaled else w.planes  # bytes [N, K // PACK]
+    planes = canonical_data(w) if use_dot_scaled else w.planes  # bytes [N, K // PACK]
     interp_bf16 = interpreted_bf16(x2.dtype, x2)
     _mx_linear_prefill_kernel[grid](
         x2, planes, w.scales, bias if bias is not None else w.scales, out2, m, n, k,
-        k // _PLANES[f.bits][0], x2.stride(0), w.planes.stride(0), planes.stride(-2),
+        k // PLANES[f.bits][0], x2.stride(0), w.planes.stride(0), planes.stride(-2),
         w.scales.stride(0), out2.stride(0),
-        **_format_args(w), PACK=f.pack, DOT_SCALED_FMT=w.fmt if use_dot_scaled else "",
+        **format_args(w), PACK=f.pack, DOT_SCALED_FMT=w.fmt if use_dot_scaled else "",
         X_FMT={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x2.dtype, ""),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         WBF16=x2.dtype == torch.bfloat16 and not interp_bf16, HAS_BIAS=bias is not None,
@@ -1020,16 +1020,16 @@ def dequantize_linear_weight(w: MXTensor | MXLinearWeight, dtype: torch.dtype,
     w = _as_linear_weight(w)
     n, k = w.shape
     if not _use_triton(backend, w.planes):
-        return dequantize_mx_torch(MXTensor(_canonical_data(w), w.scales, w.fmt, (n, k)), dtype)
+        return dequantize_mx_torch(MXTensor(canonical_data(w), w.scales, w.fmt, (n, k)), dtype)
     out = torch.empty(n, k, dtype=dtype, device=w.planes.device)
     on_gpu = w.planes.is_cuda
     block_n, block_k, num_warps = _DEQUANT if on_gpu else (16, 64, 4)
-    block_k = max(block_k, _PLANES[get_format(w.fmt).bits][0] * w.group)
+    block_k = max(block_k, PLANES[get_format(w.fmt).bits][0] * w.group)
     interp_bf16 = interpreted_bf16(dtype, out)
     _mx_linear_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        w.planes, w.scales, out, n, k, k // _PLANES[get_format(w.fmt).bits][0],
+        w.planes, w.scales, out, n, k, k // PLANES[get_format(w.fmt).bits][0],
         w.planes.stride(0), w.planes.stride(1),
-        w.scales.stride(0), out.stride(0), **_format_args(w), BLOCK_N=block_n, BLOCK_K=block_k,
+        w.scales.stride(0), out.stride(0), **format_args(w), BLOCK_N=block_n, BLOCK_K=block_k,
         WBF16=dtype == torch.bfloat16 and not interp_bf16, INTERP_BF16=interp_bf16,
         **(dict(num_warps=num_warps) if on_gpu else {}))
     return out
@@ -1087,7 +1087,7 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
         return out
     out2 = out.view(-1, n)  # [M, N]
     if decode:
-        _launch_decode(x2, w, out2, bias, split_k)
+        launch_decode(x2, w, out2, bias, split_k)
         return out
     if path == "dequant" or (path == "auto" and x.is_cuda and x.dtype != torch.float32
                              and m >= PREFILL_DEQUANT_MIN_M):
@@ -1101,7 +1101,7 @@ def mx_linear(x: torch.Tensor, w: MXTensor | MXLinearWeight, bias: torch.Tensor 
             torch.cuda.get_device_capability(x.device)[0] >= 10
     elif use_dot_scaled and not can_dot_scaled:
         raise ValueError("mx_linear: tl.dot_scaled needs e2m1/e4m3 weights and 16-bit x")
-    _launch_prefill(x2, w, out2, bias, use_dot_scaled)
+    launch_prefill(x2, w, out2, bias, use_dot_scaled)
     return out
 
 
@@ -1112,7 +1112,7 @@ def mx_linear_torch(x: torch.Tensor, w: MXTensor | MXLinearWeight,
     w = _as_linear_weight(w)
     _check_linear(x, w, bias)
     n, k = w.shape
-    wf = dequantize_mx_torch(MXTensor(_canonical_data(w), w.scales, w.fmt, (n, k)), torch.float32)
+    wf = dequantize_mx_torch(MXTensor(canonical_data(w), w.scales, w.fmt, (n, k)), torch.float32)
     y = x.float() @ wf.T
     if bias is not None:
         y = y + bias.float()

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from .triton_compat import (
-    _cast_out,
-    _round_bf16,
-    _to_f32,
+    cast_out,
     gdc_launch_dependents,
     interpreted_bf16,
     pdl_supported,
+    round_bf16,
     tl,
+    to_f32,
     triton,
 )
 from .triton_compat import use_triton as _use_triton
@@ -44,7 +44,7 @@ MAX_SPLITS = 64
 def _qk(q, k, INTERP_BF16: tl.constexpr):
     """fp32 [M, N] = q [M, D] @ k [N, D].T in the cache dtype (interpreted bf16: exact fp32)."""
     if INTERP_BF16:
-        return tl.dot(_to_f32(q, INTERP_BF16), tl.trans(_to_f32(k, INTERP_BF16)),
+        return tl.dot(to_f32(q, INTERP_BF16), tl.trans(to_f32(k, INTERP_BF16)),
                       input_precision="ieee")
     return tl.dot(q, tl.trans(k), input_precision="ieee")
 
@@ -70,7 +70,7 @@ def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16
     den = den * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if INTERP_BF16:
-        acc = tl.dot(_round_bf16(p), _to_f32(v, INTERP_BF16), acc, input_precision="ieee")
+        acc = tl.dot(round_bf16(p), to_f32(v, INTERP_BF16), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return m_new, den, acc
@@ -153,7 +153,7 @@ def _paged_attention_kernel(
     out = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
            + split * stride_os + offs_d[None, :])
     if NUM_SPLITS == 1:
-        tl.store(out, _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
+        tl.store(out, cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=row_mask)
     else:
         tl.store(out, o, mask=row_mask)
     if STORE_LSE:
@@ -188,7 +188,7 @@ def _merge_splits_kernel(
                    + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
     o = tl.sum(w[:, None] * part, axis=0) / safe
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
-             _cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=offs_d < HEAD_DIM)
+             cast_out(o, out_ptr.dtype.element_ty, INTERP_BF16), mask=offs_d < HEAD_DIM)
     tl.store(lse_out_ptr + t * NUM_HEADS + h, tl.where(den > 0, m + tl.log2(safe), float("-inf")))
 
 
@@ -281,7 +281,7 @@ def _tiles(q: torch.Tensor, group: int, is_decode: bool) -> tuple[int, int, int,
     return block_q, block_g, max(16, block_q * block_g), block_n, opts
 
 
-def _check(fn: str, q, k_cache, v_cache, out, **index) -> None:
+def check_attention_args(fn: str, q, k_cache, v_cache, out, **index) -> None:
     """Shapes, dtypes, devices, strides; index: name=(int32 tensor, shape with None = any)."""
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"{fn}: q and the caches must share one dtype of float32, bfloat16, "
@@ -369,7 +369,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (Triton on CUDA), "triton" or "torch". ValueError unless q and the caches share a dtype of
     fp32/bf16/fp16, head_dim >= 16, last dims contiguous, index tensors int32 of matching shape."""
     num_seqs = q.shape[0] if q.dim() == 3 else -1
-    _check("paged_decode_attention", q, k_cache, v_cache, out,
+    check_attention_args("paged_decode_attention", q, k_cache, v_cache, out,
            block_tables=(block_tables, (num_seqs, None)), seq_lens=(seq_lens, (num_seqs,)))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
@@ -398,7 +398,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return_attn_mass: also mass [R, max_seq_len] fp32, each position's softmax probability summed
     over query heads and the request's queries. Otherwise as paged_decode_attention."""
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    _check("paged_prefill_attention", q, k_cache, v_cache, out,
+    check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out,
            block_tables=(block_tables, (num_seqs, None)),
            query_start_loc=(query_start_loc, (num_seqs + 1,)), seq_lens=(seq_lens, (num_seqs,)),
            context_lens=(context_lens, (num_seqs,)))

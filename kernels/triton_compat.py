@@ -69,7 +69,7 @@ def interpreted_bf16(dtype: torch.dtype, t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _round_bf16(v):
+def round_bf16(v):
     """fp32 v rounded to nearest-even bf16, kept in fp32. Only for the Triton interpreter, whose
     fp32 -> bf16 cast truncates: after this the cast is exact (on GPU the cast is already RNE)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -78,17 +78,17 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _cast_out(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+def cast_out(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """fp32 v.to(dtype); INTERP_BF16 (bf16 data in the interpreter) and dtype bf16: by bits, see
-    _round_bf16 and _to_f32."""
+    round_bf16 and to_f32."""
     if INTERP_BF16 and dtype == tl.bfloat16:
-        bits = _round_bf16(v).to(tl.int32, bitcast=True) >> 16
+        bits = round_bf16(v).to(tl.int32, bitcast=True) >> 16
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return v.to(dtype)
 
 
 @triton.jit
-def _to_f32(x, INTERP_BF16: tl.constexpr):
+def to_f32(x, INTERP_BF16: tl.constexpr):
     """x.to(fp32); INTERP_BF16 (x is bf16): by bits; the interpreter's upcast loses subnormals."""
     if INTERP_BF16:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)

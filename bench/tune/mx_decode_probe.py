@@ -2,7 +2,7 @@
 
 For the issue's three linear shapes, MXFP4 (e2m1) and MXFP6 (e2m3), M = 1 and 16:
 - cuBLAS bf16 (`F.linear`), the baseline of issue 3's targets;
-- the tensor-core decode kernel (`_launch_decode(tc=True)`) over a grid of variants: BLOCK_N,
+- the tensor-core decode kernel (`launch_decode(tc=True)`) over a grid of variants: BLOCK_N,
   warps, software-pipeline stages (Triton's cp.async ring), programs per SM (split-K). Each
   output is checked against x @ dequantized(w) in fp32 (relative Frobenius error);
 - a load-only probe: the same word tiles ([BLOCK_N, 16] int32 of each plane per step, same grid
@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s
 from gpu_timing import graph_median_us, recorder, write_sweep  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import _PLANES, _launch_decode, prepare_mx_weight
+from mxserve.kernels.mx_linear import PLANES, launch_decode, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 # name -> (BLOCK_N, num_warps, num_stages), programs per SM
@@ -103,7 +103,7 @@ def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, strid
 
 def load_probe(w, out, block_n, num_warps, num_stages, programs_per_sm, tiled=False):
     n, k = w.shape
-    e, p = _PLANES[{"e2m1": 4, "e2m3": 6, "e3m2": 6}[w.fmt]]
+    e, p = PLANES[{"e2m1": 4, "e2m3": 6, "e3m2": 6}[w.fmt]]
     tiles = triton.cdiv(n, block_n)
     groups = k // (e * 16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -178,7 +178,7 @@ def main() -> None:
                         continue  # FP6: 128 registers at 16 rows a warp, more rows spill
                     def fn(cfg=cfg, pps=pps, x=x, out=out, ws=copies):
                         for w_i in ws:
-                            _launch_decode(x, w_i, out, None, None, config=cfg, tc=True,
+                            launch_decode(x, w_i, out, None, None, config=cfg, tc=True,
                                            programs_per_sm=pps)
                     out.fill_(float("nan"))
                     try:

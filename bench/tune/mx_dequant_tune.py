@@ -17,10 +17,10 @@ import triton.testing
 
 from mxserve.kernels.mx import get_format, quantize_mx
 from mxserve.kernels.mx_linear import (
-    _PLANES,
-    _format_args,
+    PLANES,
     _mx_linear_dequant_kernel,
     dequantize_linear_weight,
+    format_args,
     mx_linear,
     prepare_mx_weight,
 )
@@ -32,11 +32,11 @@ CONFIGS = [(32, 256, 4), (16, 256, 2), (8, 256, 1), (16, 256, 1), (8, 512, 2), (
 
 def dequant(w, out, block_n, block_k, num_warps):
     n, k = w.shape
-    e = _PLANES[get_format(w.fmt).bits][0]
+    e = PLANES[get_format(w.fmt).bits][0]
     block_k = max(block_k, e * w.group)
     _mx_linear_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         w.planes, w.scales, out, n, k, k // e, w.planes.stride(0), w.planes.stride(1),
-        w.scales.stride(0), out.stride(0), **_format_args(w), BLOCK_N=block_n, BLOCK_K=block_k,
+        w.scales.stride(0), out.stride(0), **format_args(w), BLOCK_N=block_n, BLOCK_K=block_k,
         WBF16=True, INTERP_BF16=False, num_warps=num_warps)
 
 

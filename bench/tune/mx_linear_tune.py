@@ -21,10 +21,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s
 from gpu_timing import graph_median_us, recorder  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import _launch_decode, _launch_prefill, mx_linear, prepare_mx_weight
+from mxserve.kernels.mx_linear import launch_decode, launch_prefill, mx_linear, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
-# name -> _launch_decode overrides
+# name -> launch_decode overrides
 DECODE = {
     "fma8x512pf": dict(config=(8, 512, 4, 1), use_dot=False, prefetch=True, tc=False),
     "tc64": dict(config=(64, 4, 1), tc=True),
@@ -90,7 +90,7 @@ def main() -> None:
                         split_k = kw.pop("split_k", None)
 
                         def fn(kw=kw, split_k=split_k, x=x, wq=mx[f], out=out):
-                            _launch_decode(x, wq, out, None, split_k, **kw)
+                            launch_decode(x, wq, out, None, split_k, **kw)
                         out.fill_(float("nan"))
                         fn()
                         err = rel_err(out, ref)
@@ -108,7 +108,7 @@ def main() -> None:
                                 mx_linear(x, wq, path="dequant", out=out)
                         else:
                             def fn(cfg=PREFILL[v], x=x, wq=mx[f], out=out):
-                                _launch_prefill(x, wq, out, None, False, config=cfg)
+                                launch_prefill(x, wq, out, None, False, config=cfg)
                         out.fill_(float("nan"))
                         fn()
                         err = rel_err(out, ref)

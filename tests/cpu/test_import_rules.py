@@ -68,3 +68,17 @@ def test_a_router_replica_loads_no_torch(tiny_checkpoint):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What one module needs from another is public: no `from x import _name` across modules
+    of the library (a module's own `_alias` of a public name is fine)."""
+    bad = []
+    for folder in ("api", "router", "worker", "kernels", "cluster"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.level or (
+                        node.module or "").startswith("mxserve")):
+                    bad += [f"{path.relative_to(ROOT)}: {alias.name}" for alias in node.names
+                            if alias.name.startswith("_")]
+    assert not bad, "\n".join(bad)

@@ -23,9 +23,9 @@ from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
 from mxserve.kernels.mx_linear import (  # noqa: E402
     TC_DECODE_MAX_M,
     MXLinearWeight,
-    _canonical_data,
-    _launch_decode,
+    canonical_data,
     dequantize_linear_weight,
+    launch_decode,
     mx_linear,
     mx_linear_torch,
     prepare_mx_weight,
@@ -131,7 +131,7 @@ def test_prepare_rearranges_words_and_back():
         p = prepare_mx_weight(w)
         assert isinstance(p, MXLinearWeight) and p.fold
         assert p.planes.shape == shape and p.planes.dtype == torch.int32
-        assert torch.equal(_canonical_data(p), w.data)  # the layout is a permutation of bits
+        assert torch.equal(canonical_data(p), w.data)  # the layout is a permutation of bits
     # FP4, K = 32 (spread groups of S = 4 words): pair u of word jj holds k = 8u + 2jj + h; in
     # half h of the word its magnitude (3 bits) sits at bit 6, 0, 3, 11 and its sign at bit 15,
     # 9, 10, 14 for u = 0..3. Codes here: 0.5 -> 1, 1 -> 2, ..., 6 -> 7, -0.5 -> 8 + 1.
@@ -164,7 +164,7 @@ def test_spread_groups_of_16_are_stored_tile_major(monkeypatch):
         at = ((r // 64) * 32 + (j // 16) * 16) * 64 + (r % 64) * 16 + j % 16
         assert torch.equal(flat[:, at], planes[:, r, j])
     assert (p.planes.view(3, 2, 2, 64, 16)[:, 1, :, n - 64:] == 0).all()  # the padding rows
-    assert torch.equal(_canonical_data(p), w.data)
+    assert torch.equal(canonical_data(p), w.data)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -259,13 +259,13 @@ def test_decode_tensor_core_kernel(fmt, m, k, split_k, fold):
     p = prepare_mx_weight(w)
     assert p.group == 16 and p.fold == fold and not p.nan_scales
     out = torch.full((m, 24), math.nan, dtype=torch.bfloat16)
-    _launch_decode(x, p, out, bias, split_k, tc=True)
+    launch_decode(x, p, out, bias, split_k, tc=True)
     assert_close_to_ref(out, x, w, bias)
     w.scales[5, 1] = 255
     p = prepare_mx_weight(w)
     assert p.nan_scales
     out.fill_(math.nan)
-    _launch_decode(x, p, out, bias, split_k, tc=True)
+    launch_decode(x, p, out, bias, split_k, tc=True)
     assert out[:, 5].isnan().all() and not out[:, :5].isnan().any() and \
         not out[:, 6:].isnan().any()
 
@@ -276,7 +276,7 @@ def test_decode_prefetch_variant(fmt, m, split_k):
     """The decode kernel's PREFETCH variant (next tile's words loaded ahead) computes the same."""
     x, w, bias = make_case(fmt, torch.float32, m, 40, 512, True, seeded(fmt, m, "prefetch"))
     out = torch.full((m, 40), math.nan)
-    _launch_decode(x, prepare_mx_weight(w), out, bias, split_k, prefetch=True)
+    launch_decode(x, prepare_mx_weight(w), out, bias, split_k, prefetch=True)
     assert_close_to_ref(out, x, w, bias)
 
 
@@ -286,10 +286,10 @@ def test_tensor_core_decode_refuses_what_it_cannot_run():
     x = torch.randn(TC_DECODE_MAX_M + 1, 256).bfloat16()
     out = torch.empty(x.shape[0], 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 64 rows"):
-        _launch_decode(x, w, out, None, None, tc=True)
+        launch_decode(x, w, out, None, None, tc=True)
     w8 = prepare_mx_weight(quantize_mx(torch.randn(16, 256), "e4m3"))
     with pytest.raises(ValueError, match="no e4m3"):
-        _launch_decode(x[:4], w8, out[:4], None, None, tc=True)
+        launch_decode(x[:4], w8, out[:4], None, None, tc=True)
 
 
 # ---------------------------------------------------------------- float32 outputs (logits)
