@@ -3,9 +3,9 @@ cpu_build.py): the same operations, arguments and rounding points as kernels/lay
 torch references define them), for float32 and bfloat16.
 
 In plain torch each step is 3 to 6 ops with a full pass over memory each (casts, chunks, products,
-a concat); a batch-16 decode step of SmolLM2 spent ~15% of its time there. Here each is one pass,
-in fp32, rounding where the reference rounds; rows are spread over torch's OpenMP threads when
-there is enough work.
+a concat), a real share of a SmolLM2 decode step (bench/results/engine_cpu.md). Here each is one
+pass, in fp32, rounding where the reference rounds; rows are spread over torch's OpenMP threads
+when there is enough work.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from .triton_compat import (
 from .triton_compat import use_triton as _use_triton
 
 # rows of x up to which the model uses the kernel on a GPU: it wins at 1 row on every 1B and 8B
-# decode shape (1.04-1.41x) and mostly loses from 2 on (bench/results/gemv_gpu.md)
+# decode shape and mostly loses from 2 on (bench/results/gemv_gpu.md)
 MAX_ROWS = 1
 MAX_K = 16384  # the tile holds a whole row of w
 TILE = 8192  # elements of w per program
@@ -64,8 +64,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 PDL = True
 # MX weights take this kernel at one row (MXWeight.forward, the fused projections) up to this
 # many elements: decoded pair by pair (bf16x2), it beat mx_linear's tensor-core decode on every
-# 1B and 8B shape up to the 8B q/k/v (24M: 1.07-2.6x) and lost from the 1B gate/up (32M, MXFP4
-# 0.88x) up, where a program's decode and products, not its loads, set the time
+# 1B and 8B shape up to the 8B q/k/v (24M elements) and lost from the 1B gate/up (32M) up, where
+# a program's decode and products, not its loads, set the time
 # (bench/results/gemv_gpu.mx_pairs.md)
 MX_MAX_ELEMENTS = 24 << 20
 MX_TILE = 2 * TILE  # elements of an MX weight per program: best on 18 of the 22 shapes there

@@ -881,7 +881,7 @@ def _tc_config(e: int, m: int, n: int, sms: int) -> tuple[tuple[int, int, int], 
       at more rows 64-row tiles (128 lose there), 4 programs an SM unless the tiles alone
       outnumber 2 an SM, then 8 (the 28672-row weights are slower at 4);
     - FP6 (~160 registers: ~3 programs fit an SM): 2 programs an SM, one wave, unless the tiles
-      alone outnumber that, then 8, finer splits evening out the waves (13% under 64 / 8)."""
+      alone outnumber that, then 8, finer splits evening out the waves."""
     many_tiles = triton.cdiv(n, 64) > 2 * sms
     if e == 8:
         return ((128, 4, 3), 4) if m == 1 else ((64, 4, 3), 8 if many_tiles else 4)
