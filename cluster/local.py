@@ -125,7 +125,7 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
         print(f"mxserve: deployed onto the Ray cluster at {address}; it keeps serving after this "
               f"command exits (remove it with `serve shutdown`).", flush=True)
         return 0
-    endpoint = f"{config.host}:{config.grpc_port}"
+    endpoint = f"{_url_host(config.host)}:{config.grpc_port}"
     if ask is not None:
         status = _ask(endpoint, config.app_name, ask)
     else:
@@ -162,9 +162,9 @@ def _url_host(host: str) -> str:
 
 
 def _stop(config: ServeConfig, address: str | None, redis: LocalRedis | None) -> None:
-    """On the embedded cluster: stop the application first (its workers leave the prefix
-    index while Redis still runs), then Ray, then Redis. On an existing cluster only the local
-    Redis (none is started there) would be stopped."""
+    """Stop the embedded cluster: the application first (its workers leave the prefix index
+    while Redis still runs), then Ray, then the local Redis. An existing cluster is left as it
+    is."""
     import ray
     from ray import serve
 

@@ -69,7 +69,7 @@ class LLM:
         """Generate for one prompt and yield its text as it comes (what `mxserve chat` prints);
         closing the iterator early aborts the request."""
         request = self._make_request(prompt_token_ids,
-                                     sampling_params or self._params_per_prompt(None, 1)[0])
+                                     sampling_params or self.default_sampling_params())
         self.engine.add(request)
         out = {request.request_id: (RequestOutput(request.request_id, None, prompt_token_ids),
                                     self._output_stream(request))}
@@ -96,9 +96,8 @@ class LLM:
         return outputs
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:  # the model's defaults, with SamplingParams' max_tokens
-            return [SamplingParams.from_defaults(
-                {"max_tokens": SamplingParams.max_tokens, **self.engine.generation_defaults})] * n
+        if sampling_params is None:
+            return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
@@ -123,6 +122,12 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", f"{what} needs a tokenizer, and this model has "
                                       "none (dummy weights): pass token ids")
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling_params gets: the model's generation defaults, with
+        SamplingParams' own max_tokens (16) unless the model sets one (vLLM's rule)."""
+        return SamplingParams.from_defaults(
+            {"max_tokens": SamplingParams.max_tokens, **self.engine.generation_defaults})
 
     def _output_stream(self, request: Request) -> OutputStream:
         return OutputStream(self.tokenizer, request.prompt_token_ids, request.sampling_params,

@@ -37,9 +37,9 @@ class LocalWorkers:
 
 
 def make_router(model: str | None, max_queued_requests: int = 8, **engine_options):
-    """A Router over a started Worker whose engine has no tokenizer (as in the cluster)."""
+    """A Router over a started Worker, as the cluster wires them (the router detokenizes)."""
     engine = build_engine(EngineConfig(model=model, load_progress=False, **engine_options))
-    tokenizer, engine.tokenizer = engine.tokenizer, None
+    tokenizer = engine.tokenizer
     worker = Worker(engine, max_queued_requests)
     worker.start()
     cfg = engine.model_config
