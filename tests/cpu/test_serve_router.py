@@ -320,5 +320,8 @@ def test_each_request_ends_in_one_log_line(tiny, caplog):
                         r"got -1\.0 \(0 prompt \+ 0 output tokens, \d+ ms\)", rejected)
     assert re.fullmatch(r"request mx-\w+: length \(\d+ prompt \+ 3 output tokens, \d+ ms\)",
                         finished)
-    assert re.fullmatch(r"request mx-\w+: cancelled \(\d+ prompt \+ 1 output tokens, \d+ ms\)",
-                        cancelled)
+    # The engine may have produced a token or two more before the cancel reached it; what
+    # matters is that the line says cancelled, well short of max_tokens.
+    match = re.fullmatch(r"request mx-\w+: cancelled \(\d+ prompt \+ (\d+) output tokens, \d+ ms\)",
+                         cancelled)
+    assert match and 1 <= int(match.group(1)) < 50, cancelled
