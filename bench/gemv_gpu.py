@@ -9,10 +9,10 @@ engine's decode step. One script, side by side in one run:
    output checked against an fp32 reference first (max error in bf16 ulps of the output).
    CUDA graphs of 2 passes over weight copies that together exceed L2, per call.
 2. engine: the 1B dummy bf16 model (and MXFP4, whose LM head is bf16), decode batch 1 and 4,
-   with the model's dense linears on gemv (rows <= gemv.MAX_ROWS; with and without PDL) vs all
-   on cuBLAS (MAX_ROWS = 0), the CUDA graphs re-captured for each: graph replay p50 and engine
-   step p50 over 128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
-   MXFP4 also with every MX weight on gemv at one row (MX_MAX_ELEMENTS lifted).
+   with the model's dense linears on gemv (GemvOptions: rows <= max_rows; with and without PDL)
+   vs all on cuBLAS (max_rows = 0), one engine each: graph replay p50 and engine step p50 over
+   128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s). MXFP4 also with
+   every MX weight on gemv at one row (mx_max_elements lifted).
 
     python bench/gemv_gpu.py --out DIR     (DIR/gemv_gpu.json, DIR/gemv_gpu.md)
 """
@@ -36,6 +36,7 @@ from gpu_timing import drain, graph_us, header, replay_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
+from mxserve.kernels.options import GemvOptions  # noqa: E402
 
 SHAPES = {"1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
                  "down": (2048, 8192), "lm_head": (128256, 2048)},
@@ -92,7 +93,8 @@ def mx_section() -> list[dict]:
     issue 3's linear shapes, MXFP4 and MXFP6 (e2m3), with cuBLAS bf16 on the same shape; each
     output checked against mx_linear_torch."""
     from mxserve.kernels.mx import quantize_mx
-    from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch, prepare_mx_weight
+    from mxserve.kernels.mx_layout import prepare_mx_weight
+    from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch
 
     rows = []
     shapes = [(m, name, nk) for m, by in SHAPES.items() for name, nk in by.items()
@@ -137,25 +139,20 @@ def mx_section() -> list[dict]:
 
 
 def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
-    llm = LLM(model="llama-3.2-1b", load_format="dummy", dtype="bfloat16", load_progress=False,
-              max_num_seqs=8, kv_cache_memory_gb=2.0, max_model_len=4096,
-              quantization=quantization)
-    engine, runner = llm.engine, llm.engine.runner
-    roofline_ms = step_bytes(llm, 4.25 if quantization else 16) / (COPY_TBS * 1e12) * 1e3
-    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
-    keep, keep_pdl, keep_mx = gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS
-    variants = [("cublas", 0, False, keep_mx), ("gemv", keep, False, keep_mx),
-                ("gemv_pdl", keep, True, keep_mx)]
+    default = GemvOptions()
+    variants = {"cublas": GemvOptions(max_rows=0), "gemv": GemvOptions(pdl=False),
+                "gemv_pdl": default}
     if quantization:  # every MX weight on gemv at one row, whatever its size
-        variants.append(("gemv_pdl_mx_all", keep, True, 1 << 62))
-    rows = []
-    for batch in batches:
-        tokens_by = {}
-        for label, max_rows, pdl, mx_max in variants:
-            gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS = max_rows, pdl, mx_max
-            runner.graphs = None
-            torch.cuda.empty_cache()
-            runner.capture_cuda_graphs(4096)
+        variants["gemv_pdl_mx_all"] = GemvOptions(mx_max_elements=1 << 62)
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
+    rows, tokens_by = [], {}
+    for label, options in variants.items():  # one engine a variant: options are frozen
+        llm = LLM(model="llama-3.2-1b", load_format="dummy", dtype="bfloat16",
+                  load_progress=False, max_num_seqs=8, kv_cache_memory_gb=2.0,
+                  max_model_len=4096, quantization=quantization, gemv=options)
+        engine, runner = llm.engine, llm.engine.runner
+        roofline_ms = step_bytes(llm, 4.25 if quantization else 16) / (COPY_TBS * 1e12) * 1e3
+        for batch in batches:
             out = {"quantization": quantization or "bf16", "batch": batch, "linears": label,
                    "roofline_ms": round(roofline_ms, 4)}
             for rep in range(2):  # warm-up, then measured (distinct prompts: no prefix hits)
@@ -164,20 +161,23 @@ def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
                                         for i in range(128)], greedy)
                 times, tokens = drain(engine)
                 out["engine_step_ms_p50"] = round(statistics.median(times[3:]), 4)
-            tokens_by[label] = tokens
+            tokens_by[label, batch] = tokens
             graph = runner.graphs.graphs[runner.graphs.last_size].graph  # the last step's
             out["graph_replay_ms_p50"] = replay_ms(graph, 200)
             out["step_x_roofline"] = round(out["engine_step_ms_p50"] / roofline_ms, 3)
             rows.append(out)
             print(json.dumps(out), flush=True)
-        rows[-1]["greedy_tokens_equal_cublas"] = tokens_by["gemv"] == tokens_by["cublas"]
-        rows[-1]["greedy_tokens_equal_without_pdl"] = tokens_by["gemv_pdl"] == tokens_by["gemv"]
-        if "gemv_pdl_mx_all" in tokens_by:
-            rows[-1]["greedy_tokens_equal_mx_rule"] = \
-                tokens_by["gemv_pdl_mx_all"] == tokens_by["gemv_pdl"]
-    gemv_mod.MAX_ROWS, gemv_mod.PDL, gemv_mod.MX_MAX_ELEMENTS = keep, keep_pdl, keep_mx
-    del llm, engine, runner
-    torch.cuda.empty_cache()
+        del llm, engine, runner
+        torch.cuda.empty_cache()
+    rows.sort(key=lambda r: (r["batch"], list(variants).index(r["linears"])))
+    for batch in batches:
+        last = [r for r in rows if r["batch"] == batch][-1]
+        last["greedy_tokens_equal_cublas"] = tokens_by["gemv", batch] == tokens_by["cublas", batch]
+        last["greedy_tokens_equal_without_pdl"] = \
+            tokens_by["gemv_pdl", batch] == tokens_by["gemv", batch]
+        if quantization:
+            last["greedy_tokens_equal_mx_rule"] = \
+                tokens_by["gemv_pdl_mx_all", batch] == tokens_by["gemv_pdl", batch]
     return rows
 
 
@@ -223,7 +223,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,4", help="engine section: decode batch sizes")
     args = p.parse_args()
     res = header("gemv_gpu")
-    res["max_rows"] = gemv_mod.MAX_ROWS
+    res["max_rows"] = GemvOptions().max_rows
     if "kernels" in args.sections:
         res["kernels"] = kernel_section()
     if "mx" in args.sections:

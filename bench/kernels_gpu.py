@@ -28,7 +28,8 @@ import triton
 import triton.testing
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import mx_linear, prepare_mx_weight
+from mxserve.kernels.mx_layout import prepare_mx_weight
+from mxserve.kernels.mx_linear import mx_linear
 from mxserve.kernels.paged_attention import paged_decode_attention
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]  # (N, K)

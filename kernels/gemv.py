@@ -1,5 +1,5 @@
 """Few-row linear (decode GEMV): y [M, N] = x [M, K] @ w.T (+ bias), 16-bit x, w dense of x's
-dtype or MX (mx_linear's layout, decoded exactly in registers), on the CUDA cores.
+dtype or MX (kernels/mx_layout.py's layout, decoded exactly in registers), on the CUDA cores.
 
 A program owns BLOCK_N rows of w and loads its whole [BLOCK_N, K] tile at once, before it reads
 x: every load of a program is in flight together (16-byte vectors), with no K loop and no
@@ -7,9 +7,9 @@ pipeline to fill. Then each of the M rows of x is reduced against the tile held 
 (fp32 products and sums), so w is read once for all rows. On the H200 this beats cuBLAS on
 every 1B decode shape at M = 1 (bench/results/pdl_probe.json), where cuBLAS's kernels sit at a
 latency floor even with the weights in L2 (bench/results/l2_prefetch_probe.json); from M = 2
-cuBLAS wins again (bench/results/gemv_gpu.md: `MAX_ROWS`). With PDL (sm_90+) a GEMV starts
-while the kernel before it runs and loads its weights until gdc_wait
-(bench/results/gemv_gpu.engine_pdl.md).
+cuBLAS wins again (bench/results/gemv_gpu.md). With PDL (sm_90+) a GEMV starts while the
+kernel before it runs and loads its weights until gdc_wait (bench/results/gemv_gpu.engine_pdl.md).
+When the model takes it is a GemvOptions (kernels/options.py) the engine passes down.
 
 `decode_projection` runs a decoder block's first projection with what surrounds it, one kernel:
 the add + RMSNorm before (each program normalizes the row: it holds all of K), and after it
@@ -19,7 +19,7 @@ launches from a 1B batch-1 decode step (bench/results/gemv_gpu.engine_fused.md).
 
 The tile is [BLOCK_N, K'] with K' the next power of 2 >= K (masked past K): ~8k elements a
 program (16k for MX weights), on 4 warps (8 past that). MX rows in spread groups of 16 decode
-pair by pair: bf16x2 bit placement and one mul.rn.bf16x2 for the scale (mx_linear._tc_pair),
+pair by pair: bf16x2 bit placement and one mul.rn.bf16x2 for the scale (mx_pairs.tc_pairs),
 each half widened to fp32 by one integer op, and x split into the pairs' k order, so each
 element costs ~4.6 instructions (sm_90 SASS from Triton 3.9) where the element-by-element
 fp32 decode cost ~8. Rows of w past N are read as row N - 1 and not stored, so no load needs
@@ -33,14 +33,11 @@ import torch
 
 from . import layer_ops
 from .layer_ops import round_to_dtype
-from .mx_linear import (
-    MXLinearWeight,
-    format_args,
-    mx_linear_torch,
-    row_words,
-    tc_pairs,
-    weight_tile,
-)
+from .mx_layout import MXLinearWeight, format_args
+from .mx_linear import mx_linear_torch
+from .mx_pairs import row_words, tc_pairs
+from .mx_tiles import weight_tile
+from .options import DEFAULT_GEMV, GemvOptions
 from .triton_compat import (
     cast_out,
     gdc_launch_dependents,
@@ -53,21 +50,9 @@ from .triton_compat import (
 )
 from .triton_compat import use_triton as _use_triton
 
-# rows of x up to which the model uses the kernel on a GPU: it wins at 1 row on every 1B and 8B
-# decode shape and mostly loses from 2 on (bench/results/gemv_gpu.md)
-MAX_ROWS = 1
 MAX_K = 16384  # the tile holds a whole row of w
 TILE = 8192  # elements of w per program
 DTYPES = (torch.bfloat16, torch.float16)
-# Programmatic dependent launch on sm_90+: the kernel may start while the one before it runs,
-# loading its weights (constant) until gdc_wait, which waits for that kernel's writes
-PDL = True
-# MX weights take this kernel at one row (MXWeight.forward, the fused projections) up to this
-# many elements: decoded pair by pair (bf16x2), it beat mx_linear's tensor-core decode on every
-# 1B and 8B shape up to the 8B q/k/v (24M elements) and lost from the 1B gate/up (32M) up, where
-# a program's decode and products, not its loads, set the time
-# (bench/results/gemv_gpu.mx_pairs.md)
-MX_MAX_ELEMENTS = 24 << 20
 MX_TILE = 2 * TILE  # elements of an MX weight per program: best on 18 of the 22 shapes there
 
 
@@ -78,7 +63,7 @@ def _gemv_kernel(
     # NORM: norm weight [K]; with ADD residual [M, K] and new residual [M, K] (program 0);
     # ROPE: positions [M], fp32 cos / sin [max_positions, HEAD_DIM / 2]; KV: slots [M] (< 0:
     # padding, not written), caches [num_blocks, PAGE_SIZE, Hkv, HEAD_DIM]
-    # MX: w is the int32 word planes [P, N, K // E] and scales [N, K // 32] (mx_linear's layout)
+    # MX: w is the int32 word planes [P, N, K // E] and scales [N, K // 32] (mx_layout.py)
     x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, norm_w_ptr, new_res_ptr, pos_ptr, cos_ptr,
     sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scales_ptr,
     M, N, K, eps, stride_xm, stride_wn, stride_om, stride_rm, stride_nm, stride_c, stride_cb,
@@ -88,7 +73,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    # MX weights: their element format and layout (mx_linear.format_args)
+    # MX weights: their element format and layout (mx_layout.format_args)
     MX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, NAN_CODE: tl.constexpr,
     E: tl.constexpr, P: tl.constexpr, S: tl.constexpr, FOLD: tl.constexpr, TILE: tl.constexpr,
     NAN_SCALES: tl.constexpr, LAUNCH_PDL: tl.constexpr, INTERP_BF16: tl.constexpr,
@@ -200,7 +185,7 @@ def _gemv_kernel(
 def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_K] in natural k order -> per pair u (8 results; E = 8 fills the last four with
     copies) [BLOCK_K // E, 2]: x at k = 16 E t + 32 u + 2 jj + h for word j = 16 t + jj, the
-    elements p_u of mx_linear.tc_pairs multiply (mx_linear's spread groups of 16)."""
+    elements p_u of mx_pairs.tc_pairs multiply (mx_layout's spread groups of 16)."""
     T: tl.constexpr = BLOCK_K // (16 * E)
     G: tl.constexpr = BLOCK_K // E
     if E == 8:  # u = 2 u1 + u0; [t, jj] merged into the word j = 16 t + jj
@@ -225,29 +210,30 @@ def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
 
 def supported(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
     """The kernel takes this product: 16-bit x [..., K] and w [N, K <= MAX_K], either of x's
-    dtype with contiguous rows or an MX weight in mx_linear's layout (prepare_mx_weight)."""
+    dtype with contiguous rows or an MX weight in mx_layout's layout (prepare_mx_weight)."""
     if isinstance(w, MXLinearWeight):
         return x.dtype in DTYPES and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1]
     return (x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.stride(-1) == 1
             and 0 < w.shape[1] <= MAX_K and x.shape[-1] == w.shape[1])
 
 
-def preferred(x: torch.Tensor, w: torch.Tensor | MXLinearWeight) -> bool:
-    """The model takes this kernel for x @ w.T: on CUDA, at most MAX_ROWS rows, supported, and
-    an MX weight no larger than MX_MAX_ELEMENTS."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and supported(x, w)
+def preferred(x: torch.Tensor, w: torch.Tensor | MXLinearWeight,
+              options: GemvOptions = DEFAULT_GEMV) -> bool:
+    """The model takes this kernel for x @ w.T: on CUDA, at most options.max_rows rows,
+    supported, and an MX weight of at most options.mx_max_elements."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= options.max_rows and supported(x, w)
             and (not isinstance(w, MXLinearWeight)
-                 or w.shape[0] * w.shape[1] <= MX_MAX_ELEMENTS))
+                 or w.shape[0] * w.shape[1] <= options.mx_max_elements))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
          out_dtype: torch.dtype | None = None, backend: str = "auto",
-         config: tuple[int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int] | None = None, pdl: bool = True) -> torch.Tensor:
     """x [..., K] @ w.T + bias -> [..., N] in x's dtype, fp32 accumulation; any number of rows
-    (speed is for a few: `MAX_ROWS`). out_dtype float32: the same values, stored as fp32 (the
-    LM head's logits: no cast kernel after). config (BLOCK_N, num_warps) overrides the default
-    (bench/). backend "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad
-    input."""
+    (speed is for a few: GemvOptions.max_rows). out_dtype float32: the same values, stored as
+    fp32 (the LM head's logits: no cast kernel after). config (BLOCK_N, num_warps) overrides the
+    default (bench/). pdl: launch with PDL where the device has it (GemvOptions.pdl). backend
+    "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad input."""
     _check(x, w, bias)
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
@@ -256,7 +242,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
         return _linear_torch(x, w, bias).to(out_dtype or x.dtype)
     x2 = x.reshape(-1, k)
     out, _ = _launch(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, bias, n, None, 0, None,
-                     None, config, out_dtype=out_dtype)
+                     None, config, pdl, out_dtype=out_dtype)
     return out.view(*x.shape[:-1], n)
 
 
@@ -296,8 +282,8 @@ class KVWrite:
 def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                       norm: Norm | None = None, silu_and_mul: bool = False,
                       rope: Rope | None = None, kv: KVWrite | None = None,
-                      backend: str = "auto", config: tuple[int, int] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      backend: str = "auto", config: tuple[int, int] | None = None,
+                      pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One kernel for a decoder projection with the elementwise steps around it:
     (epilogue(prologue(x) @ w.T + bias), the new residual or None). x [M, K].
 
@@ -307,8 +293,8 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
       gate row j with up row j);
     - rope (+ kv): RoPE on the q/k columns (programs own the pairs d, d + head_dim / 2), and
       the new k and v written to the caches.
-    Each step rounds where layer_ops' kernel for it rounds. backend "auto" on CPU: the torch
-    references of those steps. Raises ValueError on bad input."""
+    Each step rounds where layer_ops' kernel for it rounds. backend, config and pdl: as gemv's;
+    "auto" on CPU: the torch references of those steps. Raises ValueError on bad input."""
     _check(x, w, bias)
     n, k = w.shape
     if x.dim() != 2:
@@ -318,7 +304,8 @@ def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
         return decode_projection_torch(x, w, bias, norm, silu_and_mul, rope, kv)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     out, new_res = _launch(x2, w, bias, n // 2 if silu_and_mul else n, norm,
-                           1 if silu_and_mul else 2 if rope is not None else 0, rope, kv, config)
+                           1 if silu_and_mul else 2 if rope is not None else 0, rope, kv, config,
+                           pdl)
     if new_res is None and norm is not None:
         new_res = x  # no residual to add: x is the stream
     return out, new_res
@@ -405,7 +392,7 @@ def _linear_torch(x, w, bias):
     return torch.nn.functional.linear(x, w, bias)
 
 
-def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None):
+def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype=None):
     """(out, the new residual when norm adds one, else None)."""
     m, (n, k) = x2.shape[0], w.shape
     out = torch.empty(m, n_out, dtype=out_dtype or x2.dtype, device=x2.device)
@@ -426,7 +413,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, out_dtype=None
     else:
         pos, cos, sin, d, rot_rows, q_rows = x2, x2, x2, 2, 0, 0
     kc, vc, slots = (kv.k_cache, kv.v_cache, kv.slots) if kv is not None else (x2, x2, x2)
-    pdl = PDL and pdl_supported(x2)
+    pdl = pdl and pdl_supported(x2)
     if isinstance(w, MXLinearWeight):
         mx, fmt = True, dict(format_args(w), NAN_SCALES=w.nan_scales)
         w_arg, scales, stride_wn, stride_plane = w.planes, w.scales, w.planes.stride(1), \

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,8 +73,20 @@ class EngineConfig:
     # GGUF whose linears are 4-bit already (Q4_0 / Q4_1: their own grid, kept), as llama.cpp
     # and vLLM serve such files; True: any checkpoint (lossy for 16-bit ones); False: never.
     cpu_int4: bool | None = None
+    # CUDA: when decode steps take kernels/gemv.py's whole-row GEMV over cuBLAS / mx_linear
+    # (kernels/options.py). A mapping (a deploy config's) is read as GemvOptions' fields.
+    gemv: GemvOptions = DEFAULT_GEMV
 
     def __post_init__(self) -> None:
+        if isinstance(self.gemv, dict):
+            unknown = sorted(set(self.gemv) - set(GemvOptions.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"gemv: unknown option {unknown[0]!r} (options: "
+                                 f"{sorted(GemvOptions.__dataclass_fields__)})")
+            object.__setattr__(self, "gemv", GemvOptions(**self.gemv))
+        if not isinstance(self.gemv, GemvOptions):
+            raise ValueError(f"gemv must be GemvOptions or a mapping of its fields, "
+                             f"got {self.gemv!r}")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

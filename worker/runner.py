@@ -68,7 +68,8 @@ class ModelRunner:
         self.tp = tp or TPGroup()
         self.quantization = _quantization(config)
         self.model = LlamaForCausalLM(model_config, self.tp, self.dtype, self.device,
-                                      self.quantization, config.quantize_lm_head)
+                                      self.quantization, config.quantize_lm_head,
+                                      config.gemv)
         self.attn = get_attention_backend(self._attention_backend_name())
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)

@@ -39,7 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s
 from gpu_timing import graph_median_us, recorder, write_sweep  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import PLANES, launch_decode, prepare_mx_weight
+from mxserve.kernels.mx_decode import launch_decode
+from mxserve.kernels.mx_layout import PLANES, prepare_mx_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 # name -> (BLOCK_N, num_warps, num_stages), programs per SM
@@ -79,7 +80,7 @@ def _load_probe_kernel(planes_ptr, out_ptr, N, num_words, words_per_split, strid
     """XOR of the words each decode program would load (spread groups of 16, P planes).
     TILED: tile-major addresses, each [BLOCK_N, 16]-word step one contiguous run and a
     program's steps one after another (N a multiple of BLOCK_N); else row-major ones. (The
-    kernels' layout is tile-major in 64-row tiles since 2026-11-30, mx_linear.TILE_ROWS; the
+    kernels' layout is tile-major in 64-row tiles since 2026-11-30, mx_layout.TILE_ROWS; the
     probe reads the same buffer either way, only the address pattern differs.)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -16,14 +16,9 @@ import triton
 import triton.testing
 
 from mxserve.kernels.mx import get_format, quantize_mx
-from mxserve.kernels.mx_linear import (
-    PLANES,
-    _mx_linear_dequant_kernel,
-    dequantize_linear_weight,
-    format_args,
-    mx_linear,
-    prepare_mx_weight,
-)
+from mxserve.kernels.mx_layout import PLANES, format_args, prepare_mx_weight
+from mxserve.kernels.mx_linear import mx_linear
+from mxserve.kernels.mx_prefill import _mx_linear_dequant_kernel, dequantize_linear_weight
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 CONFIGS = [(32, 256, 4), (16, 256, 2), (8, 256, 1), (16, 256, 1), (8, 512, 2), (16, 128, 2),

@@ -1,6 +1,6 @@
 """Tile / path sweep for mx_linear on the GPU, one call: checks each variant against its reference
 (||y - ref|| / ||ref||, ref = x @ dequantized(w) in fp32) and times it (CUDA-graph median), next to
-bf16 cuBLAS. Feeds the tables in kernels/mx_linear.py (_DECODE_*, _PREFILL, thresholds).
+bf16 cuBLAS. Feeds the tables in kernels/mx_decode.py (_DECODE_*) and mx_prefill.py (_PREFILL).
 
     python bench/tune/mx_linear_tune.py --out /tmp/tune.json --budget 150
 """
@@ -21,7 +21,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s
 from gpu_timing import graph_median_us, recorder  # noqa: E402 (bench/, put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
-from mxserve.kernels.mx_linear import launch_decode, launch_prefill, mx_linear, prepare_mx_weight
+from mxserve.kernels.mx_decode import launch_decode
+from mxserve.kernels.mx_layout import prepare_mx_weight
+from mxserve.kernels.mx_linear import mx_linear
+from mxserve.kernels.mx_prefill import launch_prefill
 
 SHAPES = [(14336, 4096), (4096, 14336), (28672, 8192)]
 # name -> launch_decode overrides

@@ -268,3 +268,32 @@ def test_an_option_the_engine_cannot_honour_is_an_error():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServeConfig(engine={"tensor_parallel_size": 2})
     assert EngineConfig(tensor_parallel_size=1).tensor_parallel_size == 1
+
+
+def test_gemv_options_reach_every_linear_of_their_engine_only(ckpt):
+    """EngineConfig.gemv is passed down to each linear, the LM head and each MX weight of that
+    engine's model (no module switch: a second engine in the process keeps its own); a deploy
+    config's mapping reads as the options; a bad field is a ValueError naming it."""
+    from mxserve.kernels.options import GemvOptions
+    from mxserve.worker.model.mx_layers import MXWeight
+    from mxserve.worker.model.parallel import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        RowParallelLinear,
+    )
+
+    path = ckpt
+    off = LLM(model=path, device="cpu", load_progress=False, gemv={"max_rows": 0, "pdl": False},
+              quantization="mxfp4")
+    default = LLM(model=path, device="cpu", load_progress=False)
+    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, MXWeight)
+    for llm, want in ((off, GemvOptions(max_rows=0, pdl=False)), (default, GemvOptions())):
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, kinds)]
+        assert len(layers) > 4 and {m.gemv_options for m in layers} == {want}
+    assert any(isinstance(m, MXWeight) for m in off.engine.runner.model.modules())
+    with pytest.raises(ValueError, match="gemv: unknown option 'rows'"):
+        EngineConfig(gemv={"rows": 1})
+    with pytest.raises(ValueError, match="gemv.max_rows must be an integer >= 0"):
+        EngineConfig(gemv={"max_rows": -1})
+    with pytest.raises(ValueError, match="gemv.pdl must be true or false"):
+        EngineConfig(gemv={"pdl": "yes"})

@@ -1,9 +1,10 @@
 """kernels/gemv.py under the Triton interpreter: the few-row dense linear against an fp32
 reference (different summation order: within one rounding of the output dtype), on odd shapes
-(K not a power of 2, N not a multiple of the program's rows, M past MAX_ROWS, the largest K),
-with bias, fp16, strided and 3-D x; decode_projection's steps against layer_ops' references:
-the add + RMSNorm prologue (the new residual exact, the old one untouched), the SiLU-and-mul and
-RoPE epilogues, and the K/V write into paged caches (padding slots skipped); and the errors."""
+(K not a power of 2, N not a multiple of the program's rows, M past GemvOptions.max_rows, the
+largest K), with bias, fp16, strided and 3-D x; decode_projection's steps against layer_ops'
+references: the add + RMSNorm prologue (the new residual exact, the old one untouched), the
+SiLU-and-mul and RoPE epilogues, and the K/V write into paged caches (padding slots skipped);
+and the errors."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from mxserve.kernels.layer_ops import (  # noqa: E402
     silu_and_mul_torch,
 )
 from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
-from mxserve.kernels.mx_linear import mx_linear_torch, prepare_mx_weight  # noqa: E402
+from mxserve.kernels.mx_layout import prepare_mx_weight  # noqa: E402
+from mxserve.kernels.mx_linear import mx_linear_torch  # noqa: E402
 
 
 def _reference(x, w, bias):

@@ -18,18 +18,16 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mxserve.kernels import mx_linear as mx_linear_mod  # noqa: E402
 from mxserve.kernels.mx import dequantize_mx, quantize_mx  # noqa: E402
-from mxserve.kernels.mx_linear import (  # noqa: E402
-    TC_DECODE_MAX_M,
+from mxserve.kernels.mx_decode import TC_DECODE_MAX_M, launch_decode  # noqa: E402
+from mxserve.kernels.mx_layout import (  # noqa: E402
+    TILE_ROWS,
     MXLinearWeight,
     canonical_data,
-    dequantize_linear_weight,
-    launch_decode,
-    mx_linear,
-    mx_linear_torch,
     prepare_mx_weight,
 )
+from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch  # noqa: E402
+from mxserve.kernels.mx_prefill import dequantize_linear_weight  # noqa: E402
 
 FMTS = ["e2m1", "e2m3", "e3m2", "e4m3"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -147,17 +145,16 @@ def test_prepare_rearranges_words_and_back():
     assert prepare_mx_weight(quantize_mx(torch.randn(2, 256), "e2m3")).group == 16
 
 
-def test_spread_groups_of_16_are_stored_tile_major(monkeypatch):
+def test_spread_groups_of_16_are_stored_tile_major():
     """Weights in spread groups of 16 keep their planes tile-major: [N / 64, K / E / 16, 64, 16]
     words (rows padded to a whole tile with zeros), so each decode step's [rows, 16] words are
     one contiguous run; the canonical bytes come back exactly."""
     n, k = 70, 512
     w = quantize_mx(torch.randn(n, k, generator=seeded("tiled")), "e2m3")
     p = prepare_mx_weight(w)
-    assert p.group == 16 and p.tile == mx_linear_mod.TILE_ROWS == 64
+    assert p.group == 16 and p.tile == TILE_ROWS == 64
     assert p.planes.shape == (3, 128, 32)
-    monkeypatch.setattr(mx_linear_mod, "TILE_ROWS", 0)  # the same weight, row-major
-    planes = prepare_mx_weight(w).planes
+    planes = prepare_mx_weight(w, tiled=False).planes  # the same weight, row-major
     assert planes.shape == (3, n, 32)
     flat = p.planes.reshape(3, -1)
     for r, j in [(0, 0), (5, 17), (63, 31), (64, 0), (69, 16), (69, 31)]:

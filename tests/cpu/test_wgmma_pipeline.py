@@ -19,7 +19,7 @@ import json
 import pytest
 
 COMPILE = r"""
-from mxserve.kernels import mx_linear as ml, paged_attention as pa
+from mxserve.kernels import mx_decode, paged_attention as pa
 
 TYPES = {"x_ptr": "*bf16", "planes_ptr": "*i32", "scales_ptr": "*u8", "partial_ptr": "*fp32",
          "counter_ptr": "*i32", "bt_ptr": "*i32", "qsl_ptr": "*i32", "ctx_lens_ptr": "*i32",
@@ -34,11 +34,11 @@ def compile_case(fn, const, num_warps, num_stages):
 
 out = {}
 for e, m in ((8, 1), (8, 16), (8, 64), (16, 1), (16, 64)):  # the tuned tiles (_tc_config)
-    (block_n, num_warps, num_stages), _ = ml._tc_config(e, m, 4096, 132)
+    (block_n, num_warps, num_stages), _ = mx_decode._tc_config(e, m, 4096, 132)
     const = dict(EBITS=2, MBITS=1 if e == 8 else 3, E=e, P=1 if e == 8 else 3, FOLD=True,
                  NAN_SCALES=False, TILE=64, BLOCK_M=max(16, m), BLOCK_N=block_n, SPLIT=True,
                  HAS_BIAS=False, INTERP_BF16=False)
-    out[f"mx_decode_tc_e{e}_m{m}"] = compile_case(ml._mx_linear_decode_tc_kernel, const,
+    out[f"mx_decode_tc_e{e}_m{m}"] = compile_case(mx_decode._mx_linear_decode_tc_kernel, const,
                                                   num_warps, num_stages)
 # prefill/extend attention (64-row tiles; decode's 16-row tiles take mma.sync, not wgmma)
 const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=1, IS_DECODE=False, BLOCK_Q=16,

@@ -1,7 +1,7 @@
 """kernels/gemv.py on CUDA at the decode shapes of the 1B and 8B models, M = 1..8, against an
 fp32 reference (within one bf16 rounding), with a bias; the model's dense linears take it for a
-few rows and cuBLAS past MAX_ROWS; decode_projection's fused steps at the 1B shapes against
-their torch references; and a bf16 engine decodes the same tokens with the fused projections
+few rows and cuBLAS past GemvOptions.max_rows; decode_projection's fused steps at the 1B shapes
+against their torch references; and a bf16 engine decodes the same tokens with the fused projections
 as without them."""
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ def test_model_linear_uses_gemv_for_a_few_rows_and_cublas_past_them(monkeypatch)
     real = gemv_mod.gemv
     monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(a[0].shape[0])
                         or real(*a, **kw))
-    for m in (1, gemv_mod.MAX_ROWS, gemv_mod.MAX_ROWS + 1, 64):
+    max_rows = lin.gemv_options.max_rows
+    for m in (1, max_rows, max_rows + 1, 64):
         x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
         ref = x.float() @ lin.weight.float().T + lin.bias.float()
         _within_one_rounding(lin(x), ref)
-    assert calls == [1, gemv_mod.MAX_ROWS]
+    assert calls == [1, max_rows]
 
 
 def test_decode_projection_at_the_1b_shapes():
@@ -88,7 +89,7 @@ def test_decode_projection_at_the_1b_shapes():
 def test_mx_decode_projection_matches_its_dequantized_weight(fmt):
     """MX weights in the same kernel at the 1B q/k/v shape: as the dense dequantized weight."""
     from mxserve.kernels.mx import dequantize_mx, quantize_mx
-    from mxserve.kernels.mx_linear import prepare_mx_weight
+    from mxserve.kernels.mx_layout import prepare_mx_weight
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     wf = torch.randn(3072, 2048, device="cuda", generator=gen) * 0.02
@@ -113,10 +114,9 @@ def _within_two_roundings(got, ref):
 
 @pytest.mark.parametrize("quantization", [None, "mxfp4"])
 def test_bf16_engine_decodes_the_same_with_and_without_the_fused_projections(tiny_checkpoint,
-                                                                            monkeypatch,
                                                                             quantization):
     """Batch-1 decode (CUDA graphs and eager) with the fused kernels vs all of them apart
-    (gemv.MAX_ROWS = 0: cuBLAS or mx_linear, layer_ops, write_kv_cache): the same greedy
+    (gemv max_rows 0: cuBLAS or mx_linear, layer_ops, write_kv_cache): the same greedy
     tokens, and logprobs within bf16 noise; bf16 and MXFP4 weights."""
     path = str(tiny_checkpoint("llama", hidden_size=256, intermediate_size=512,
                                num_attention_heads=4, num_key_value_heads=2,
@@ -125,10 +125,10 @@ def test_bf16_engine_decodes_the_same_with_and_without_the_fused_projections(tin
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     runs = {}
     for fused in (True, False):
-        monkeypatch.setattr(gemv_mod, "MAX_ROWS", 1 if fused else 0)
         for eager in (False, True):
             llm = LLM(model=path, device="cuda", dtype="bfloat16", load_progress=False,
-                      enforce_eager=eager, quantization=quantization)
+                      enforce_eager=eager, quantization=quantization,
+                      gemv={"max_rows": 1 if fused else 0})
             out = llm.generate([prompt], params)[0]
             logprobs = [d[t] for t, d in zip(out.token_ids, out.logprobs)]
             runs[fused, eager] = (out.token_ids, logprobs)

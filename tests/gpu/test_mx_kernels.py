@@ -25,12 +25,9 @@ from mxserve.kernels.mx import (  # noqa: E402
     quantize_mx,
     quantize_mx_torch,
 )
-from mxserve.kernels.mx_linear import (  # noqa: E402
-    dequantize_linear_weight,
-    mx_linear,
-    mx_linear_torch,
-    prepare_mx_weight,
-)
+from mxserve.kernels.mx_layout import prepare_mx_weight  # noqa: E402
+from mxserve.kernels.mx_linear import mx_linear, mx_linear_torch  # noqa: E402
+from mxserve.kernels.mx_prefill import dequantize_linear_weight  # noqa: E402
 
 FMTS = ["e2m1", "e2m3", "e3m2", "e4m3"]
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxserve.api.errors import ModelLoadError
+from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.attention import AttentionBackend
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding, fused_layer_ops
@@ -27,7 +28,8 @@ from mxserve.worker.model.parallel import (
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
-                 rope: RotaryEmbedding, quant: str | None = None) -> None:
+                 rope: RotaryEmbedding, quant: str | None = None,
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         if cfg.num_key_value_heads % tp.size:
             raise ModelLoadError(
@@ -37,8 +39,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.attention_bias, tp,
-            dtype, device, quant)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant)
+            dtype, device, quant, gemv_options)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant,
+                                        gemv_options)
         self.rope = rope  # the model's one table, shared by every layer
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
@@ -72,18 +75,20 @@ class LlamaAttention(nn.Module):
             h, self.qkv_proj.decode_weight(), self.qkv_proj.bias,
             norm=gemv.Norm(residual, norm.weight, norm.eps),
             rope=gemv.Rope(positions, self.rope.cos, self.rope.sin, self.num_heads,
-                           self.num_kv_heads, self.head_dim), kv=kv)
+                           self.num_kv_heads, self.head_dim), kv=kv,
+            pdl=self.qkv_proj.gemv_options.pdl)
         return qkv, residual, kv is not None
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
-                 quant: str | None = None) -> None:
+                 quant: str | None = None, gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
-                                                 dtype, device, quant)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant)
+                                                 dtype, device, quant, gemv_options)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant,
+                                           gemv_options)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +98,8 @@ class LlamaMLP(nn.Module):
 
             act, residual = gemv.decode_projection(
                 h, self.gate_up_proj.decode_weight(), self.gate_up_proj.bias,
-                norm=gemv.Norm(residual, norm.weight, norm.eps), silu_and_mul=True)
+                norm=gemv.Norm(residual, norm.weight, norm.eps), silu_and_mul=True,
+                pdl=self.gate_up_proj.gemv_options.pdl)
             return self.down_proj(act), residual
         gate_up = self.gate_up_proj(norm(h, residual))  # [T, 2 * intermediate]
         ops = fused_layer_ops(gate_up)  # one kernel (kernels/layer_ops.py, cpu_layer_ops.py)
@@ -112,10 +118,11 @@ class LlamaDecoderLayer(nn.Module):
     and the stream comes back as a new tensor; otherwise it is updated in place."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
-                 rope: RotaryEmbedding, quant: str | None = None) -> None:
+                 rope: RotaryEmbedding, quant: str | None = None,
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device, rope, quant)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, quant)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, rope, quant, gemv_options)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, quant, gemv_options)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -130,11 +137,13 @@ class LlamaForCausalLM(nn.Module):
 
     `quantization` ("mxfp4", "mxfp6", "mxfp6_e3m2"; mx_layers.py): the decoder linears hold MX
     weights. They load an MX checkpoint's MXTensors as they are and quantize float weights.
-    `quantize_lm_head`: the LM head is quantized to the same format once its weight has loaded."""
+    `quantize_lm_head`: the LM head is quantized to the same format once its weight has loaded.
+    `gemv_options`: when CUDA decode takes kernels/gemv.py (every linear and the head)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 quantization: str | None = None, quantize_lm_head: bool = False) -> None:
+                 quantization: str | None = None, quantize_lm_head: bool = False,
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.config = cfg
@@ -152,12 +161,13 @@ class LlamaForCausalLM(nn.Module):
                                                    device)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device, self.rope, quant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, device, self.rope, quant,
+                                                      gemv_options)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(
             self.embed_tokens if cfg.tie_word_embeddings else None, cfg.vocab_size,
-            cfg.hidden_size, tp, dtype, device)
+            cfg.hidden_size, tp, dtype, device, gemv_options)
         self.mx_format = quant  # the decoder linears' element format, or None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -34,7 +34,9 @@ from torch import nn
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels.mx import BLOCK_SIZE, MXTensor, dequantize_mx, get_format, quantize_mx
-from mxserve.kernels.mx_linear import mx_linear, prepare_mx_weight
+from mxserve.kernels.mx_layout import prepare_mx_weight
+from mxserve.kernels.mx_linear import mx_linear
+from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.model.config import ModelConfig
 
@@ -204,8 +206,10 @@ class MXWeight(nn.Module):
     """
 
     def __init__(self, out_features: int, in_features: int, fmt: str, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
+        self.gemv_options = gemv_options  # when decode at a few rows takes kernels/gemv.py
         check_mx_k(f"an MX linear [{out_features}, {in_features}]", in_features)
         self.fmt, self.shape, self.dtype = fmt, (out_features, in_features), dtype
         self.device = torch.device(device)
@@ -253,8 +257,9 @@ class MXWeight(nn.Module):
         if x.is_cuda:  # decode at one row, small weights: the whole-row GEMV (kernels/gemv.py)
             from mxserve.kernels import gemv
 
-            if gemv.preferred(x, self.prepared):
-                return gemv.gemv(x, self.prepared, bias, out_dtype=out_dtype)
+            if gemv.preferred(x, self.prepared, self.gemv_options):
+                return gemv.gemv(x, self.prepared, bias, out_dtype=out_dtype,
+                                 pdl=self.gemv_options.pdl)
         return mx_linear(x, self.prepared, bias, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxserve.kernels import cpu_linear
+from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.model.int4 import (
     INT4_MAX_ROWS,
     Int4Weight,
@@ -78,16 +79,17 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, int4: Int4Weight | Non
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  gemv_options: GemvOptions, out_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
     """x @ weight.T (+ bias), in out_dtype (x's, or float32: the same values): on CUDA for a few
-    rows (decode) the Triton GEMV of kernels/gemv.py, faster there than cuBLAS (imported only
-    then: CPU installs need not have Triton); F.linear otherwise."""
+    rows (decode, `gemv_options`) the Triton GEMV of kernels/gemv.py, faster there than cuBLAS
+    (imported only then: CPU installs need not have Triton); F.linear otherwise."""
     if x.is_cuda:
         from mxserve.kernels import gemv
 
-        if gemv.preferred(x, weight):
-            return gemv.gemv(x, weight, bias, out_dtype=out_dtype)
+        if gemv.preferred(x, weight, gemv_options):
+            return gemv.gemv(x, weight, bias, out_dtype=out_dtype, pdl=gemv_options.pdl)
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
@@ -99,18 +101,21 @@ class ColumnParallelLinear(nn.Module):
     and `load(shard_index, w)` places each one's rank slice in its part of the fused weight.
     `quant` (an MX element format, e.g. "e2m1"): the weight is one MXWeight (mx_layers.py) for
     the fused layer; each shard's packed rows go to its part (MX blocks run along K, so rows
-    concatenate exactly). `finish_loading()` runs once after the last `load`.
+    concatenate exactly). `finish_loading()` runs once after the last `load`. `gemv_options`:
+    when CUDA decode takes kernels/gemv.py.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 quant: str | None = None) -> None:
+                 quant: str | None = None,
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         self.tp = tp
         self.quant = quant
+        self.gemv_options = gemv_options
         self.local_sizes = [s // tp.size for s in output_sizes]
         out = sum(self.local_sizes)
-        self.weight = _weight(out, in_features, dtype, device, quant)
+        self.weight = _weight(out, in_features, dtype, device, quant, gemv_options)
         self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None  # pack_for_cpu
@@ -150,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
             return self.weight(x, self.bias)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.int4, self.bias)
-        return _dense_linear(x, self.weight, self.bias)
+        return _dense_linear(x, self.weight, self.bias, self.gemv_options)
 
     def decode_weight(self):
         """The weight as kernels/gemv.py takes it: the dense tensor, or an MX layer's prepared
@@ -158,15 +163,15 @@ class ColumnParallelLinear(nn.Module):
         return self.weight.prepared if self.quant else self.weight
 
     def can_fuse_decode(self, x: torch.Tensor) -> bool:
-        """kernels/gemv.py's decode_projection takes this layer at x (gemv.preferred: CUDA, at
-        most gemv.MAX_ROWS rows, a dense 16-bit or a small enough MX weight); the model then
-        calls it with the steps around the projection."""
+        """kernels/gemv.py's decode_projection takes this layer at x (gemv.preferred under
+        self.gemv_options: CUDA, at most max_rows rows, a dense 16-bit or a small enough MX
+        weight); the model then calls it with the steps around the projection."""
         if not (x.is_cuda and self.packed is None):
             return False
         from mxserve.kernels import gemv
 
         w = self.decode_weight()
-        return w is not None and gemv.preferred(x, w)
+        return w is not None and gemv.preferred(x, w, self.gemv_options)
 
 
 class RowParallelLinear(nn.Module):
@@ -175,11 +180,14 @@ class RowParallelLinear(nn.Module):
     `quant`: an MX weight, as in ColumnParallelLinear; each rank holds whole 32-blocks of K."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", quant: str | None = None) -> None:
+                 device: torch.device | str = "cpu", quant: str | None = None,
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         self.tp = tp
         self.quant = quant
-        self.weight = _weight(out_features, in_features // tp.size, dtype, device, quant)
+        self.gemv_options = gemv_options
+        self.weight = _weight(out_features, in_features // tp.size, dtype, device, quant,
+                              gemv_options)
         self.packed: torch.Tensor | None = None  # pack_for_cpu
         self.int4: Int4Weight | None = None
 
@@ -200,19 +208,20 @@ class RowParallelLinear(nn.Module):
         elif self.packed is not None:
             y = _packed_linear(x, self.packed, self.int4, None)
         else:
-            y = _dense_linear(x, self.weight)
+            y = _dense_linear(x, self.weight, None, self.gemv_options)
         return self.tp.all_reduce(y)
 
 
 def _weight(out_features: int, in_features: int, dtype: torch.dtype,
-            device: torch.device | str, quant: str | None) -> nn.Parameter | nn.Module:
+            device: torch.device | str, quant: str | None,
+            gemv_options: GemvOptions) -> nn.Parameter | nn.Module:
     """A float nn.Parameter [out, in], or for `quant` an MXWeight module of that shape."""
     if quant is None:
         return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                             requires_grad=False)
     from mxserve.worker.model.mx_layers import MXWeight  # imports Triton: only for MX models
 
-    return MXWeight(out_features, in_features, quant, dtype, device)
+    return MXWeight(out_features, in_features, quant, dtype, device, gemv_options)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -246,9 +255,11 @@ class ParallelLMHead(nn.Module):
     """Logits over the full vocabulary: each rank scores its vocab slice, then an all-gather."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, vocab_size: int, hidden_size: int,
-                 tp: TPGroup, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 tp: TPGroup, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         self.tp = tp
+        self.gemv_options = gemv_options
         self.tied = embedding is not None
         self.embedding = embedding  # tied: share the embedding's weight, load nothing
         if embedding is None:
@@ -269,7 +280,7 @@ class ParallelLMHead(nn.Module):
         from mxserve.worker.model.mx_layers import MXWeight  # imports Triton
 
         weight = self.embedding.weight if self.tied else self.weight
-        mx = MXWeight(*weight.shape, fmt, weight.dtype, weight.device)
+        mx = MXWeight(*weight.shape, fmt, weight.dtype, weight.device, self.gemv_options)
         mx.load(slice(None), weight.data, TPGroup(), 0)  # already this rank's slice
         mx.finish_loading()
         if mx.packed:
@@ -310,7 +321,7 @@ class ParallelLMHead(nn.Module):
             logits = _packed_linear(hidden, self.packed, None, None)
         else:
             weight = self.embedding.weight if self.tied else self.weight
-            logits = _dense_linear(hidden, weight, out_dtype=out_dtype)
+            logits = _dense_linear(hidden, weight, None, self.gemv_options, out_dtype)
         if out_dtype is not None:
             logits = logits.to(out_dtype)  # (a no-op where it already is)
         return self.tp.all_gather_last_dim(logits)
