@@ -34,7 +34,7 @@ from .triton_compat import triton
 # member jj holds k = E*S*t + 2*S*u + 2*jj + h (t: the group). S = 1 is plain k order. With
 # S = 16 a tile of S words decodes pair u of every word into 32 consecutive k of one scale block,
 # so a [BLOCK_N, E*S] tile in natural k order is a join / permute of the per-pair tiles with no
-# data movement between threads, and each pair needs one scale per row (mx_tiles.spread_tile4 / spread_tile8).
+# data movement between threads, and each pair needs one scale per row (mx_tiles.spread_tile4).
 PLANES = {4: (8, 1), 8: (8, 2), 6: (16, 3)}  # bits -> (E, P)
 MAX_GROUP = 16
 

@@ -37,27 +37,29 @@ class AttentionBatch:
 class AttentionBackend(ABC):
     """Computes attention for one layer; metadata is built once per step and shared by all layers.
 
-    Contract of `forward`: writes the step's new K/V into the caches at their slots first (unless
-    kv_written: the model wrote them, at the slots `decode_slots` gave), then returns, for every
-    new token, softmax(q k^T / sqrt(d)) v over its request's context (positions 0 .. its own
-    position), shape [num_tokens, num_heads * head_dim] in q's dtype. GQA: query head h uses KV
-    head h // (num_heads // num_kv_heads).
+    The model's attention layer owns the K/V write: it puts the step's new K/V into the caches
+    at `kv_slots(meta)`, either through `write_kv` or in its own projection kernel
+    (kernels/gemv.py), then calls `forward`, which only reads the caches: for every new token,
+    softmax(q k^T / sqrt(d)) v over its request's context (positions 0 .. its own position),
+    shape [num_tokens, num_heads * head_dim] in q's dtype. GQA: query head h uses KV head
+    h // (num_heads // num_kv_heads).
     """
 
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> object: ...
 
-    def decode_slots(self, meta: object) -> torch.Tensor | None:
-        """The new tokens' flat cache slots [T] int64 (negative: padding, not written) when the
-        model may write their K/V itself in this step (its projection kernel does:
-        kernels/gemv.py) and then call forward with kv_written=True; None: forward writes
-        them."""
-        return None
+    def kv_slots(self, meta: object) -> torch.Tensor:
+        """The new tokens' flat cache slots [T] int64 (negative: padding, not written)."""
+        return meta.slot_mapping
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object,
-                kv_written: bool = False) -> torch.Tensor: ...
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: object) -> None:
+        """k, v [T, Hkv, D] into the caches at kv_slots(meta)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: object) -> torch.Tensor: ...
 
 
 @dataclass
@@ -200,16 +202,17 @@ class TorchAttention(AttentionBackend):
         return DecodeGroup(index, blocks, width, mask,
                            (rows[0], rows[0] + len(rows)) if in_order else None, first_block)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TorchAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
-        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> None:
+        # caches [num_blocks, block_size, Hkv, D] seen as [num_slots, Hkv, D]; index_copy_ is
+        # much faster than [] indexing on CPU
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        if not kv_written:
-            flat_k.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: ~5x faster
-            flat_v.index_copy_(0, meta.slot_mapping, v)  # than [] indexing on CPU
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        # q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D], this step's K/V written
         out = torch.empty_like(q)
         self._decodes(q, k_cache, v_cache, meta, out)
         for first, qlen, blocks, end, mask in meta.prefill_spans:
@@ -276,15 +279,3 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
         enable_gqa=True)  # [1, Hq, n, D]
     return out[0].transpose(0, 1)
-
-
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention,
-                                                          "cpu": CPUAttention}
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "triton":  # registers itself; imports triton only when asked for
-        import mxserve.worker.attention_triton  # noqa: F401
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]()

@@ -3,7 +3,6 @@ of worker/attention.py (same step layout: decodes first, then prefill chunks).
 
 Metadata is built once per step from host lists, so forward never syncs with the device: int32
 block tables, lengths and query offsets per group, with host-side maxima for the launch grids.
-Registered as "triton" in ATTENTION_BACKENDS when this module is imported.
 """
 
 from __future__ import annotations
@@ -18,11 +17,7 @@ from mxserve.kernels.paged_attention import (
     paged_prefill_attention,
     write_kv_cache,
 )
-from mxserve.worker.attention import (
-    ATTENTION_BACKENDS,
-    AttentionBackend,
-    AttentionBatch,
-)
+from mxserve.worker.attention import AttentionBackend, AttentionBatch
 from mxserve.worker.host_to_device import to_device
 
 
@@ -89,16 +84,13 @@ class TritonAttention(AttentionBackend):
             num_decode_tokens=nd, decode=_group(batch, 0, nd),
             prefill=_group(batch, nd, len(batch.query_lens)))
 
-    def decode_slots(self, meta: TritonAttentionMetadata) -> torch.Tensor | None:
-        """A step of one-token decodes (every CUDA-graph replay): the model may write K/V."""
-        return meta.slot_mapping if meta.prefill is None else None
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: TritonAttentionMetadata) -> None:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TritonAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
-        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
-        if not kv_written:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend="triton")
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TritonAttentionMetadata) -> torch.Tensor:
+        # q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D], this step's K/V written
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         nd, dec, pre = meta.num_decode_tokens, meta.decode, meta.prefill
         if dec is not None:
@@ -111,5 +103,3 @@ class TritonAttention(AttentionBackend):
                                     max_seq_len=pre.max_seq_len, backend="triton")
         return out.flatten(1)
 
-
-ATTENTION_BACKENDS["triton"] = TritonAttention

@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from mxserve.worker.attention_triton import static_decode_metadata
-from mxserve.worker.host_to_device import index_on
-from mxserve.worker.runner import fill_inflight_tokens
+from mxserve.worker.host_to_device import fill_inflight_tokens, index_on
 from mxserve.worker.scheduler import StepPlan
 
 

@@ -23,3 +23,16 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def index_on(values: list[int], like: torch.Tensor) -> torch.Tensor:
     """Row indices [len(values)] int64 on like's device, for index_select / index_copy_."""
     return to_device(values, torch.long, like.device)
+
+
+def fill_inflight_tokens(input_ids: torch.Tensor, rows: list[tuple[int, int]],
+                         inflight_tokens: torch.Tensor) -> None:
+    """input_ids[i] = inflight_tokens[j] for each (i, j) in rows: the ids the previous step
+    sampled, which the host has not seen yet, copied on the device."""
+    dst, src = (list(x) for x in zip(*rows))
+    n = len(rows)
+    if dst == list(range(dst[0], dst[0] + n)) and src == list(range(src[0], src[0] + n)):
+        input_ids[dst[0]:dst[0] + n].copy_(inflight_tokens[src[0]:src[0] + n])  # steady decode
+        return
+    input_ids.index_copy_(0, index_on(dst, input_ids),
+                          inflight_tokens.index_select(0, index_on(src, input_ids)))

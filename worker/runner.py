@@ -9,18 +9,19 @@ import torch
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels import cpu_attention, cpu_linear
-from mxserve.worker.attention import AttentionBatch, get_attention_backend
+from mxserve.worker.attention import AttentionBatch
+from mxserve.worker.attention_backends import get_attention_backend
 from mxserve.worker.config import EngineConfig
-from mxserve.worker.host_to_device import index_on, to_device
+from mxserve.worker.host_to_device import fill_inflight_tokens, to_device
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    TPGroup,
     can_pack_for_cpu,
 )
+from mxserve.worker.model.tp import TPGroup
 from mxserve.worker.scheduler import StepPlan
 
 
@@ -167,16 +168,3 @@ class ModelRunner:
             fill_inflight_tokens(input_ids, inflight, plan.inflight_tokens)
         return (input_ids, to_device(positions, torch.long, self.device),
                 to_device(sample_rows, torch.long, self.device))
-
-
-def fill_inflight_tokens(input_ids: torch.Tensor, rows: list[tuple[int, int]],
-                         inflight_tokens: torch.Tensor) -> None:
-    """input_ids[i] = inflight_tokens[j] for each (i, j) in rows: the ids the previous step
-    sampled, which the host has not seen yet, copied on the device."""
-    dst, src = (list(x) for x in zip(*rows))
-    n = len(rows)
-    if dst == list(range(dst[0], dst[0] + n)) and src == list(range(src[0], src[0] + n)):
-        input_ids[dst[0]:dst[0] + n].copy_(inflight_tokens[src[0]:src[0] + n])  # steady decode
-        return
-    input_ids.index_copy_(0, index_on(dst, input_ids),
-                          inflight_tokens.index_select(0, index_on(src, input_ids)))

@@ -82,3 +82,33 @@ def test_no_module_imports_another_modules_private_names():
                     bad += [f"{path.relative_to(ROOT)}: {alias.name}" for alias in node.names
                             if alias.name.startswith("_")]
     assert not bad, "\n".join(bad)
+
+
+def _module_imports(path: pathlib.Path) -> set[str]:
+    """What a module imports: each `import m`, and `from m import n` as both m and m.n (n may
+    be a module: `from mxserve.kernels import gemv`)."""
+    package = ["mxserve", *path.relative_to(ROOT).parent.parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module or ""]).rstrip(".")
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    """Imports run one way between any two modules of the library (a lazy import counts too):
+    shared pieces live in a third module both import."""
+    imports = {}
+    for folder in ("api", "router", "worker", "kernels", "cluster"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module = "mxserve." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            imports[module.removesuffix(".__init__")] = _module_imports(path)
+    assert "mxserve.kernels.gemv" in imports["mxserve.worker.model.llama"]
+    loops = sorted(f"{a} <-> {b}" for a in imports for b in imports
+                   if a < b and b in imports[a] and a in imports[b])
+    assert not loops, "\n".join(loops)

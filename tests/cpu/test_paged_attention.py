@@ -35,13 +35,12 @@ from mxserve.kernels.paged_attention import (  # noqa: E402
     write_kv_cache_torch,
 )
 from mxserve.worker.attention import (  # noqa: E402
-    ATTENTION_BACKENDS,
     AttentionBatch,
     CPUAttention,
     TorchAttention,
-    get_attention_backend,
     group_by_length,
 )
+from mxserve.worker.attention_backends import get_attention_backend  # noqa: E402
 from mxserve.worker.attention_triton import TritonAttention  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -227,7 +226,9 @@ def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecut
     backends = [torch_backend, get_attention_backend("triton"), get_attention_backend("cpu")]
     for backend in backends:
         k_cache, v_cache = (c.clone() for c in caches)
-        out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(batch))
+        meta = backend.build_metadata(batch)
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = backend.forward(q, k_cache, v_cache, meta)
         results.append((out, k_cache, v_cache))
     (want, *want_caches), *others = results
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -237,9 +238,12 @@ def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecut
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
 
 
-def test_registry():
-    assert ATTENTION_BACKENDS["triton"] is TritonAttention
-    assert ATTENTION_BACKENDS["cpu"] is CPUAttention
+def test_backends_by_name():
+    assert type(get_attention_backend("triton")) is TritonAttention
+    assert type(get_attention_backend("cpu")) is CPUAttention
+    assert type(get_attention_backend("torch")) is TorchAttention
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash")
 
 
 def test_rejects_bad_inputs():

@@ -24,8 +24,9 @@ from mxserve.worker.config import MX_QUANTIZATIONS, EngineConfig
 from mxserve.worker.model import mx_layers
 from mxserve.worker.model.checkpoint import expected_tensor_names
 from mxserve.worker.model.loader import open_checkpoint
-from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear
 from mxserve.worker.model.quantize import quantize_checkpoint
+from mxserve.worker.model.tp import TPGroup
 
 ARCHS = {"llama": ("llama", {}), "qwen2-bias": ("qwen2", {})}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
-from mxserve.worker.model.parallel import ColumnParallelLinear, TPGroup  # noqa: E402
+from mxserve.worker.model.parallel import ColumnParallelLinear  # noqa: E402
+from mxserve.worker.model.tp import TPGroup  # noqa: E402
 
 SHAPES = [(3072, 2048), (2048, 8192), (128256, 2048), (6144, 4096), (4096, 14336), (37, 576)]
 

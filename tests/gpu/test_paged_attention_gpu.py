@@ -141,8 +141,9 @@ def test_triton_backend_matches_torch_backend():
     results = []
     for backend in (TorchAttention(), TritonAttention()):
         k_cache, v_cache = (c.clone() for c in caches)
-        results.append((backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(batch)),
-                        k_cache, v_cache))
+        meta = backend.build_metadata(batch)
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        results.append((backend.forward(q, k_cache, v_cache, meta), k_cache, v_cache))
     (want, *want_caches), (got, *got_caches) = results
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))

@@ -21,9 +21,9 @@ from mxserve.worker.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
 )
+from mxserve.worker.model.tp import TPGroup
 
 
 class LlamaAttention(nn.Module):
@@ -47,19 +47,21 @@ class LlamaAttention(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                 positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
-        # h, residual [T, hidden] -> (o_proj(attention(norm(residual + h))), residual + h)
+        # h, residual [T, hidden] -> (o_proj(attention(norm(residual + h))), residual + h).
+        # This layer owns the step's K/V write: in its projection kernel, or through the backend.
         qkv, residual, kv_written = self._qkv(h, residual, norm, positions, kv_cache, attn, meta)
         qkv = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, kv_written)  # [T, Hq * D]
+        if not kv_written:
+            attn.write_kv(k, v, kv_cache[0], kv_cache[1], meta)
+        out = attn.forward(q, kv_cache[0], kv_cache[1], meta)  # [T, Hq * D]
         return self.o_proj(out), residual
 
     def _qkv(self, h, residual, norm, positions, kv_cache, attn, meta):
         """(q/k/v with q and k rotated [T, (Hq + 2 Hkv) * D], residual + h (h when residual is
         None: the first layer), whether k and v are in the caches already). On CUDA at one row
-        it is one kernel (kernels/gemv.py's decode_projection: norm, projection, RoPE and, in a
-        step of decodes, the K/V write); otherwise the norm (residual in place), the projection
-        and the rotation."""
+        it is one kernel (kernels/gemv.py's decode_projection: norm, projection, RoPE and the
+        K/V write); otherwise the norm (residual in place), the projection and the rotation."""
         if not self.qkv_proj.can_fuse_decode(h):
             qkv = self.qkv_proj(norm(h, residual))
             residual = h if residual is None else residual
@@ -69,15 +71,14 @@ class LlamaAttention(nn.Module):
             return qkv, residual, False
         from mxserve.kernels import gemv
 
-        slots = attn.decode_slots(meta)
-        kv = None if slots is None else gemv.KVWrite(kv_cache[0], kv_cache[1], slots)
+        kv = gemv.KVWrite(kv_cache[0], kv_cache[1], attn.kv_slots(meta))
         qkv, residual = gemv.decode_projection(
             h, self.qkv_proj.decode_weight(), self.qkv_proj.bias,
             norm=gemv.Norm(residual, norm.weight, norm.eps),
             rope=gemv.Rope(positions, self.rope.cos, self.rope.sin, self.num_heads,
                            self.num_kv_heads, self.head_dim), kv=kv,
             pdl=self.qkv_proj.gemv_options.pdl)
-        return qkv, residual, kv is not None
+        return qkv, residual, True
 
 
 class LlamaMLP(nn.Module):

@@ -25,8 +25,6 @@ a model is MX.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -39,9 +37,7 @@ from mxserve.kernels.mx_linear import mx_linear
 from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.config import MX_QUANTIZATIONS
 from mxserve.worker.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from mxserve.worker.model.parallel import TPGroup
+from mxserve.worker.model.tp import TPGroup
 
 MX_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # How the engine and `mxserve quantize` pick a block's scale (kernels/mx.py SCALE_MODES): "ceil",
