@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(REPO))
+sys.path.insert(0, os.path.join(REPO, "bench", "lib"))
 
-from engine_gpu import step_bytes  # noqa: E402
+from engine_gpu_common import step_bytes  # noqa: E402
 from gpu_timing import drain, graph_us, header, replay_ms  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402

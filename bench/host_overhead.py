@@ -40,7 +40,8 @@ import tempfile
 import threading
 import time
 
-from revision import head_commit, run_inner, write_result
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from revision import head_commit, run_inner, write_result  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from revision import head_commit, run_inner, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from revision import head_commit, run_inner, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

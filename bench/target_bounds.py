@@ -32,7 +32,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "lib"))
 
 SPEC_TBPS = 4.8  # H200 data sheet, HBM3e
 SPEC_TFLOPS = 989.0  # H200 data sheet, dense bf16
@@ -57,7 +57,7 @@ def attention_bound(att: dict, peak_tbps: float) -> dict:
 
 
 def mix_bound(engine: dict, latest: dict, peak_tbps: float, peak_tflops: float) -> dict:
-    from engine_gpu import make_mix  # the benchmark's own request lengths
+    from engine_gpu_mix import make_mix  # the benchmark's own request lengths
 
     from mxserve.worker.model.dummy import DUMMY_MODELS
     cfg = DUMMY_MODELS["llama-3.2-1b"]

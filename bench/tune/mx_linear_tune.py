@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s helpers
-from gpu_timing import graph_median_us, recorder  # noqa: E402 (bench/, put on the path above)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s benchmarks
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))  # and helpers
+from gpu_timing import graph_median_us, recorder  # noqa: E402 (put on the path above)
 
 from mxserve.kernels.mx import dequantize_mx, quantize_mx
 from mxserve.kernels.mx_decode import launch_decode

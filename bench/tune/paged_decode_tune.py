@@ -21,9 +21,10 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s helpers
-from kernels_gpu import ATTN_SHAPES as SHAPES  # noqa: E402 (bench/, put on the path above)
-from kernels_gpu import attention_case, bench_ms  # noqa: E402 (bench/, put on the path above)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/'s benchmarks
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "lib"))  # and helpers
+from kernels_gpu import ATTN_SHAPES as SHAPES  # noqa: E402 (put on the path above)
+from kernels_gpu import attention_case, bench_ms  # noqa: E402 (put on the path above)
 
 from mxserve.kernels import paged_attention as pa
 
