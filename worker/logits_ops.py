@@ -14,7 +14,7 @@ from mxserve.worker.request import Request
 
 _NEG_INF = float("-inf")
 # top_p from the host (on CPU, or top_p_on_device off) looks for its cutoff among the 256 largest
-# logits (a partial sort, ~10x cheaper than a full one at vocab 49k); when they hold less than
+# logits (a partial sort, far cheaper than a full one at a 49k vocab); when they hold less than
 # top_p of the mass, on CPU among 16x more, and so on. On CUDA it sorts the whole row at once
 # instead: each growth waits for the device, and a flat row (random weights) grows to the whole
 # vocabulary (bench/results/engine_gpu.step_order.md).
