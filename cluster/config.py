@@ -57,9 +57,10 @@ class Routing(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy: Literal["prefix", "power_of_two", "round_robin"] = "prefix"
     prefix_weight: float = Field(1.0, ge=0)  # score per cached prompt token
-    load_weight: float = Field(64.0, ge=0)  # score lost per running/waiting request
+    load_weight: float = Field(1.0, ge=0)  # score lost per token of work queued on the worker
+    request_tokens: float = Field(64.0, ge=0)  # a running/waiting request's work, in tokens
     kv_weight: float = Field(256.0, ge=0)  # score lost at a full KV pool
-    cache_weight: float = Field(128.0, ge=0)  # score lost by the worker caching the most blocks
+    cache_weight: float = Field(32.0, ge=0)  # score lost by the worker caching the most blocks
     lookup_timeout_s: float = Field(0.05, gt=0)  # slower index lookups fall back to load only
     retry_after_s: float = Field(1.0, ge=0)  # after an index failure, load only this long
     recent_ttl_s: float = Field(10.0, ge=0)  # routed prompts' blocks count as held this long
@@ -68,8 +69,9 @@ class Routing(BaseModel):
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is purged
 
     def policy_options(self) -> dict:
-        return self.model_dump(include={"prefix_weight", "load_weight", "kv_weight", "cache_weight",
-                                        "lookup_timeout_s", "retry_after_s", "recent_ttl_s"})
+        return self.model_dump(include={"prefix_weight", "load_weight", "request_tokens",
+                                        "kv_weight", "cache_weight", "lookup_timeout_s",
+                                        "retry_after_s", "recent_ttl_s"})
 
     def publisher_options(self) -> dict:
         return self.model_dump(include={"heartbeat_s", "heartbeat_ttl_s"})

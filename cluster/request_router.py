@@ -4,25 +4,38 @@ Serve runs it inside each caller of the worker deployment (the router ingress re
 routing event loop; `choose_replicas` must not block. It reads each replica's load from Serve's
 queue-length cache and the worker's routing stats (`record_routing_stats`), the hashing
 parameters from the worker's replica metadata (`record_replica_metadata`), and the prompt from
-the pending `generate` call's first argument.
+the pending `generate` call's first argument. It records each choice in the policy's
+`Dispatched` as it makes it (Serve's hooks then say where the request went and when it ended),
+so the next choice counts it.
+
+Serve hands the replica chosen for a request to that same request (the default matching, not
+FIFOMixin's oldest-first): the choice was made for its prompt.
 """
 
 from __future__ import annotations
 
 from ray.serve import metrics
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from mxserve.api.block_hash import block_hashes
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
 
 
-class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, redis_url: str | None = None, namespace: str = "mxserve",
                          **routing) -> None:
         self._redis_url, self._namespace = redis_url, namespace
         self._config = RoutingConfig(**routing)
         self._policy: PrefixRouter | None = None  # built on the routing loop, on first use
+        # request id -> (prompt tokens, tokens each replica holds), until it is dispatched
+        self._prompts: dict[str, tuple[int, dict[str, int]]] = {}
         self._lookups = metrics.Counter(
             "mxserve_router_prefix_lookups_total",
             "Prefix index lookups by outcome: ok, error (failed or timed out: routed by load), "
@@ -52,18 +65,47 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self._load(r) for r in candidate_replicas]
         hashes, block_size = self._prompt_hashes(candidate_replicas, pending_request)
-        decision = await self._get_policy().route(loads, hashes, block_size)
+        prompt_len = len(pending_request.args[0]) if hashes else 0
+        policy = self._get_policy()
+        decision = await policy.route(loads, hashes, block_size, prompt_len)
         if decision.cached_tokens:
             self._cached_tokens.inc(decision.cached_tokens)
+        if pending_request is not None and decision.order:
+            request_id = pending_request.metadata.internal_request_id
+            self._prompts[request_id] = (prompt_len, decision.held_tokens)
+            self._record(request_id, decision.order[0])
         return [[by_id[replica_id]] for replica_id in decision.order]
 
-    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+    def _record(self, request_id: str, replica_id: str) -> None:
+        prompt_len, held = self._prompts.get(request_id, (0, {}))
+        self._get_policy().dispatched.add(request_id, replica_id,
+                                          max(0, prompt_len - held.get(replica_id, 0)))
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        if self._get_policy().dispatched.replica_of(request_id) != replica_id.unique_id:
+            self._record(request_id, replica_id.unique_id)  # a later choice took it
+        self._prompts.pop(request_id, None)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._get_policy().dispatched.done(internal_request_id)
+        self._prompts.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._get_policy().dispatched.drop_replica(replica_id.unique_id)
+
+    @staticmethod
+    def _load(replica: RunningReplica) -> ReplicaLoad:
+        """The worker's last report (nothing before its first: the policy then counts every
+        request this router has in flight there)."""
         stats = replica.routing_stats or {}
-        queued = self.replica_queue_len_cache.get(replica.replica_id) or 0
         used, free = stats.get("num_kv_blocks_used", 0), stats.get("num_kv_blocks_free", 0)
         return ReplicaLoad(replica.replica_id.unique_id,
-                           max(queued, stats.get("num_running", 0) + stats.get("num_waiting", 0)),
-                           used / (used + free) if used + free else 0.0)
+                           stats.get("num_running", 0) + stats.get("num_waiting", 0),
+                           used / (used + free) if used + free else 0.0,
+                           stats.get("num_prefill_tokens_pending", 0), stats.get("reported_at"))
 
     @staticmethod
     def _prompt_hashes(replicas: list[RunningReplica],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator
 
 from mxserve.api.errors import RESOURCE_EXHAUSTED, InvalidRequestError, ServeError
@@ -34,6 +35,7 @@ class Worker:
         self.num_in_flight = 0  # requests admitted and not yet finished (event-loop side)
         self.num_requests_total = 0  # requests admitted
         self.num_requests_aborted = 0  # admitted, then closed before they finished
+        self.num_prefill_tokens_pending = 0  # prompt tokens of admitted requests with no output
         # Running totals, read by the metrics exporter.
         self.num_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
@@ -71,6 +73,7 @@ class Worker:
                              f"running or queued (limit {self.capacity}); retry later")
         self.num_in_flight += 1
         self.num_requests_total += 1
+        self.num_prefill_tokens_pending += len(prompt_token_ids)
         first, finished = True, False
         try:
             async for out in self.async_engine.generate(prompt_token_ids, params, request_id):
@@ -78,6 +81,7 @@ class Worker:
                 if first:
                     self.num_prompt_tokens += out.num_prompt_tokens
                     self.num_prefix_hit_tokens += out.num_cached_tokens
+                    self.num_prefill_tokens_pending -= len(prompt_token_ids)
                     first = False
                 self.num_output_tokens += len(out.new_token_ids)
                 yield out
@@ -87,17 +91,23 @@ class Worker:
         finally:
             self.num_in_flight -= 1
             self.num_requests_aborted += not finished
+            if first:  # ended before its first output
+                self.num_prefill_tokens_pending -= len(prompt_token_ids)
 
     def load(self) -> dict:
-        """The engine's load now; fields as in the proto's WorkerLoad."""
+        """The engine's load now; fields as in the proto's WorkerLoad. Waiting counts requests
+        admitted and not yet handed to the engine's scheduler too."""
         stats = self.engine.stats()  # read from the event loop while the engine thread runs:
         # each number is current, together they may straddle a step
+        waiting = max(stats.num_waiting, self.num_in_flight - stats.num_running)
         return dict(worker_id=self.worker_id, node_id=self.node_id,
-                    num_running=stats.num_running, num_waiting=stats.num_waiting,
+                    num_running=stats.num_running, num_waiting=waiting,
                     num_kv_blocks_used=stats.num_kv_blocks_used,
                     num_kv_blocks_free=stats.num_kv_blocks_free,
                     num_requests_total=self.num_requests_total,
-                    num_requests_aborted=self.num_requests_aborted)
+                    num_requests_aborted=self.num_requests_aborted,
+                    num_prefill_tokens_pending=self.num_prefill_tokens_pending,
+                    reported_at=time.time())
 
     async def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no request holds KV blocks or waits; True if it happened in time."""

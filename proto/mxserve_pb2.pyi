@@ -145,7 +145,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "node_id", "num_requests_total", "num_requests_aborted")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "node_id", "num_requests_total", "num_requests_aborted", "num_prefill_tokens_pending", "reported_at")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,8 @@ class WorkerLoad(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -162,7 +164,9 @@ class WorkerLoad(_message.Message):
     node_id: str
     num_requests_total: int
     num_requests_aborted: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., node_id: _Optional[str] = ..., num_requests_total: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ...) -> None: ...
+    num_prefill_tokens_pending: int
+    reported_at: float
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., node_id: _Optional[str] = ..., num_requests_total: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ..., num_prefill_tokens_pending: _Optional[int] = ..., reported_at: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("healthy", "workers")

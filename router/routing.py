@@ -3,16 +3,26 @@
 
 Each candidate worker is scored, in prompt tokens:
 
-    score = prefix_weight * cached_prompt_tokens - load_weight * num_ongoing - kv_weight * kv_usage
-            - cache_weight * cached_blocks / most_cached_blocks
+    score = prefix_weight * cached_prompt_tokens - load_weight * queued_work_tokens
+            - kv_weight * kv_usage - cache_weight * cached_blocks / most_cached_blocks
 
-cached_prompt_tokens comes from the global prefix index (one Redis round trip: the leading
-prompt blocks each worker holds); num_ongoing (requests running or queued there) and kv_usage
-(fraction of its KV pool in use) from the workers' load reports. So a worker that holds the
-prefix wins until it is `prefix tokens / load_weight` requests busier than the others, and
-prompts that nobody holds go to the least loaded worker and, among equals, to the one whose
-cache holds the least (cached_blocks, from the index, over the largest such count): new
-prefixes spread over the workers' caches instead of piling onto one. Ties are broken at random.
+    queued_work_tokens = pending prefill tokens + request_tokens * requests running or waiting
+
+cached_prompt_tokens comes from the global prefix index (one Redis round trip: the leading prompt
+blocks each worker holds). The work is what the worker last reported (its prompt tokens not yet
+prefilled, its requests; polled every `stats_period_s`) plus what this router has dispatched to
+it since that report and not yet seen finish (`Dispatched`): consecutive choices within one burst
+see each other instead of all reading the same stale report. So a worker that holds a prefix of
+N tokens wins until the work queued on it exceeds the others' by N / load_weight tokens: a cached
+prefix is weighed against the prefill and decode work it would wait behind, and spreads once
+recomputing it elsewhere is cheaper. Prompts that nobody holds go to the least loaded worker
+and, among equals, to the one whose cache holds the least (cached_blocks, from the index, over
+the largest such count): new prefixes spread over the workers' caches instead of piling onto
+one. Ties are broken at random.
+
+Several router replicas each count only their own dispatches between two reports; each keeps
+its own share of the traffic balanced, and the next report (which counts everyone's) corrects
+the rest.
 
 The index learns of a prefix only once a worker has computed it, so a burst of requests sharing a
 new prefix would scatter before the first one lands. The router therefore also remembers where it
@@ -33,7 +43,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mxserve.api.prefix_index import PrefixIndex
 
@@ -43,16 +53,20 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoutingConfig:
     prefix_weight: float = 1.0  # score per prompt token the worker already holds
-    load_weight: float = 64.0  # score lost per request running or waiting on the worker
+    load_weight: float = 1.0  # score lost per token of work queued on the worker
+    request_tokens: float = 64.0  # work a running or waiting request counts for, in tokens,
+    # beyond its pending prefill: the decode steps it shares with a newcomer
     kv_weight: float = 256.0  # score lost at a full KV pool, in proportion to the used fraction
-    cache_weight: float = 128.0  # score lost by the worker caching the most blocks (others: less)
+    cache_weight: float = 32.0  # score lost by the worker caching the most blocks (others: less;
+    # under one request's work: among equally loaded workers only)
     lookup_timeout_s: float = 0.05  # an index lookup slower than this falls back to load only
     retry_after_s: float = 1.0  # after an index failure, route by load this long
     recent_ttl_s: float = 10.0  # how long a routed prompt's blocks count as held (0: off)
     max_recent_blocks: int = 200_000  # memory bound of that record
 
     def __post_init__(self) -> None:
-        for name in ("prefix_weight", "load_weight", "kv_weight", "cache_weight"):
+        for name in ("prefix_weight", "load_weight", "request_tokens", "kv_weight",
+                     "cache_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing {name} must be >= 0")
         if self.lookup_timeout_s <= 0 or self.retry_after_s < 0 or self.recent_ttl_s < 0:
@@ -61,9 +75,49 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
+    """A worker's last load report (or Serve's queue length where it knows more)."""
+
     replica_id: str
     num_ongoing: int  # requests running or waiting there
     kv_usage: float  # fraction of its KV blocks in use, [0, 1]
+    pending_prefill_tokens: int = 0  # prompt tokens of its requests not yet prefilled
+    reported_at: float | None = None  # the report's wall-clock time (None: nothing reported)
+
+
+class Dispatched:
+    """What this router sent to each worker and has not seen finish: request id -> (worker,
+    prefill tokens it brings, wall-clock dispatch time). The part a worker's report cannot
+    know yet is what was dispatched after the report was taken; an older dispatch is in it
+    (as waiting, running or done)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[str, int, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request_id: str, replica_id: str, prefill_tokens: int,
+            at: float | None = None) -> None:
+        self._entries[request_id] = (replica_id, prefill_tokens,
+                                     time.time() if at is None else at)
+
+    def replica_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return entry[0] if entry else None
+
+    def done(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def drop_replica(self, replica_id: str) -> None:
+        self._entries = {k: v for k, v in self._entries.items() if v[0] != replica_id}
+
+    def since(self, replica_id: str, reported_at: float | None) -> tuple[int, int]:
+        """(requests, prefill tokens) sent to the worker after its report at reported_at."""
+        requests = tokens = 0
+        for rid, n, at in self._entries.values():
+            if rid == replica_id and (reported_at is None or at >= reported_at):
+                requests, tokens = requests + 1, tokens + n
+        return requests, tokens
 
 
 @dataclass(frozen=True)
@@ -71,6 +125,7 @@ class Decision:
     order: list[str]  # replica ids, the preferred first; later ones if it refuses
     source: str  # "prefix" (index answered), "load" (nothing to look up), "fallback"
     cached_tokens: int  # prompt tokens the first choice holds (0 unless source == "prefix")
+    held_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prompt tokens held
 
 
 # (outcome, latency_s): outcome "ok", "error" (failed or timed out) or "skipped" (backing off)
@@ -85,27 +140,37 @@ class PrefixRouter:
         self.config = config or RoutingConfig()
         self.rng = rng or random.Random()
         self.on_lookup = on_lookup or (lambda outcome, latency_s: None)
+        self.dispatched = Dispatched()  # the caller records dispatches and completions here
         self._index_down_until = 0.0
         self._index_down = False
         # block hash -> (replica id, expiry): where recently routed prompts' blocks went
         self._recent: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     async def route(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int],
-                    block_size: int) -> Decision:
-        """Order the candidates for a prompt with these chained block hashes."""
+                    block_size: int, prompt_len: int = 0) -> Decision:
+        """Order the candidates for a prompt of prompt_len tokens with these chained block
+        hashes."""
         if not loads:
             return Decision([], "load", 0)
         if self.index is None or not block_hashes:
-            return Decision(self._by_score(loads, {}, block_size), "load", 0)
+            return Decision(self._by_score(loads, {}, block_size, prompt_len), "load", 0)
         answer = await self._lookup(list(block_hashes))
         if answer is None:
             return Decision(self._two_choices(loads), "fallback", 0)
         held, sizes = answer
         for replica_id, n in self._recently_sent(block_hashes).items():
             held[replica_id] = max(held.get(replica_id, 0), n)
-        order = self._by_score(loads, held, block_size, sizes)
+        order = self._by_score(loads, held, block_size, prompt_len, sizes)
         self._remember(block_hashes, order[0])
-        return Decision(order, "prefix", held.get(order[0], 0) * block_size)
+        held_tokens = {r: n * block_size for r, n in held.items()}
+        return Decision(order, "prefix", held_tokens.get(order[0], 0), held_tokens)
+
+    def work_tokens(self, load: ReplicaLoad) -> float:
+        """The work queued on a worker, in tokens: its report plus this router's dispatches
+        since."""
+        requests, prefill = self.dispatched.since(load.replica_id, load.reported_at)
+        return (load.pending_prefill_tokens + prefill
+                + self.config.request_tokens * (load.num_ongoing + requests))
 
     def _recently_sent(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the prompt that recent routing sent to one replica."""
@@ -128,13 +193,14 @@ class PrefixRouter:
             self._recent.popitem(last=False)
 
     def _by_score(self, loads: Sequence[ReplicaLoad], held: dict[str, int], block_size: int,
-                  sizes: dict[str, int] | None = None) -> list[str]:
+                  prompt_len: int, sizes: dict[str, int] | None = None) -> list[str]:
         c, sizes = self.config, sizes or {}
         most = max([sizes.get(load.replica_id, 0) for load in loads] + [1])
 
         def score(load: ReplicaLoad) -> float:
-            return (c.prefix_weight * held.get(load.replica_id, 0) * block_size
-                    - c.load_weight * load.num_ongoing - c.kv_weight * load.kv_usage
+            cached = min(held.get(load.replica_id, 0) * block_size, prompt_len or 1 << 62)
+            return (c.prefix_weight * cached - c.load_weight * self.work_tokens(load)
+                    - c.kv_weight * load.kv_usage
                     - c.cache_weight * sizes.get(load.replica_id, 0) / most)
 
         ranked = sorted(loads, key=lambda load: (-score(load), self.rng.random()))
@@ -144,7 +210,7 @@ class PrefixRouter:
         """Two at random, the less loaded first; the rest after them in random order."""
         shuffled = list(loads)
         self.rng.shuffle(shuffled)
-        first = sorted(shuffled[:2], key=lambda load: (load.num_ongoing, load.kv_usage))
+        first = sorted(shuffled[:2], key=lambda load: (self.work_tokens(load), load.kv_usage))
         return [load.replica_id for load in first + shuffled[2:]]
 
     async def _lookup(self, block_hashes: list[int]

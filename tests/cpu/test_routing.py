@@ -1,6 +1,6 @@
 """The routing policy (router/routing.py) on its own, against a real redis-server: prefix
-affinity against load, load-only spreading, and falling back (counted) when Redis is down or
-slow, then coming back."""
+affinity against load, load-only spreading, bursts that see their own dispatches, and falling
+back (counted) when Redis is down or slow, then coming back."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from mxserve.api.block_hash import block_hashes
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.cluster.redis_server import LocalRedis
-from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
+from mxserve.router.routing import Dispatched, PrefixRouter, ReplicaLoad, RoutingConfig
 
 BS = 16
 PROMPT = list(range(3, 3 + 64 * BS))  # 64 blocks: 1024 tokens
@@ -44,7 +44,7 @@ async def index_with(server: LocalRedis, **held: int) -> PrefixIndex:
 def test_the_worker_holding_the_prefix_wins_until_it_is_much_busier(redis_server):
     async def main():
         index = await index_with(redis_server, a=64, b=8)
-        router = PrefixRouter(index, RoutingConfig(load_weight=64, kv_weight=0))
+        router = PrefixRouter(index, RoutingConfig(request_tokens=64, kv_weight=0))
         d = await router.route(loads(a=0, b=0, c=0), HASHES, BS)
         assert (d.order[0], d.source, d.cached_tokens) == ("a", "prefix", 1024)
         assert d.order[1] == "b"  # 128 cached tokens beat none
@@ -79,8 +79,8 @@ def test_new_prefixes_go_to_the_emptiest_cache_among_equally_loaded(redis_server
         router = PrefixRouter(index, RoutingConfig(recent_ttl_s=0), rng=random.Random(0))
         new = block_hashes([9] * 64, BS, "m")
         assert (await router.route(loads(a=0, b=0, c=0), new, BS)).order == ["c", "b", "a"]
-        # load counts too: three queued requests (3 x 64) cost more than the fullest cache (128)
-        d = await router.route(loads(a=0, b=0, c=3), new, BS)
+        # load counts too: one queued request (64 tokens) costs more than the fullest cache (32)
+        d = await router.route(loads(a=0, b=0, c=1), new, BS)
         assert d.order == ["b", "a", "c"]
         await index.close()
     asyncio.run(main())
@@ -166,7 +166,86 @@ def test_without_an_index_or_a_prompt_it_routes_by_load():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("bad", [dict(load_weight=-1), dict(lookup_timeout_s=0)])
+async def burst(router, loads_now, prompts, at=None) -> Counter:
+    """Route each prompt and record the dispatch as the Serve request router does, before the
+    next is routed; no load report arrives in between. Requests per worker."""
+    got = Counter()
+    for i, prompt in enumerate(prompts):
+        d = await router.route(loads_now, block_hashes(prompt, BS, "m"), BS, len(prompt))
+        router.dispatched.add(f"r{i}-{id(prompt)}", d.order[0],
+                              len(prompt) - d.held_tokens.get(d.order[0], 0), at)
+        got[d.order[0]] += 1
+    return got
+
+
+@pytest.mark.parametrize("workers, n", [(2, 8), (2, 16), (4, 16), (3, 9)])
+def test_a_burst_of_unrelated_prompts_splits_evenly(redis_server, workers, n):
+    """Same report for the whole burst (it is older than the burst): the dispatches counted
+    since it spread the burst evenly. Without them every request would go to the same worker
+    (b..: their caches are emptier than a's, the tie-break for unrelated prompts)."""
+    async def main():
+        index = await index_with(redis_server, a=8)
+        router = PrefixRouter(index, RoutingConfig(recent_ttl_s=0), rng=random.Random(n))
+        names = "abcd"[:workers]
+        report = [ReplicaLoad(w, 0, 0.0, 0, reported_at=0.0) for w in names]
+        rng = random.Random(workers)
+        prompts = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(n)]
+        got = await burst(router, report, prompts)
+        assert sorted(got) == list(names) and max(got.values()) - min(got.values()) <= 1, got
+        await index.close()
+    asyncio.run(main())
+
+
+def test_dispatches_the_report_already_counts_are_not_counted_twice():
+    ledger = Dispatched()
+    ledger.add("x", "a", 100, at=10.0)
+    ledger.add("y", "a", 50, at=12.0)
+    ledger.add("z", "b", 7, at=9.0)
+    assert ledger.since("a", 11.0) == (1, 50)  # x was in a's report at 11
+    assert ledger.since("a", None) == (2, 150)  # no report yet: all of them
+    assert ledger.since("b", 11.0) == (0, 0)
+    ledger.done("y")
+    assert ledger.since("a", 11.0) == (0, 0) and ledger.replica_of("x") == "a"
+    ledger.drop_replica("a")
+    assert len(ledger) == 1 and ledger.replica_of("x") is None
+    router = PrefixRouter(None, RoutingConfig(request_tokens=64))
+    router.dispatched.add("w", "a", 500, at=20.0)
+    report = ReplicaLoad("a", 2, 0.0, pending_prefill_tokens=300, reported_at=19.0)
+    assert router.work_tokens(report) == 300 + 500 + 64 * 3
+
+
+def test_work_is_counted_in_tokens_pending_prefill_included():
+    """One worker with two long prompts still to prefill is busier than one with three short
+    decodes: load is tokens of work, not a request count."""
+    async def main():
+        router = PrefixRouter(None, RoutingConfig(request_tokens=64), rng=random.Random(0))
+        long_prompts = ReplicaLoad("a", 2, 0.0, pending_prefill_tokens=4000, reported_at=0.0)
+        decodes = ReplicaLoad("b", 3, 0.0, pending_prefill_tokens=0, reported_at=0.0)
+        d = await router.route([long_prompts, decodes], HASHES, BS, len(PROMPT))
+        assert d.order == ["b", "a"]
+    asyncio.run(main())
+
+
+def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loaded(redis_server):
+    """A 1,024-token prefix cached on a: a burst of 8 sharing it all goes to a while a is idle
+    (recomputing the prefix costs more than waiting behind 7 short requests), and spreads once
+    the work queued on a costs more than the prefix (request_tokens: the configured point)."""
+    async def main():
+        index = await index_with(redis_server, a=64)
+        idle = [ReplicaLoad(w, 0, 0.0, 0, reported_at=0.0) for w in "ab"]
+        prompts = [PROMPT + [5 + i] * 8 for i in range(8)]
+        assert await burst(PrefixRouter(index, rng=random.Random(0)), idle, prompts) == {"a": 8}
+        # a runs 30 requests (30 x 64 tokens of work, past the 1,024 cached): the burst goes
+        # to b, which then holds the prefix too (the router remembers where it sent it)
+        busy = [ReplicaLoad("a", 30, 0.0, 0, reported_at=0.0), ReplicaLoad("b", 0, 0.0, 0, 0.0)]
+        got = await burst(PrefixRouter(index, rng=random.Random(0)), busy, prompts)
+        assert got["b"] >= 7, got
+        await index.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [dict(load_weight=-1), dict(request_tokens=-1),
+                                 dict(lookup_timeout_s=0)])
 def test_bad_routing_config_is_refused(bad):
     with pytest.raises(ValueError):
         RoutingConfig(**bad)
