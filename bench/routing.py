@@ -6,27 +6,34 @@ pool is `--kv-blocks` 16-token blocks (default 320 = 5120 tokens): room for two 
 system prompts beside the running requests. Memory is what makes routing matter: a worker that
 sees every tenant keeps evicting their prompts.
 
-Workload (multi-tenant): `--tenants` tenants (default 8), each with its own system prompt of
-exactly `--system-tokens` tokens (KJV text through the SmolLM2 tokenizer; whole 16-token blocks),
-and many short questions (one KJV verse each, 8-48 tokens); requests of all tenants interleave at
-random, arriving as a Poisson process at `--rate` requests/s; each decodes `--max-tokens`
-greedy tokens (ignore_eos). Prompts are sent as token ids (system + question).
+Prompts (bench/lib/routing_load.py): multi-tenant ones are one of `--tenants` (8) system prompts
+of exactly `--system-tokens` (1024) tokens (KJV text through the SmolLM2 tokenizer; whole 16-token
+blocks) + a short question (one KJV verse, 8-48 tokens); unrelated ones have the same lengths and
+share nothing. Each request decodes `--max-tokens` greedy tokens (ignore_eos), sent as token ids.
+Workloads (`--workloads`):
+- poisson: multi-tenant, Poisson arrivals at `--rate` req/s (far below capacity);
+- bursts: multi-tenant, `--bursts` bursts of `--burst-size` requests at once, `--burst-every-s`
+  apart;
+- closed: multi-tenant, a closed loop of `--clients-per-worker` x workers clients (saturation);
+- closed_unrelated: the same closed loop on unrelated prompts (affinity must not cost balance).
 
-Every policy serves the same request sequence with the same arrival times, each on a fresh
-deployment (cold caches), one after another in this run:
-- prefix: mxserve's router (cached prefix tokens from the Redis index minus a load penalty);
+Every policy serves each workload's same requests, each on a fresh deployment (cold caches), one
+after another in this run:
+- prefix: mxserve's router (cached prefix tokens from the Redis index minus the work queued);
 - round_robin: each request to the next worker;
 - power_of_two: Ray Serve's default (the less loaded of two random workers).
 
-Reported per policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from each
-response's usage), TTFT p50/p99 (send -> first token), end-to-end latency p50/p99, throughput
-(requests and output tokens per second from the first send to the last completion), and the
-requests each worker got. Targets (issue 5): hit rate >= 85%, TTFT p50 >= 2x better than round
-robin. Then: index lookup latency with `--index-blocks` (1M) blocks from 16 workers in a fresh
-redis-server, p99 <= 2 ms.
+Reported per workload and policy: prefix-cache hit rate (cached prompt tokens / prompt tokens,
+from each response's usage), TTFT p50/p99 (send -> first token), end-to-end latency p50/p99,
+throughput (requests and output tokens per second from the first send to the last completion),
+and the requests each worker got. Targets: issue 5 (poisson: hit rate >= 85%, TTFT p50 >= 2x
+better than round robin) and issue 30 (closed: throughput >= 1.3x round robin, TTFT p50 >= 2x
+better; closed_unrelated: throughput >= 0.95x round robin). Then: index lookup latency with
+`--index-blocks` (1M) blocks from 16 workers in a fresh redis-server, p99 <= 2 ms.
 
     python bench/routing.py                       # writes bench/results/routing.{json,md}
-    python bench/routing.py --requests 24 --out /tmp/r.json --index-blocks 20000   # smoke
+    python bench/routing.py --requests 24 --closed-requests 16 --bursts 1 --out /tmp/r.json \
+        --index-blocks 20000                      # smoke
 """
 
 from __future__ import annotations
@@ -34,49 +41,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench", "lib"))
+from routing_load import pct, replay, summarize, workloads  # noqa: E402
+
 POLICIES = ("prefix", "round_robin", "power_of_two")
-TARGETS = {"hit_rate": 0.85, "ttft_p50_speedup_vs_round_robin": 2.0, "lookup_p99_ms": 2.0}
-
-
-# ---- workload --------------------------------------------------------------------------------
-def kjv_verses() -> list[str]:
-    spec = importlib.util.find_spec("bible")
-    path = os.path.join(spec.submodule_search_locations[0], "data", "kjv.jsonl")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["text"] for line in f]
-
-
-def workload(args, tokenizer) -> list[tuple[float, int, list[int]]]:
-    """(arrival time s, tenant, prompt token ids) for every request, in arrival order."""
-    rng = random.Random(args.seed)
-    verses = kjv_verses()
-    systems = []
-    for t in range(args.tenants):
-        start = rng.randrange(len(verses) - 400)
-        text = f"You are the assistant of tenant {t}. Answer from this text.\n" + " ".join(
-            verses[start:start + 200])
-        ids = tokenizer.encode(text, add_special_tokens=False)[:args.system_tokens]
-        assert len(ids) == args.system_tokens, "a system prompt came out short"
-        systems.append(ids)
-    requests, now = [], 0.0
-    for _ in range(args.requests):
-        now += rng.expovariate(args.rate)
-        tenant = rng.randrange(args.tenants)
-        question = tokenizer.encode("\nQuestion: " + rng.choice(verses),
-                                    add_special_tokens=False)[:48]
-        requests.append((now, tenant, systems[tenant] + question))
-    return requests
+WORKLOADS = ("poisson", "bursts", "closed", "closed_unrelated")
+TARGETS = {"hit_rate": 0.85, "ttft_p50_speedup_vs_round_robin": 2.0, "lookup_p99_ms": 2.0,
+           "closed_throughput_vs_round_robin": 1.3, "closed_ttft_p50_speedup_vs_round_robin": 2.0,
+           "closed_unrelated_throughput_vs_round_robin": 0.95}
 
 
 # ---- the cluster -----------------------------------------------------------------------------
@@ -91,62 +72,6 @@ def base_config(args, redis_url: str):
         worker_resources=Resources(num_cpus=0.25), router_resources=Resources(num_cpus=0.25))
 
 
-async def run_policy(args, config, requests) -> dict:
-    """Replay `requests` against the deployed app at their arrival times."""
-    import grpc
-
-    from mxserve.cluster.client import build_request
-    from mxserve.proto import mxserve_pb2_grpc as pb_grpc
-
-    channels = [grpc.aio.insecure_channel(f"localhost:{config.grpc_port}") for _ in range(8)]
-    stubs = [pb_grpc.MxServeStub(c) for c in channels]
-    metadata = (("application", config.app_name),)
-
-    async def one(i: int, arrival: float, prompt: list[int], t0: float) -> dict:
-        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
-        request = build_request(prompt, temperature=0, max_tokens=args.max_tokens,
-                                ignore_eos=True)
-        sent = time.perf_counter()
-        first = last = None
-        num_tokens = 0
-        async for r in stubs[i % len(stubs)].Generate(request, metadata=metadata):
-            last = time.perf_counter()
-            first = first or last
-            num_tokens += len(r.token_ids)
-            if r.finish_reason:
-                usage = r.usage
-        return dict(sent=sent, ttft=first - sent, e2e=last - sent, end=last,
-                    tokens=num_tokens, prompt=usage.prompt_tokens, cached=usage.cached_tokens)
-
-    try:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i, a, p, t0) for i, (a, _, p) in
-                                         enumerate(requests)))
-    finally:
-        for c in channels:
-            await c.close()
-    return summarize(results)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def summarize(results: list[dict]) -> dict:
-    ttft = [r["ttft"] * 1e3 for r in results]
-    e2e = [r["e2e"] * 1e3 for r in results]
-    span = max(r["end"] for r in results) - min(r["sent"] for r in results)
-    return dict(num_requests=len(results),
-                hit_rate=round(sum(r["cached"] for r in results)
-                               / sum(r["prompt"] for r in results), 4),
-                ttft_ms=dict(p50=round(pct(ttft, .5), 1), p99=round(pct(ttft, .99), 1),
-                             mean=round(statistics.fmean(ttft), 1)),
-                e2e_ms=dict(p50=round(pct(e2e, .5), 1), p99=round(pct(e2e, .99), 1)),
-                requests_per_s=round(len(results) / span, 3),
-                output_tok_s=round(sum(r["tokens"] for r in results) / span, 1))
-
-
 def per_worker_requests(config) -> list[int]:
     from mxserve.cluster.client import Client
 
@@ -154,7 +79,8 @@ def per_worker_requests(config) -> list[int]:
         return sorted((w.num_requests_total for w in client.health().workers), reverse=True)
 
 
-def serve_policies(args, requests) -> dict:
+def serve_policies(args, loads) -> dict:
+    """{workload: {policy: summary}}, each policy on a fresh deployment per workload."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
@@ -169,18 +95,22 @@ def serve_policies(args, requests) -> dict:
     out = {}
     with LocalRedis() as redis:
         base = base_config(args, redis.url)
-        for policy in args.policies:
-            config = base.model_copy(update=dict(
-                app_name=f"bench-{policy}", routing=base.routing.model_copy(
-                    update=dict(policy=policy))))
-            deploy(config)
-            wait_for_grpc(config)
-            print(f"{policy}: deployed, {len(requests)} requests ...", flush=True)
-            result = asyncio.run(run_policy(args, config, requests))
-            result["requests_per_worker"] = per_worker_requests(config)
-            out[policy] = result
-            print(f"  {json.dumps(result)}", flush=True)
-            serve.delete(config.app_name)
+        for workload in loads:
+            out[workload.name] = {}
+            for policy in args.policies:
+                config = base.model_copy(update=dict(
+                    app_name=f"bench-{workload.name}-{policy}",
+                    routing=base.routing.model_copy(update=dict(policy=policy))))
+                deploy(config)
+                wait_for_grpc(config)
+                print(f"{workload.name} / {policy}: {len(workload.prompts)} requests ...",
+                      flush=True)
+                records = asyncio.run(replay(config.grpc_port, config.app_name, workload,
+                                             args.max_tokens))
+                result = {**summarize(records), "requests_per_worker": per_worker_requests(config)}
+                out[workload.name][policy] = result
+                print(f"  {json.dumps(result)}", flush=True)
+                serve.delete(config.app_name)  # the next app indexes in its own namespace
     serve.shutdown()
     ray.shutdown()
     return out
@@ -257,29 +187,73 @@ def environment() -> dict:
 
 
 def markdown(report: dict) -> str:
-    cfg, pol = report["config"], report["policies"]
+    cfg = report["config"]
     lines = [f"# routing ({report['device']['cpu']}, {report['device']['cores']} cores, "
              f"{report['date']})", "",
              f"`{report['command']}`: {cfg['workers']} SmolLM2 workers (KV pool "
              f"{cfg['kv_blocks']} blocks each), {cfg['tenants']} tenants x "
-             f"{cfg['system_tokens']}-token system prompts, {cfg['requests']} requests at "
-             f"{cfg['rate']} req/s (Poisson), {cfg['max_tokens']} output tokens each.", "",
-             "| policy | hit rate | TTFT p50 / p99 ms | e2e p50 / p99 ms | req/s | out tok/s | "
-             "requests per worker |", "|---|---|---|---|---|---|---|"]
-    for name, r in pol.items():
-        lines.append(f"| {name} | {r['hit_rate']:.1%} | {r['ttft_ms']['p50']} / "
-                     f"{r['ttft_ms']['p99']} | {r['e2e_ms']['p50']} / {r['e2e_ms']['p99']} | "
-                     f"{r['requests_per_s']} | {r['output_tok_s']} | {r['requests_per_worker']} |")
-    lines += ["", "| ratio (prefix vs baseline) | x |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in report["ratios"].items()]
+             f"{cfg['system_tokens']}-token system prompts, {cfg['max_tokens']} output tokens "
+             "a request.", ""]
+    for name, pol in report["policies"].items():
+        lines += [f"## {name}: {report['workloads'][name]}", "",
+                  "| policy | hit rate | TTFT p50 / p99 ms | e2e p50 / p99 ms | req/s | out tok/s "
+                  "| requests per worker |", "|---|---|---|---|---|---|---|"]
+        for policy, r in pol.items():
+            lines.append(f"| {policy} | {r['hit_rate']:.1%} | {r['ttft_ms']['p50']} / "
+                         f"{r['ttft_ms']['p99']} | {r['e2e_ms']['p50']} / {r['e2e_ms']['p99']} "
+                         f"| {r['requests_per_s']} | {r['output_tok_s']} | "
+                         f"{r['requests_per_worker']} |")
+        ratios = report["ratios"].get(name, {})
+        if ratios:
+            lines += ["", "| prefix vs | TTFT p50 | TTFT p99 | throughput |", "|---|---|---|---|"]
+            lines += [f"| {base} | {r['ttft_p50_speedup']}x | {r['ttft_p99_speedup']}x | "
+                      f"{r['throughput_ratio']}x |" for base, r in ratios.items()]
+        lines.append("")
     idx = report.get("index")
     if idx:
-        lines += ["", f"Index: {idx['num_blocks']:,} blocks from {idx['num_workers']} workers "
+        lines += [f"Index: {idx['num_blocks']:,} blocks from {idx['num_workers']} workers "
                   f"({idx['total_entries']:,} entries, Redis {idx['redis_used_memory_mb']} MB): "
                   f"lookup p50 {idx['lookup_ms']['p50']} ms, p99 {idx['lookup_ms']['p99']} ms "
-                  f"over {idx['num_lookups']} lookups."]
-    lines += ["", f"Targets: {json.dumps(report['targets_met'])}"]
+                  f"over {idx['num_lookups']} lookups.", ""]
+    lines += [f"Targets: {json.dumps(report['targets_met'])}"]
     return "\n".join(lines) + "\n"
+
+
+def ratios_of(policies: dict) -> dict:
+    """{workload: {baseline: prefix's TTFT p50/p99 speed-ups and throughput ratio}}."""
+    out = {}
+    for name, pol in policies.items():
+        if "prefix" not in pol:
+            continue
+        p = pol["prefix"]
+        out[name] = {base: dict(
+            ttft_p50_speedup=round(pol[base]["ttft_ms"]["p50"] / p["ttft_ms"]["p50"], 2),
+            ttft_p99_speedup=round(pol[base]["ttft_ms"]["p99"] / p["ttft_ms"]["p99"], 2),
+            throughput_ratio=round(p["output_tok_s"] / pol[base]["output_tok_s"], 2))
+            for base in ("round_robin", "power_of_two") if base in pol}
+    return out
+
+
+def targets_met(policies: dict, ratios: dict, index: dict | None) -> dict:
+    met = {}
+    rr = {name: r.get("round_robin") for name, r in ratios.items()}
+    if "prefix" in policies.get("poisson", {}):
+        met["poisson_hit_rate"] = policies["poisson"]["prefix"]["hit_rate"] >= TARGETS["hit_rate"]
+    if rr.get("poisson"):
+        met["poisson_ttft_p50_2x_vs_round_robin"] = (
+            rr["poisson"]["ttft_p50_speedup"] >= TARGETS["ttft_p50_speedup_vs_round_robin"])
+    if rr.get("closed"):
+        met["closed_throughput_1.3x_vs_round_robin"] = (
+            rr["closed"]["throughput_ratio"] >= TARGETS["closed_throughput_vs_round_robin"])
+        met["closed_ttft_p50_2x_vs_round_robin"] = (
+            rr["closed"]["ttft_p50_speedup"] >= TARGETS["closed_ttft_p50_speedup_vs_round_robin"])
+    if rr.get("closed_unrelated"):
+        met["closed_unrelated_throughput_0.95x_vs_round_robin"] = (
+            rr["closed_unrelated"]["throughput_ratio"]
+            >= TARGETS["closed_unrelated_throughput_vs_round_robin"])
+    if index:
+        met["lookup_p99_le_2ms"] = index["lookup_ms"]["p99"] <= TARGETS["lookup_p99_ms"]
+    return met
 
 
 def main() -> int:
@@ -287,8 +261,14 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--requests", type=int, default=120)
-    parser.add_argument("--rate", type=float, default=0.4, help="arrivals per second")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--requests", type=int, default=120, help="poisson: requests")
+    parser.add_argument("--rate", type=float, default=0.4, help="poisson: arrivals per second")
+    parser.add_argument("--bursts", type=int, default=4)
+    parser.add_argument("--burst-size", type=int, default=16)
+    parser.add_argument("--burst-every-s", type=float, default=8.0)
+    parser.add_argument("--closed-requests", type=int, default=96, help="closed loops: requests")
+    parser.add_argument("--clients-per-worker", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=320)
     parser.add_argument("--seed", type=int, default=0)
@@ -300,34 +280,16 @@ def main() -> int:
 
     from mxserve.worker.model.loader import open_checkpoint
 
-    tokenizer = open_checkpoint(None).tokenizer
-    requests = workload(args, tokenizer)
+    loads = workloads(args, open_checkpoint(None).tokenizer)
     load_at_start = [round(x, 2) for x in os.getloadavg()]
-    policies = serve_policies(args, requests)
+    policies = serve_policies(args, loads)
     index = index_lookup_latency(args) if args.index_blocks else None
-    ratios = {}
-    if "prefix" in policies:
-        p = policies["prefix"]
-        for base in (b for b in ("round_robin", "power_of_two") if b in policies):
-            b = policies[base]
-            ratios[f"ttft_p50_speedup_vs_{base}"] = round(b["ttft_ms"]["p50"]
-                                                          / p["ttft_ms"]["p50"], 2)
-            ratios[f"ttft_p99_speedup_vs_{base}"] = round(b["ttft_ms"]["p99"]
-                                                          / p["ttft_ms"]["p99"], 2)
-            ratios[f"throughput_ratio_vs_{base}"] = round(p["output_tok_s"]
-                                                          / b["output_tok_s"], 2)
-    met = {}
-    if "prefix" in policies:
-        met["hit_rate"] = policies["prefix"]["hit_rate"] >= TARGETS["hit_rate"]
-    if "ttft_p50_speedup_vs_round_robin" in ratios:
-        met["ttft_p50_2x_vs_round_robin"] = (ratios["ttft_p50_speedup_vs_round_robin"]
-                                             >= TARGETS["ttft_p50_speedup_vs_round_robin"])
-    if index:
-        met["lookup_p99_le_2ms"] = index["lookup_ms"]["p99"] <= TARGETS["lookup_p99_ms"]
+    ratios = ratios_of(policies)
     report = {**environment(), "config": {**{k: v for k, v in vars(args).items() if k != "out"},
                                           "load_average_at_start": load_at_start},
-              "policies": policies, "ratios": ratios, "index": index, "targets": TARGETS,
-              "targets_met": met}
+              "workloads": {w.name: w.about for w in loads}, "policies": policies,
+              "ratios": ratios, "index": index, "targets": TARGETS,
+              "targets_met": targets_met(policies, ratios, index)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

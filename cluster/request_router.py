@@ -73,6 +73,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None and decision.order:
             request_id = pending_request.metadata.internal_request_id
             self._prompts[request_id] = (prompt_len, decision.held_tokens)
+            while len(self._prompts) > self._get_policy().dispatched.max_entries:
+                del self._prompts[next(iter(self._prompts))]  # never dispatched
             self._record(request_id, decision.order[0])
         return [[by_id[replica_id]] for replica_id in decision.order]
 

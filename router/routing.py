@@ -90,16 +90,22 @@ class Dispatched:
     know yet is what was dispatched after the report was taken; an older dispatch is in it
     (as waiting, running or done)."""
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[str, int, float]] = {}
+    def __init__(self, max_entries: int = 100_000) -> None:
+        # a choice Serve never dispatched (cancelled first) gets no completion: the oldest
+        # entries go past max_entries; a report newer than an entry already ignores it
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[str, int, float]] = {}  # in dispatch order
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def add(self, request_id: str, replica_id: str, prefill_tokens: int,
             at: float | None = None) -> None:
+        self._entries.pop(request_id, None)
         self._entries[request_id] = (replica_id, prefill_tokens,
                                      time.time() if at is None else at)
+        while len(self._entries) > self.max_entries:
+            del self._entries[next(iter(self._entries))]
 
     def replica_of(self, request_id: str) -> str | None:
         entry = self._entries.get(request_id)

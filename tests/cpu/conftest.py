@@ -86,8 +86,8 @@ class Served:
         wait_for_grpc(config)
         return config
 
-    def requests_per_worker(self) -> dict[str, int]:
-        return {w.worker_id: w.num_requests_total for w in self.wait_idle()}
+    def requests_per_worker(self, app: str | None = None) -> dict[str, int]:
+        return {w.worker_id: w.num_requests_total for w in self.wait_idle(app)}
 
     def wait_idle(self, app: str | None = None, timeout_s: float = 20.0):
         """Every worker's load once none runs, waits or holds KV blocks (or fail)."""
@@ -102,16 +102,17 @@ class Served:
                 time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def monkeypatch_env():
     with pytest.MonkeyPatch.context() as mp:
         yield mp
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served(tiny_checkpoint, monkeypatch_env, redis_server):
     """A local multi-node Ray cluster serving a tiny Llama over gRPC, with prefix-aware
-    routing against a real redis-server."""
+    routing against a real redis-server: one for the session (test_serve_cluster.py,
+    test_serve_routing.py)."""
     import ray
     from ray.cluster_utils import Cluster
 

@@ -208,6 +208,10 @@ def test_dispatches_the_report_already_counts_are_not_counted_twice():
     assert ledger.since("a", 11.0) == (0, 0) and ledger.replica_of("x") == "a"
     ledger.drop_replica("a")
     assert len(ledger) == 1 and ledger.replica_of("x") is None
+    bounded = Dispatched(max_entries=2)
+    for i in range(3):
+        bounded.add(f"q{i}", "a", 1, at=float(i))
+    assert len(bounded) == 2 and bounded.replica_of("q0") is None
     router = PrefixRouter(None, RoutingConfig(request_tokens=64))
     router.dispatched.add("w", "a", 500, at=20.0)
     report = ReplicaLoad("a", 2, 0.0, pending_prefill_tokens=300, reported_at=19.0)

@@ -1,0 +1,116 @@
+"""Routing under bursts, end to end on the session's multi-node cluster (`served`,
+tests/cpu/conftest.py: real Ray, a real redis-server, gRPC on loopback): a burst of concurrent
+requests splits evenly over the workers, and a burst sharing a 1,024-token cached prefix stays
+with its holder while the holder is idle and spreads once the holder is loaded.
+
+Every request of a burst is sent at once (a barrier), so all of them are routed before any
+worker's load report can count them: only the router's own count of what it dispatched keeps
+the choices apart."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mxserve.cluster.config import Resources
+
+
+def _burst(served, prompts: list[list[int]], app: str | None = None, max_tokens: int = 24,
+           wait: bool = True) -> dict[str, int] | list:
+    """Send every prompt at once; requests each worker got (wait) or the pending futures."""
+    before = served.requests_per_worker(app) if wait else None
+    barrier = threading.Barrier(len(prompts))
+
+    def one(prompt):
+        with served.client(app) as client:
+            barrier.wait()
+            return client.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
+
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(one, p) for p in prompts]
+    pool.shutdown(wait=False)
+    if not wait:
+        return futures
+    assert all(len(f.result(timeout=120).token_ids) == max_tokens for f in futures)
+    after = served.requests_per_worker(app)
+    return {w: after[w] - before.get(w, 0) for w in after}
+
+
+def _unrelated(n: int, seed: int, length: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+
+
+def _within_one_of_even(got: dict[str, int], n: int, workers: int) -> bool:
+    return len(got) == workers and all(abs(c - n / workers) <= 1 for c in got.values())
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_a_burst_of_unrelated_prompts_splits_evenly_over_two_workers(served, n):
+    got = _burst(served, _unrelated(n, seed=n))
+    assert _within_one_of_even(got, n, 2), got
+
+
+def test_a_burst_splits_evenly_over_four_workers(served):
+    from ray import serve
+
+    four = served.deploy(app_name="four", num_workers=4,
+                         worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}))
+    try:
+        for seed in (1, 2):
+            got = _burst(served, _unrelated(16, seed=100 + seed), "four")
+            assert _within_one_of_even(got, 16, 4), got
+    finally:
+        serve.delete(four.app_name)
+
+
+def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loaded(
+        served, tiny_checkpoint):
+    """The holder wins while recomputing the 1,024 tokens elsewhere costs more than the work
+    queued on it (routing.request_tokens per request); past that point the burst spreads."""
+    from ray import serve
+
+    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
+    app = served.deploy(app_name="long", model=model, num_workers=2,
+                        engine={**served.config.engine, "num_kv_blocks": 2048},
+                        routing=dict(retry_after_s=0.5, stats_period_s=0.25),
+                        worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}))
+    prefix = [random.Random(7).randrange(3, 256) for _ in range(1024)]
+    try:
+        with served.client(app.app_name) as client:
+            client.generate(prefix + [3], max_tokens=2, ignore_eos=True)
+            deadline = time.monotonic() + 20
+            while client.generate(prefix + [4], max_tokens=2,  # the index has it
+                                  ignore_eos=True).cached_tokens < 1024:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        suffixes = [[5 + i] * 8 for i in range(8)]
+        got = _burst(served, [prefix + s for s in suffixes], app.app_name, max_tokens=4)
+        holder = max(got, key=got.get)
+        assert got[holder] >= 7, got  # idle holder: the burst stays
+        # Load the holder: 16 long requests sharing the prefix (most of them go there, by
+        # affinity), running while a second burst arrives.
+        loaders = _burst(served, [prefix + [9, i] for i in range(16)], app.app_name,
+                         max_tokens=600, wait=False)
+        with served.client(app.app_name) as client:
+            deadline = time.monotonic() + 30
+            while max(w.num_running for w in client.health().workers) < 12:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            before = {w.worker_id: w.num_requests_total for w in client.health().workers}
+            running = {w.worker_id: w.num_running for w in client.health().workers}
+        barrier_prompts = [prefix + s + [11] for s in suffixes]
+        second = _burst(served, barrier_prompts, app.app_name, max_tokens=4, wait=False)
+        assert all(len(f.result(timeout=120).token_ids) == 4 for f in second)
+        with served.client(app.app_name) as client:
+            after = {w.worker_id: w.num_requests_total for w in client.health().workers}
+        spread = {w: after[w] - before[w] for w in after}
+        busy = max(running, key=running.get)
+        assert running[busy] >= 12 and spread[busy] <= 4, (running, spread)
+        assert all(len(f.result(timeout=180).token_ids) == 600 for f in loaders)
+    finally:
+        serve.delete(app.app_name)
