@@ -84,8 +84,10 @@ def init_ray(address: str | None, config: ServeConfig, **ray_options) -> None:
         logging.ERROR)
     runtime_env = {"worker_process_setup_hook": "mxserve.cluster.logs.setup_process",
                    "env_vars": {GRPC_HOST_ENV: config.host}}
-    ray.init(include_dashboard=False, _metrics_export_port=config.metrics_port,
-             runtime_env=runtime_env, **ray_options)
+    # address "local": a Ray of its own, even where another runs on this machine (which
+    # `--address auto` would join)
+    ray.init(address="local", include_dashboard=False,
+             _metrics_export_port=config.metrics_port, runtime_env=runtime_env, **ray_options)
 
 
 def _warnings_only(record: logging.LogRecord) -> bool:

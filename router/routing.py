@@ -10,9 +10,10 @@ Each candidate worker is scored, in prompt tokens:
 
 cached_prompt_tokens comes from the global prefix index (one Redis round trip: the leading prompt
 blocks each worker holds). The work is what the worker last reported (its prompt tokens not yet
-prefilled, its requests; polled every `stats_period_s`) plus what this router has dispatched to
-it since that report and not yet seen finish (`Dispatched`): consecutive choices within one burst
-see each other instead of all reading the same stale report. So a worker that holds a prefix of
+prefilled, its requests; polled every `stats_period_s`) corrected by what this router knows
+since (`Dispatched`): the requests it dispatched after the report, less those the report counts
+that have finished since. Consecutive choices within one burst see each other instead of all
+reading the same stale report. So a worker that holds a prefix of
 N tokens wins until the work queued on it exceeds the others' by N / load_weight tokens: a cached
 prefix is weighed against the prefill and decode work it would wait behind, and spreads once
 recomputing it elsewhere is cheaper. Prompts that nobody holds go to the least loaded worker
@@ -85,16 +86,18 @@ class ReplicaLoad:
 
 
 class Dispatched:
-    """What this router sent to each worker and has not seen finish: request id -> (worker,
-    prefill tokens it brings, wall-clock dispatch time). The part a worker's report cannot
-    know yet is what was dispatched after the report was taken; an older dispatch is in it
-    (as waiting, running or done)."""
+    """What this router sent to each worker, as a correction to the worker's last report: the
+    requests dispatched after the report was taken (it cannot know them yet), minus those
+    dispatched before it that have finished since (it still counts them). Entries: request id
+    -> (worker, prefill tokens it brings, wall-clock dispatch time); finished ones are kept
+    `keep_done_s` with their finish time."""
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    def __init__(self, max_entries: int = 100_000, keep_done_s: float = 10.0) -> None:
         # a choice Serve never dispatched (cancelled first) gets no completion: the oldest
         # entries go past max_entries; a report newer than an entry already ignores it
-        self.max_entries = max_entries
+        self.max_entries, self.keep_done_s = max_entries, keep_done_s
         self._entries: dict[str, tuple[str, int, float]] = {}  # in dispatch order
+        self._done: dict[str, tuple[str, float, float]] = {}  # (worker, dispatched, finished)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,18 +114,28 @@ class Dispatched:
         entry = self._entries.get(request_id)
         return entry[0] if entry else None
 
-    def done(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
+    def done(self, request_id: str, at: float | None = None) -> None:
+        entry = self._entries.pop(request_id, None)
+        now = time.time() if at is None else at
+        if entry is not None:
+            self._done[request_id] = (entry[0], entry[2], now)
+        while self._done and next(iter(self._done.values()))[2] < now - self.keep_done_s:
+            del self._done[next(iter(self._done))]
 
     def drop_replica(self, replica_id: str) -> None:
         self._entries = {k: v for k, v in self._entries.items() if v[0] != replica_id}
+        self._done = {k: v for k, v in self._done.items() if v[0] != replica_id}
 
     def since(self, replica_id: str, reported_at: float | None) -> tuple[int, int]:
-        """(requests, prefill tokens) sent to the worker after its report at reported_at."""
+        """(requests, prefill tokens) to add to the worker's report taken at reported_at (None:
+        no report yet, so every request in flight); requests may be negative."""
         requests = tokens = 0
         for rid, n, at in self._entries.values():
             if rid == replica_id and (reported_at is None or at >= reported_at):
                 requests, tokens = requests + 1, tokens + n
+        if reported_at is not None:
+            requests -= sum(1 for rid, at, finished in self._done.values()
+                            if rid == replica_id and at < reported_at <= finished)
         return requests, tokens
 
 
@@ -176,7 +189,7 @@ class PrefixRouter:
         since."""
         requests, prefill = self.dispatched.since(load.replica_id, load.reported_at)
         return (load.pending_prefill_tokens + prefill
-                + self.config.request_tokens * (load.num_ongoing + requests))
+                + self.config.request_tokens * max(0, load.num_ongoing + requests))
 
     def _recently_sent(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the prompt that recent routing sent to one replica."""

@@ -208,6 +208,15 @@ def test_dispatches_the_report_already_counts_are_not_counted_twice():
     assert ledger.since("a", 11.0) == (0, 0) and ledger.replica_of("x") == "a"
     ledger.drop_replica("a")
     assert len(ledger) == 1 and ledger.replica_of("x") is None
+    ledger = Dispatched(keep_done_s=5.0)
+    ledger.add("p", "a", 10, at=1.0)
+    ledger.add("q", "a", 10, at=3.0)
+    ledger.done("p", at=4.0)  # finished after a's report at 2: the report still counts it
+    assert ledger.since("a", 2.0) == (1 - 1, 10)  # q not in the report, p no longer running
+    assert ledger.since("a", 4.5) == (0, 0)  # a newer report knows both
+    ledger.add("r", "a", 10, at=1.5)
+    ledger.done("r", at=20.0)  # p's finish is past keep_done_s now: forgotten; r is not
+    assert ledger.since("a", 2.0) == (1 - 1, 10)
     bounded = Dispatched(max_entries=2)
     for i in range(3):
         bounded.add(f"q{i}", "a", 1, at=float(i))

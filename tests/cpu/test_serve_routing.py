@@ -5,7 +5,7 @@ with its holder while the holder is idle and spreads once the holder is loaded.
 
 Every request of a burst is sent at once (a barrier), so all of them are routed before any
 worker's load report can count them: only the router's own count of what it dispatched keeps
-the choices apart."""
+the choices apart. (Before it, 8 such requests on 2 workers all went to one.)"""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import pytest
 from mxserve.cluster.config import Resources
 
 
-def _burst(served, prompts: list[list[int]], app: str | None = None, max_tokens: int = 24,
+def _burst(served, prompts: list[list[int]], app: str | None = None, max_tokens: int = 200,
            wait: bool = True) -> dict[str, int] | list:
-    """Send every prompt at once; requests each worker got (wait) or the pending futures."""
+    """Send every prompt at once; requests each worker got (wait) or the pending futures. The
+    default length keeps every request of a burst running until the last is routed (a request
+    that has finished frees its worker, and the next may rightly go there)."""
     before = served.requests_per_worker(app) if wait else None
     barrier = threading.Barrier(len(prompts))
 
@@ -98,9 +100,9 @@ def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loade
                          max_tokens=600, wait=False)
         with served.client(app.app_name) as client:
             deadline = time.monotonic() + 30
-            while max(w.num_running for w in client.health().workers) < 12:
+            while sum(w.num_running for w in client.health().workers) < 16:
                 assert time.monotonic() < deadline
-                time.sleep(0.05)
+                time.sleep(0.02)
             before = {w.worker_id: w.num_requests_total for w in client.health().workers}
             running = {w.worker_id: w.num_running for w in client.health().workers}
         barrier_prompts = [prefix + s + [11] for s in suffixes]
@@ -110,7 +112,7 @@ def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loade
             after = {w.worker_id: w.num_requests_total for w in client.health().workers}
         spread = {w: after[w] - before[w] for w in after}
         busy = max(running, key=running.get)
-        assert running[busy] >= 12 and spread[busy] <= 4, (running, spread)
+        assert running[busy] >= 12 and spread[busy] <= 3, (running, spread)
         assert all(len(f.result(timeout=180).token_ids) == 600 for f in loaders)
     finally:
         serve.delete(app.app_name)
