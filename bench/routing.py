@@ -69,7 +69,8 @@ def base_config(args, redis_url: str):
         num_workers=args.workers, redis_url=redis_url, grpc_port=free_port(),
         http_port=free_port(), proxy_location="HeadOnly", max_queued_requests=256,
         engine=dict(num_threads=1, num_kv_blocks=args.kv_blocks, max_num_seqs=16),
-        worker_resources=Resources(num_cpus=0.25), router_resources=Resources(num_cpus=0.25))
+        worker_resources=Resources(num_cpus=0.25), router_resources=Resources(num_cpus=0.25),
+        routing=dict(json.loads(args.routing)))
 
 
 def per_worker_requests(config) -> list[int]:
@@ -273,6 +274,8 @@ def main() -> int:
     parser.add_argument("--kv-blocks", type=int, default=320)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--routing", default="{}",
+                        help='routing options as JSON, e.g. \'{"request_tokens": 16}\'')
     parser.add_argument("--index-blocks", type=int, default=1_000_000)
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "routing.json"))
