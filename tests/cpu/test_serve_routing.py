@@ -112,7 +112,9 @@ def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loade
             after = {w.worker_id: w.num_requests_total for w in client.health().workers}
         spread = {w: after[w] - before[w] for w in after}
         busy = max(running, key=running.get)
-        assert running[busy] >= 12 and spread[busy] <= 3, (running, spread)
+        # at least half goes elsewhere (all of it where the other worker got a loader and holds
+        # the prefix too; alternating where it recomputes it), against >= 7 of 8 when idle
+        assert running[busy] >= 12 and spread[busy] <= 4, (running, spread)
         assert all(len(f.result(timeout=180).token_ids) == 600 for f in loaders)
     finally:
         serve.delete(app.app_name)
