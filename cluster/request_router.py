@@ -64,8 +64,9 @@ class PrefixAwareRequestRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self._load(r) for r in candidate_replicas]
-        hashes, block_size = self._prompt_hashes(candidate_replicas, pending_request)
-        prompt_len = len(pending_request.args[0]) if hashes else 0
+        prompt = self._prompt(pending_request)
+        hashes, block_size = self._prompt_hashes(candidate_replicas, prompt)
+        prompt_len = len(prompt) if prompt is not None else 0
         policy = self._get_policy()
         decision = await policy.route(loads, hashes, block_size, prompt_len)
         if decision.cached_tokens:
@@ -73,7 +74,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None and decision.order:
             request_id = pending_request.metadata.internal_request_id
             self._prompts[request_id] = (prompt_len, decision.held_tokens)
-            while len(self._prompts) > self._get_policy().dispatched.max_entries:
+            while len(self._prompts) > policy.dispatched.max_entries:
                 del self._prompts[next(iter(self._prompts))]  # never dispatched
             self._record(request_id, decision.order[0])
         return [[by_id[replica_id]] for replica_id in decision.order]
@@ -110,16 +111,21 @@ class PrefixAwareRequestRouter(RequestRouter):
                            stats.get("num_prefill_tokens_pending", 0), stats.get("reported_at"))
 
     @staticmethod
-    def _prompt_hashes(replicas: list[RunningReplica],
-                       pending: PendingRequest | None) -> tuple[list[int], int]:
-        """The prompt's block hashes as the workers compute them ([] when unknown)."""
+    def _prompt(pending: PendingRequest | None) -> list[int] | None:
+        """The pending `generate` call's prompt token ids (None for other calls)."""
         if pending is None or pending.metadata.call_method != "generate" or not pending.args:
-            return [], 0
+            return None
+        return pending.args[0]
+
+    @staticmethod
+    def _prompt_hashes(replicas: list[RunningReplica],
+                       prompt: list[int] | None) -> tuple[list[int], int]:
+        """The prompt's block hashes as the workers compute them ([] when unknown)."""
         meta = next((r.replica_metadata for r in replicas if r.replica_metadata), None)
-        if meta is None:
+        if prompt is None or meta is None:
             return [], 0
         block_size = meta["block_size"]
-        return block_hashes(pending.args[0], block_size, meta["model_id"]), block_size
+        return block_hashes(prompt, block_size, meta["model_id"]), block_size
 
 
 class RoundRobinRequestRouter(FIFOMixin, RequestRouter):

@@ -76,7 +76,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """A worker's last load report (or Serve's queue length where it knows more)."""
+    """A worker's last load report (Serve polls it every `stats_period_s`)."""
 
     replica_id: str
     num_ongoing: int  # requests running or waiting there
