@@ -35,7 +35,9 @@ class Worker:
         self.num_in_flight = 0  # requests admitted and not yet finished (event-loop side)
         self.num_requests_total = 0  # requests admitted
         self.num_requests_aborted = 0  # admitted, then closed before they finished
-        self.num_prefill_tokens_pending = 0  # prompt tokens of admitted requests with no output
+        # prompt tokens of admitted requests with no output yet, less the prefix-cache hits each
+        # had when admitted: the prefill work queued here, as routing weighs it
+        self.num_prefill_tokens_pending = 0
         # Running totals, read by the metrics exporter.
         self.num_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
@@ -71,17 +73,22 @@ class Worker:
             raise ServeError(RESOURCE_EXHAUSTED,
                              f"worker {self.worker_id} is full: {self.num_in_flight} requests "
                              f"running or queued (limit {self.capacity}); retry later")
+        try:
+            request = self.engine.make_request(prompt_token_ids, params, request_id)
+        except InvalidRequestError as e:
+            raise ServeError.invalid(e) from None
+        pending = len(prompt_token_ids) - self.engine.num_prefix_hit_tokens(request)
         self.num_in_flight += 1
         self.num_requests_total += 1
-        self.num_prefill_tokens_pending += len(prompt_token_ids)
+        self.num_prefill_tokens_pending += pending
         first, finished = True, False
         try:
-            async for out in self.async_engine.generate(prompt_token_ids, params, request_id):
+            async for out in self.async_engine.stream(request):
                 finished = out.finished
                 if first:
                     self.num_prompt_tokens += out.num_prompt_tokens
                     self.num_prefix_hit_tokens += out.num_cached_tokens
-                    self.num_prefill_tokens_pending -= len(prompt_token_ids)
+                    self.num_prefill_tokens_pending -= pending
                     first = False
                 self.num_output_tokens += len(out.new_token_ids)
                 yield out
@@ -92,7 +99,7 @@ class Worker:
             self.num_in_flight -= 1
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
-                self.num_prefill_tokens_pending -= len(prompt_token_ids)
+                self.num_prefill_tokens_pending -= pending
 
     def load(self) -> dict:
         """The engine's load now; fields as in the proto's WorkerLoad. Waiting counts requests

@@ -162,8 +162,8 @@ class PrefixRouter:
         self.dispatched = Dispatched()  # the caller records dispatches and completions here
         self._index_down_until = 0.0
         self._index_down = False
-        # block hash -> (replica id, expiry): where recently routed prompts' blocks went
-        self._recent: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        # block hash -> {replica id: expiry}: where recently routed prompts' blocks went
+        self._recent: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     async def route(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int],
                     block_size: int, prompt_len: int = 0) -> Decision:
@@ -192,21 +192,24 @@ class PrefixRouter:
                 + self.config.request_tokens * max(0, load.num_ongoing + requests))
 
     def _recently_sent(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of the prompt that recent routing sent to one replica."""
-        now, replica_id, n = time.monotonic(), None, 0
-        for h in block_hashes:
-            entry = self._recent.get(h)
-            if entry is None or entry[1] < now or replica_id not in (None, entry[0]):
+        """Per replica, the leading blocks of the prompt that recent routing sent there (each
+        replica sent a prefix keeps it: it holds those blocks once its prefill ends)."""
+        now, held = time.monotonic(), {}
+        for i, h in enumerate(block_hashes):
+            sent_to = [r for r, expiry in self._recent.get(h, {}).items()
+                       if expiry >= now and held.get(r, 0) == i]
+            if not sent_to:
                 break
-            replica_id, n = entry[0], n + 1
-        return {replica_id: n} if replica_id is not None else {}
+            for replica_id in sent_to:
+                held[replica_id] = i + 1
+        return held
 
     def _remember(self, block_hashes: Sequence[int], replica_id: str) -> None:
         if not self.config.recent_ttl_s:
             return
         expiry = time.monotonic() + self.config.recent_ttl_s
         for h in block_hashes:
-            self._recent[h] = (replica_id, expiry)
+            self._recent.setdefault(h, {})[replica_id] = expiry
             self._recent.move_to_end(h)
         while len(self._recent) > self.config.max_recent_blocks:
             self._recent.popitem(last=False)

@@ -22,6 +22,7 @@ from mxserve.api.outputs import StepOutput, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.engine import Engine
 from mxserve.worker.kv_cache import KVEvent
+from mxserve.worker.request import Request
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class AsyncEngine:
         Raises InvalidRequestError before anything streams if the request is bad.
         """
         request = self.engine.make_request(prompt_token_ids, sampling_params, request_id)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request) -> AsyncIterator[StepOutput]:
+        """`generate` for a request built by `engine.make_request` (safe on any thread)."""
         rid = request.request_id
         if rid in self._streams:
             from mxserve.api.errors import InvalidRequestError

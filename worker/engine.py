@@ -125,6 +125,11 @@ class Engine:
                             self.model_config.model_id)
         return request
 
+    def num_prefix_hit_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix cache would supply if the request were admitted now. Reads
+        one dict by key per block, so another thread may call it while the engine steps."""
+        return len(self.scheduler.prefix_hits(request)) * self.kv.block_size
+
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")

@@ -124,7 +124,7 @@ class Scheduler:
             request = self.waiting[0]
             if plan.preempted and request in plan.preempted:
                 break  # don't re-admit in the step that preempted it
-            hits = self._prefix_hits(request)
+            hits = self.prefix_hits(request)
             num_computed = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate(request.request_id, num_computed + num_new, hits):
@@ -138,9 +138,10 @@ class Scheduler:
             plan.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-    def _prefix_hits(self, request: Request) -> list[int]:
-        # At least one token must be computed to produce logits, so a fully cached prompt
-        # reuses all but its last block.
+    def prefix_hits(self, request: Request) -> list[int]:
+        """Block ids of the request's leading blocks in the prefix cache now (changes nothing).
+        At least one token must be computed to produce logits, so a fully cached prompt reuses
+        all but its last block."""
         usable = (request.num_tokens - 1) // self.kv.block_size
         return self.kv.lookup_prefix(request.block_hashes[:usable])
 

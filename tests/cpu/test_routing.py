@@ -105,6 +105,27 @@ def test_a_burst_sharing_a_new_prefix_follows_the_first_request(redis_server):
     asyncio.run(main())
 
 
+def test_every_worker_sent_a_prefix_keeps_it_while_it_prefills(redis_server):
+    """The holder is loaded, so one request recomputes the prefix elsewhere; once the next goes
+    back to the holder, the other worker still counts as holding it (its prefill is queued, the
+    index learns of it only when done): the burst alternates instead of piling on the holder."""
+    async def main():
+        index = await index_with(redis_server, a=64)
+        router = PrefixRouter(index, RoutingConfig(request_tokens=64, kv_weight=0,
+                                                   cache_weight=0))
+        report = [ReplicaLoad("a", 16, 0.0, reported_at=0.0),
+                  ReplicaLoad("b", 0, 0.0, reported_at=0.0)]
+        got = []
+        for i in range(8):
+            d = await router.route(report, HASHES, BS, len(PROMPT) + 8)
+            got.append(d.order[0])
+            router.dispatched.add(f"r{i}", d.order[0], len(PROMPT) + 8
+                                  - d.held_tokens.get(d.order[0], 0), at=1.0)
+        assert got[0] == "b" and got.count("b") >= 4, got
+        await index.close()
+    asyncio.run(main())
+
+
 def test_redis_down_falls_back_to_two_choices_then_comes_back():
     server = LocalRedis().start()
     observed = Observed()

@@ -164,6 +164,32 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
     worker.engine.kv.check_integrity()
 
 
+def test_worker_reports_the_prefill_its_prefix_cache_will_not_supply(tiny_checkpoint):
+    """Routing weighs a cached prefix against the prefill work queued on a worker: a request
+    whose first 32 tokens are cached there counts only the rest, until its first output."""
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoint("llama")), load_progress=False,
+                                       dtype="float32", num_kv_blocks=64, max_num_seqs=2))
+    prefix = list(range(5, 37))  # two full blocks of 16
+    engine.add_request(prefix + [40], SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    worker = Worker(engine, max_queued_requests=4)  # not started: requests wait, admitted
+
+    async def admit():
+        streams = [worker.generate(prompt, SamplingParams(max_tokens=2), rid)
+                   for rid, prompt in (("hit", prefix + [41] * 9), ("miss", [42] * 20))]
+        tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0.05)
+        pending = worker.load()["num_prefill_tokens_pending"]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return pending
+
+    assert asyncio.run(admit()) == 9 + 20
+    assert worker.load()["num_prefill_tokens_pending"] == 0  # cancelled before any output
+
+
 def test_stop_string_seen_by_the_router_aborts_the_worker_request(tiny):
     router, worker = tiny
     full = asyncio.run(collect(router, build_request("w9", max_tokens=40, ignore_eos=True,
