@@ -4,6 +4,7 @@
   The engine rejects such a request at `add_request` and keeps serving the others. The gRPC layer
   maps it to INVALID_ARGUMENT.
 - `ModelLoadError`: a checkpoint is missing, corrupt or of an architecture mxserve cannot run.
+- `UnavailableError`: the engine has failed for good (a tensor-parallel rank died): UNAVAILABLE.
 - `ServeError`: a serving request failed with a status the client should get. `code` is a gRPC
   status code name; the router's Serve wrapper sets it on the call. It pickles by value, so a
   worker replica can raise it and the router receives it intact.
@@ -31,6 +32,11 @@ class InvalidRequestError(MxserveError, ValueError):
 
 class ModelLoadError(MxserveError):
     """A checkpoint could not be loaded (missing or corrupt files, unsupported architecture)."""
+
+
+class UnavailableError(MxserveError):
+    """The engine can serve no request any more (a tensor-parallel rank failed); another
+    worker can. The gRPC layer maps it to UNAVAILABLE (retriable)."""
 
 
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -71,4 +77,6 @@ def as_serve_error(error: BaseException) -> ServeError | None:
             return ServeError(e.code, e.message, e.field)
         if isinstance(e, InvalidRequestError):
             return ServeError.invalid(e)
+        if isinstance(e, UnavailableError):
+            return ServeError(UNAVAILABLE, str(e))
     return None

@@ -24,6 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="MX weights for the decoder linears, quantized while loading")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="the LM head in the same MX format too (needs an MX model)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of one engine: this process and N - 1 local processes "
+                        "(one GPU each on CUDA)")
 
 
 # Sampling flags: unset ones take the model's defaults (docs/sampling.md), as in the API.
@@ -99,7 +102,7 @@ def _serve_parser(sub) -> None:
     for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int),
                        ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
-                       ("num-threads", int)):
+                       ("num-threads", int), ("tensor-parallel-size", int)):
         p.add_argument(f"--{name}", type=kind, default=None, help="engine option")
 
 
@@ -160,7 +163,8 @@ def _llm(args):
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
-               quantize_lm_head=args.quantize_lm_head)
+               quantize_lm_head=args.quantize_lm_head,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args) -> int:
@@ -217,7 +221,7 @@ def _print_stream(texts) -> str:
 
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_kv_blocks", "kv_cache_memory_gb", "num_threads")
+                 "num_kv_blocks", "kv_cache_memory_gb", "num_threads", "tensor_parallel_size")
 
 
 def cmd_serve(args) -> int:

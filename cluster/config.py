@@ -98,6 +98,9 @@ class ServeConfig(BaseModel):
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
+    # How often Serve asks each worker whether it can still serve (a failed tensor-parallel
+    # rank, a dead engine thread); a worker that cannot is replaced.
+    health_check_period_s: float = Field(10.0, gt=0)
     # The global prefix index: redis://[:password@]host:port/db (rediss:// for TLS). None:
     # `mxserve serve` starts a local redis-server (embedded cluster only).
     redis_url: str | None = None

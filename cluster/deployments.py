@@ -46,7 +46,7 @@ class WorkerDeployment:
     """One engine replica: token ids in and out (the router detokenizes)."""
 
     async def __init__(self, engine_options: dict, max_queued_requests: int,
-                       index: dict | None = None) -> None:
+                       index: dict | None = None, rank_options: dict | None = None) -> None:
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
         from mxserve.worker.config import EngineConfig
@@ -58,7 +58,12 @@ class WorkerDeployment:
         config = EngineConfig(**engine_options)
         logger.info("worker %s: loading %s", replica_id, config.model or "SmolLM2-135M-Instruct")
         start = time.monotonic()
-        engine = await asyncio.to_thread(build_engine, config)
+        self.launcher = None  # tensor-parallel: ranks 1..N-1 as actors in this placement group
+        if config.tensor_parallel_size > 1:
+            from mxserve.cluster.tp_ranks import RayRankLauncher
+
+            self.launcher = RayRankLauncher(rank_options or {}, replica_id)
+        engine = await asyncio.to_thread(build_engine, config, self.launcher)
         logger.info("worker %s: ready in %.1f s (%s, %s, %d KV blocks of %d tokens)", replica_id,
                     time.monotonic() - start, engine.runner.device,
                     str(engine.runner.dtype).removeprefix("torch."), engine.kv.num_blocks,
@@ -78,6 +83,16 @@ class WorkerDeployment:
                        request_id: str) -> AsyncIterator[StepOutput]:
         async for out in self.worker.generate(prompt_token_ids, params, request_id):
             yield out
+
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising gets the replica (and its
+        tensor-parallel group) replaced."""
+        self.worker.check_health()
+
+    def group_node_ids(self) -> list[str]:
+        """The nodes of this replica and of its other tensor-parallel ranks, in rank order."""
+        ranks = self.launcher.node_ids() if self.launcher is not None else []
+        return [ray.get_runtime_context().get_node_id(), *ranks]
 
     def record_routing_stats(self) -> dict:
         """Serve polls this for request routers; the router's Health RPC reads it too."""
@@ -181,6 +196,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     engine_options = {**config.engine, "model": config.model}
     worker_options: dict = dict(
         ray_actor_options=config.worker_resources.ray_actor_options(),
+        health_check_period_s=config.health_check_period_s,
         # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.
         max_ongoing_requests=2 * (engine.max_num_seqs + config.max_queued_requests) + 1)
     if config.autoscaling is None:
@@ -206,8 +222,16 @@ def build_app(config: ServeConfig) -> serve.Application:
             request_routing_stats_period_s=config.routing.stats_period_s)
         index = dict(url=config.redis_url, namespace=config.index_namespace,
                      publisher=config.routing.publisher_options())
-    workers = WorkerDeployment.options(**worker_options).bind(engine_options,
-                                                              config.max_queued_requests, index)
+    rank_options = config.worker_resources.ray_actor_options()
+    if engine.tensor_parallel_size > 1:  # the replica's bundle, then one for each other rank
+        from mxserve.cluster.tp_ranks import rank_bundle
+
+        worker_options["placement_group_bundles"] = \
+            [rank_bundle(rank_options)] * engine.tensor_parallel_size
+        worker_options["placement_group_strategy"] = \
+            "STRICT_PACK" if config.worker_resources.num_gpus else "PACK"
+    workers = WorkerDeployment.options(**worker_options).bind(
+        engine_options, config.max_queued_requests, index, rank_options)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),

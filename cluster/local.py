@@ -33,6 +33,7 @@ def deploy(config: ServeConfig) -> None:
 
     from mxserve.cluster.deployments import SERVICER, build_app
 
+    check_placement(config)
     serve.start(
         proxy_location=config.proxy_location,
         logging_config={"log_level": "WARNING"},  # Serve's own actors; replicas set theirs
@@ -41,6 +42,20 @@ def deploy(config: ServeConfig) -> None:
                                  request_timeout_s=config.request_timeout_s))
     # Serve publishes an application to its proxies (gRPC included) only with a route prefix.
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+
+
+def check_placement(config: ServeConfig) -> None:
+    """ValueError when the Ray cluster cannot place one worker's tensor-parallel group."""
+    import ray
+
+    from mxserve.cluster.tp_ranks import group_fits, rank_bundle
+
+    size = config.engine_config().tensor_parallel_size
+    if size > 1:
+        why = group_fits(size, rank_bundle(config.worker_resources.ray_actor_options()),
+                         ray.nodes())
+        if why is not None:
+            raise ValueError(why)
 
 
 def wait_for_grpc(config: ServeConfig, timeout_s: float = 60.0) -> None:

@@ -14,7 +14,13 @@ import gc
 import time
 from collections.abc import AsyncIterator
 
-from mxserve.api.errors import RESOURCE_EXHAUSTED, InvalidRequestError, ServeError
+from mxserve.api.errors import (
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    InvalidRequestError,
+    ServeError,
+    UnavailableError,
+)
 from mxserve.api.outputs import StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.async_engine import AsyncEngine
@@ -59,6 +65,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
+        self.engine.shutdown()
         if self._froze_gc:
             gc.unfreeze()  # what was frozen is collectable again (a process may go on)
             self._froze_gc = False
@@ -95,11 +102,22 @@ class Worker:
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted
             raise ServeError.invalid(e) from None
+        except UnavailableError as e:
+            raise ServeError(UNAVAILABLE, f"worker {self.worker_id}: {e}") from None
         finally:
             self.num_in_flight -= 1
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
+
+    def check_health(self) -> None:
+        """Raise when this worker can serve no more (Serve then replaces the replica): its engine
+        failed (a tensor-parallel rank died or hung) or its engine thread is gone."""
+        if self.async_engine.fatal is not None:
+            raise RuntimeError(f"worker {self.worker_id}: {self.async_engine.fatal}")
+        self.engine.check_health()
+        if not self.async_engine.running:
+            raise RuntimeError(f"worker {self.worker_id}: the engine thread has stopped")
 
     def load(self) -> dict:
         """The engine's load now; fields as in the proto's WorkerLoad. Waiting counts requests

@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from mxserve.api.errors import UnavailableError
 from mxserve.api.outputs import StepOutput, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.engine import Engine
@@ -43,13 +44,20 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._error: BaseException | None = None
+        # Why the engine can step no more (a tensor-parallel rank failed), once it can't:
+        # requests in flight and later ones then fail with UnavailableError.
+        self.fatal: str | None = None
         self._kv_sink: KVSink | None = None
 
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mxserve-engine", daemon=True)
             self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """The loop thread was started and has not stopped."""
+        return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -69,6 +77,8 @@ class AsyncEngine:
 
     async def stream(self, request: Request) -> AsyncIterator[StepOutput]:
         """`generate` for a request built by `engine.make_request` (safe on any thread)."""
+        if self.fatal is not None:
+            raise UnavailableError(self.fatal)
         rid = request.request_id
         if rid in self._streams:
             from mxserve.api.errors import InvalidRequestError
@@ -113,12 +123,13 @@ class AsyncEngine:
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
+            idle = self.fatal is not None or not self.engine.has_unfinished_requests()
+            self._drain_commands(block=idle)
+            if self.fatal is not None or not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
-            except BaseException as e:  # a bug: fail every stream, keep the thread alive
+            except BaseException as e:  # fail every stream; keep the thread alive for aborts
                 self._fail_all(e)
                 continue
             self._flush_kv_events()
@@ -133,6 +144,8 @@ class AsyncEngine:
             kind, arg = command
             if kind == "add":
                 try:
+                    if self.fatal is not None:
+                        raise UnavailableError(self.fatal)
                     self.engine.add(arg)
                 except Exception as e:
                     self._deliver(arg.request_id, e)
@@ -176,9 +189,16 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: BaseException) -> None:
+        """A step raised: every request ends with an error. A bug fails those requests; a
+        failed tensor-parallel group (engine.check_health raises) fails the engine for good."""
+        try:
+            self.engine.check_health()
+        except Exception as e:
+            self.fatal = f"engine failed: {e}"
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self._deliver(rid, RuntimeError(f"engine step failed: {error!r}"))
+            self._deliver(rid, UnavailableError(self.fatal) if self.fatal else
+                          RuntimeError(f"engine step failed: {error!r}"))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

@@ -6,6 +6,7 @@ config can validate options without loading it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
-    tensor_parallel_size: int = 1  # only 1 until tensor parallelism lands (an error otherwise)
+    # Ranks of one engine (worker/tp_executor.py): rank 0 in this process, the others local
+    # processes (offline) or Ray actors in the replica's placement group (served).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0  # a collective waiting longer fails the group
+    tp_startup_timeout_s: float = 300.0  # ranks starting, joining and loading their shards
     attention_backend: str = "auto"  # "torch" (reference), "cpu" (C decode kernel), "triton"
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
     load_progress: bool = True
@@ -91,9 +96,10 @@ class EngineConfig:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.tensor_parallel_size != 1:  # an accepted option must do something
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported "
-                             "yet: every engine is one rank (use 1)")
+        if self.tp_timeout_s <= 0 or self.tp_startup_timeout_s <= 0:
+            raise ValueError("tp_timeout_s and tp_startup_timeout_s must be > 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
@@ -116,6 +122,14 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        """CPU intra-op threads of one rank: num_threads, else (tensor-parallel on CPU) the
+        machine's cores shared out over the ranks; None keeps torch's default."""
+        if self.num_threads or self.tensor_parallel_size == 1 or self.device.startswith("cuda"):
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -42,11 +42,13 @@ from mxserve.api.tokenizer import Tokenizer
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.tp import TPGroup, check_tensor_parallel
 from mxserve.worker.request import FinishReason, Request, RequestStatus
-from mxserve.worker.runner import ModelRunner, StepResult
+from mxserve.worker.runner import ModelRunner, StepResult, context_limit, load_runner, open_model
 from mxserve.worker.sampler import SampledTokens, Sampler
 from mxserve.worker.scheduler import Scheduler, StepPlan
 from mxserve.worker.stop import check_stop
+from mxserve.worker.tp_executor import RankGroup, RankLauncher, check_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +97,11 @@ class Engine:
     def _max_model_len(self, config: EngineConfig, model_config: ModelConfig) -> int:
         """The context limit, capped so one request always fits the KV pool alone (else a
         request growing past the pool would preempt itself forever)."""
-        limit = config.max_model_len or model_config.max_position_embeddings
-        pool = self.kv.num_blocks * self.kv.block_size
-        if limit > pool:
+        limit = context_limit(config, model_config, self.kv.num_blocks)
+        if config.max_model_len and limit < config.max_model_len:
             logger.warning("max_model_len %d exceeds the KV pool's %d tokens; using %d",
-                           limit, pool, pool)
-        return min(limit, pool)
+                           config.max_model_len, limit, limit)
+        return limit
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(self, prompt_token_ids: list[int],
@@ -151,6 +152,15 @@ class Engine:
         request.finish_reason = FinishReason.ABORT
         self._finish(request)
         return self._output(request, [], 0)
+
+    def check_health(self) -> None:
+        """Raise when the engine cannot step (a tensor-parallel rank has failed)."""
+        if self.runner.followers is not None:
+            self.runner.followers.check()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine cannot step after)."""
+        self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -252,28 +262,32 @@ class Engine:
             len(request.output_token_ids))
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig, launcher: RankLauncher | None = None) -> Engine:
     """Open the checkpoint (or draw dummy weights), build the runner, load the weights (with a
-    progress bar)."""
-    from mxserve.worker.model.loader import open_checkpoint
-
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    if config.load_format == "dummy":
-        from mxserve.worker.model.dummy import open_dummy
-
-        checkpoint = open_dummy(config.model, config.torch_device, config.torch_dtype, config.seed)
-    else:
-        checkpoint = open_checkpoint(config.model)
+    progress bar). With tensor_parallel_size N, this process is rank 0 and `launcher` (local
+    processes by default) starts the other N - 1 ranks, each loading its own shard."""
+    checkpoint = open_model(config)
+    check_tensor_parallel(checkpoint.config, config.tensor_parallel_size)
+    group = None
+    if config.tensor_parallel_size > 1:
+        check_group_size(config)
+        group = RankGroup(config, launcher)
+    try:
+        runner = load_runner(config, group.tp if group else TPGroup(), checkpoint,
+                             config.load_progress)
+        if group is not None:
+            group.wait_ready()
+            runner.followers = group
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
     model_config = checkpoint.config
-    runner = ModelRunner(model_config, config)
-    runner.load_weights(checkpoint.weights(progress=config.load_progress), checkpoint.linear_bits)
     if runner.quantization and not checkpoint.quantization:  # quantized while loading
         # Different numerics, different KV: keep prefix-cache hashes apart from the original's.
         model_config = dataclasses.replace(
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
     engine = Engine(runner, model_config, config, checkpoint.tokenizer)
-    runner.capture_cuda_graphs(engine.max_model_len)
     if runner.graphs is not None:
         engine.sampler.capture_graphs([g.logits for g in runner.graphs.graphs.values()])
     engine.generation_defaults = dict(checkpoint.generation_defaults)

@@ -6,6 +6,7 @@ incremental detokenization and stop strings), so offline and served outputs are 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,19 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_options)
         self.engine: Engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        if self.engine.runner.followers is not None:  # the other ranks end with this LLM
+            weakref.finalize(self, self.engine.runner.followers.close)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes now (also when this LLM is
+        collected, or at exit); it cannot generate after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -13,6 +14,7 @@ from mxserve.worker.attention import AttentionBatch
 from mxserve.worker.attention_backends import get_attention_backend
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.host_to_device import fill_inflight_tokens, to_device
+from mxserve.worker.model.checkpoint import Checkpoint
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.llama import LlamaForCausalLM
 from mxserve.worker.model.parallel import (
@@ -23,6 +25,22 @@ from mxserve.worker.model.parallel import (
 )
 from mxserve.worker.model.tp import TPGroup
 from mxserve.worker.scheduler import StepPlan
+
+
+class Followers(Protocol):
+    """Rank 0's view of the other ranks of its tensor-parallel group (tp_executor.RankGroup)."""
+
+    def send(self, plan: StepPlan) -> None:
+        """Hand them the step before rank 0 runs it; RankFailure when one has gone."""
+
+    def fail(self, reason: str) -> NoReturn:
+        """Mark the group failed for good (its collectives are out of step); RankFailure."""
+
+    def check(self) -> None:
+        """RankFailure once any rank has exited, failed or hung."""
+
+    def close(self) -> None:
+        """Stop them; the group takes no step after."""
 
 
 @dataclass
@@ -39,10 +57,11 @@ class StepResult:
     static_logits: torch.Tensor | None = None
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> int:
     """K and V of every layer for one token, on one tensor-parallel rank."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * elem
+    start, stop = (tp or TPGroup()).kv_heads(cfg.num_key_value_heads)
+    return 2 * cfg.num_hidden_layers * (stop - start) * cfg.head_dim * elem
 
 
 def _quantization(config: EngineConfig) -> str | None:
@@ -55,6 +74,40 @@ def _quantization(config: EngineConfig) -> str | None:
         raise ModelLoadError(f"{config.model} is quantized to {declared} already; "
                              f"quantization={config.quantization!r} can't re-quantize it")
     return declared or config.quantization
+
+
+def open_model(config: EngineConfig) -> Checkpoint:
+    """config.model's checkpoint, or dummy weights of its shape (`load_format`)."""
+    from mxserve.worker.model.loader import open_checkpoint
+
+    if config.load_format == "dummy":
+        from mxserve.worker.model.dummy import open_dummy
+
+        return open_dummy(config.model, config.torch_device, config.torch_dtype, config.seed)
+    return open_checkpoint(config.model)
+
+
+def context_limit(config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> int:
+    """The longest request: max_model_len (else the model's), capped so one request always fits
+    the KV pool alone (else a request growing past the pool would preempt itself forever)."""
+    limit = config.max_model_len or model_config.max_position_embeddings
+    return min(limit, num_kv_blocks * config.block_size)
+
+
+def load_runner(config: EngineConfig, tp: TPGroup, checkpoint: Checkpoint | None = None,
+                progress: bool = False) -> ModelRunner:
+    """This rank's runner: its shard of the weights read (only its slices) and loaded, the
+    decode graphs captured. Every rank of a group calls it alike (the capture runs the model's
+    collectives)."""
+    if config.threads_per_rank:
+        torch.set_num_threads(config.threads_per_rank)
+    checkpoint = checkpoint or open_model(config)
+    runner = ModelRunner(checkpoint.config, config, tp)
+    runner.load_weights(checkpoint.weights(progress=progress,
+                                           slice_for=runner.model.tensor_slice),
+                        checkpoint.linear_bits)
+    runner.capture_cuda_graphs(context_limit(config, checkpoint.config, runner.num_kv_blocks))
+    return runner
 
 
 class ModelRunner:
@@ -75,6 +128,9 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
+        # Rank 0 of a tensor-parallel group: the other ranks, sent each step's plan
+        # (tp_executor.RankGroup); None on one rank and on the other ranks themselves.
+        self.followers: Followers | None = None
 
     def _attention_backend_name(self) -> str:
         """config.attention_backend; "auto": Triton on CUDA, else the CPU kernel where this
@@ -84,9 +140,8 @@ class ModelRunner:
             return "triton"
         if name not in ("auto", "cpu"):
             return name
-        mc, tp = self.model_config, self.tp.size
-        shape = (mc.num_attention_heads // tp, mc.num_key_value_heads // tp, mc.head_dim,
-                 self.config.block_size)
+        attn = self.model.layers[0].self_attn
+        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, self.config.block_size)
         cpu_ok = self.device.type == "cpu" and cpu_attention.available(self.dtype, *shape)
         if name == "cpu" and not cpu_ok:
             raise ValueError(f"attention_backend 'cpu' needs a CPU float32/bfloat16 model with "
@@ -120,20 +175,35 @@ class ModelRunner:
         self.graphs.capture()
 
     def _blocks_for_memory(self) -> int:
-        per_block = kv_bytes_per_token(self.model_config, self.dtype, self.tp.size)
+        per_block = kv_bytes_per_token(self.model_config, self.dtype, self.tp)
         per_block *= self.config.block_size
         return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model_config
-        shape = (num_blocks, self.config.block_size, cfg.num_key_value_heads // self.tp.size,
-                 cfg.head_dim)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        cfg, attn = self.model_config, self.model.layers[0].self_attn
+        shape = (num_blocks, self.config.block_size, attn.num_kv_heads,
+                 cfg.head_dim)  # [num_blocks, block_size, num_kv_heads on this rank, head_dim]
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(cfg.num_hidden_layers)]
 
-    @torch.inference_mode()
+    def shutdown(self) -> None:
+        if self.followers is not None:
+            self.followers.close()
+
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan's model step (on every rank of a group: rank 0 sends it to the others
+        first). A failure on a group fails the group for good: its collectives are out of step."""
+        if self.followers is None:
+            return self._execute(plan)
+        self.followers.send(plan)
+        try:
+            return self._execute(plan)
+        except Exception as e:
+            self.followers.fail(f"a step failed on the tensor-parallel group: {e!r}")
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         if self.graphs is not None:
             if self.graphs.can_run(plan):
                 logits, hidden = self.graphs.run(plan)

@@ -22,7 +22,7 @@ from mxserve.cluster import cli
 from mxserve.kernels.mx import MXTensor, dequantize_mx_torch, get_format, quantize_mx_torch
 from mxserve.worker.config import MX_QUANTIZATIONS, EngineConfig
 from mxserve.worker.model import mx_layers
-from mxserve.worker.model.checkpoint import expected_tensor_names
+from mxserve.worker.model.checkpoint import TensorSlice, expected_tensor_names
 from mxserve.worker.model.loader import open_checkpoint
 from mxserve.worker.model.parallel import ColumnParallelLinear, RowParallelLinear
 from mxserve.worker.model.quantize import quantize_checkpoint
@@ -191,16 +191,23 @@ def test_tensor_parallel_shards_of_mx_weights(monkeypatch, rank, packed):
     x_local = x.chunk(2, 1)[rank]
     mode = mx_layers.SCALE_MODE
     round_trip = lambda w: dequantize_mx_torch(quantize_mx_torch(w, "e2m1", mode))  # noqa: E731
-    for as_mx in (True, False):  # an MX checkpoint, and quantizing at load
-        load = (lambda w: quantize_mx_torch(w, "e2m1", mode)) if as_mx else (lambda w: w)
-        col = ColumnParallelLinear(k, sizes, False, tp, torch.float32, quant="e2m1")
+    rows = lambda n: TensorSlice(0, *tp.split(n))  # noqa: E731
+    columns = TensorSlice(1, *tp.split(k))
+    for as_mx in (True, False):  # an MX checkpoint (sliced as MX), and quantizing a float slice
+        def load(w, part, as_mx=as_mx):
+            if as_mx:
+                return mx_layers.slice_mx(quantize_mx_torch(w, "e2m1", mode), part)
+            return part.take(w)
+
+        col = ColumnParallelLinear(k, [n // 2 for n in sizes], False, tp, torch.float32,
+                                   quant="e2m1")
         for i, w in enumerate(fused):
-            col.load(i, load(w))
+            col.load(i, load(w, rows(w.shape[0])))
         col.finish_loading()
         want = torch.cat([round_trip(w).chunk(2, 0)[rank] for w in fused])
         torch.testing.assert_close(col(x), x @ want.T, atol=1e-5, rtol=0)
         row = RowParallelLinear(k, 48, tp, torch.float32, quant="e2m1")
-        row.load(load(down))
+        row.load(load(down, columns))
         row.finish_loading()
         want = round_trip(down).chunk(2, 1)[rank]
         torch.testing.assert_close(row.weight(x_local), x_local @ want.T, atol=1e-5, rtol=0)

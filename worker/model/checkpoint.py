@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,11 +18,31 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor: what one tensor-parallel rank
+    holds of it (worker/model/tp.py)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This slice of a full tensor (a view)."""
+        return full.narrow(self.dim, self.start, self.stop - self.start)
+
+
+# HF name -> the slice of it to read (None: the whole tensor)
+SliceFor = Callable[[str], "TensorSlice | None"]
+
+
 class CheckpointSource(Protocol):
     """Where a checkpoint's tensors come from: safetensors, GGUF, or dummy.py's random ones."""
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) once for each of `expected_tensor_names(config)`, in file order."""
+    def tensors(self, slice_for: SliceFor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) once for each of `expected_tensor_names(config)`, in file order;
+        with `slice_for`, only each tensor's slice, read without the rest where the format
+        allows."""
 
 
 @dataclass
@@ -42,9 +62,10 @@ class Checkpoint:
     # ones 4-bit (`EngineConfig.cpu_int4`).
     linear_bits: int | None = None
 
-    def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, progress: bool = True, slice_for: SliceFor | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) once for each of `expected_tensor_names(config)`, lazily, in
-        file order.
+        file order; with `slice_for` (a tensor-parallel rank's), each tensor's slice only.
 
         safetensors tensors keep their stored dtype (an MX checkpoint's linears: MXTensors); GGUF
         tensors are dequantized to float32 and their q/k rows put back in Hugging Face's
@@ -54,7 +75,7 @@ class Checkpoint:
         with tqdm(total=len(expected_tensor_names(self.config)), unit="tensor",
                   file=sys.stderr if tty else _Lines(sys.stderr), mininterval=0.1 if tty else 3,
                   desc=f"loading {os.path.basename(self.path)}", disable=not progress) as bar:
-            for name, tensor in self.source.tensors():
+            for name, tensor in self.source.tensors(slice_for):
                 yield name, tensor
                 bar.update(1)
 

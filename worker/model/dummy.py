@@ -22,7 +22,7 @@ import torch
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.api.tokenizer import Tokenizer, read_json
-from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names
+from mxserve.worker.model.checkpoint import Checkpoint, SliceFor, expected_tensor_names
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.loader import hf_model_config
 
@@ -49,7 +49,9 @@ class DummySource:
                  seed: int) -> None:
         self.config, self.device, self.dtype, self.seed = config, device, dtype, seed
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, slice_for: SliceFor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each whole tensor is drawn (so every rank's slices are those of one model), one at a
+        time, and only the slice kept."""
         gen = torch.Generator(self.device).manual_seed(self.seed)
         for name in expected_tensor_names(self.config):
             t = torch.empty(tensor_shape(self.config, name), dtype=self.dtype, device=self.device)
@@ -59,7 +61,8 @@ class DummySource:
                 t.zero_()
             else:
                 t.normal_(0.0, WEIGHT_STD, generator=gen)
-            yield name, t
+            part = slice_for(name) if slice_for else None
+            yield name, t if part is None else part.take(t).clone()
 
 
 def tensor_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:

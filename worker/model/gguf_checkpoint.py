@@ -14,7 +14,13 @@ import numpy as np
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.api.tokenizer import Tokenizer, gguf_field
-from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names, torch_module
+from mxserve.worker.model.checkpoint import (
+    Checkpoint,
+    SliceFor,
+    TensorSlice,
+    expected_tensor_names,
+    torch_module,
+)
 from mxserve.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -45,20 +51,25 @@ class _FastGGUFReader(gguf.GGUFReader):
 
 
 class _GGUFSource:
-    """Dequantizes GGUF tensors to float32 torch tensors in HF layout, one at a time."""
+    """Dequantizes GGUF tensors to float32 torch tensors in HF layout, one at a time; a slice
+    (a tensor-parallel rank's) is cut from the quantized bytes first, so only it is
+    dequantized."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, gguf.ReaderTensor]) -> None:
         self.config = config
         self.by_hf_name = tensors  # HF name -> GGUF tensor
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, slice_for: SliceFor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         heads = {"q_proj": self.config.num_attention_heads,
                  "k_proj": self.config.num_key_value_heads}
         for name in expected_tensor_names(self.config):
-            array = _dequantize(self.by_hf_name[name])
+            t = self.by_hf_name[name]
+            part = slice_for(name) if slice_for else None
+            array = _dequantize(t, part)
             proj = name.rsplit(".", 2)[-2]
-            if proj in heads:
-                array = unpermute_rope_rows(array, heads[proj])
+            if proj in heads:  # whole heads, in a row slice too
+                head_dim = int(t.shape[-1]) // heads[proj]
+                array = unpermute_rope_rows(array, array.shape[0] // head_dim)
             yield name, torch_module().from_numpy(array)
 
 
@@ -138,20 +149,36 @@ def _gguf_model_id(reader: gguf.GGUFReader, path: str) -> str:
     return f"{name.replace(' ', '_')}-{os.path.getsize(path)}"
 
 
-def _dequantize(t: gguf.ReaderTensor) -> np.ndarray:
-    """float32 [*reversed(GGUF dims)] = the HF [out_features, in_features] layout, writable.
+def _dequantize(t: gguf.ReaderTensor, part: TensorSlice | None = None) -> np.ndarray:
+    """float32 [*reversed(GGUF dims)] = the HF [out_features, in_features] layout, writable; or
+    its rows / columns in `part` (columns cut at the type's block boundaries, else from the
+    dequantized rows).
 
     Q4_1 and Q8_0 (what SmolLM2 uses) have vectorized paths of their own, equal to gguf's
     reference dequantizer bit for bit and about twice as fast; other types go through gguf."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = [int(d) for d in reversed(t.shape.tolist())]
+    data = t.data  # [rows, bytes a row] for 2-D tensors
+    cut_columns = None
+    if part is not None and part.dim == 0:
+        data, shape[0] = data[part.start:part.stop], part.stop - part.start
+    elif part is not None:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if data.dtype != np.uint8:  # a float type, read as its own dtype: elements, not bytes
+            block, block_bytes = 1, 1
+        if part.start % block == 0 and part.stop % block == 0:
+            data = data[:, part.start // block * block_bytes:part.stop // block * block_bytes]
+            shape[1] = part.stop - part.start
+        else:
+            cut_columns = slice(part.start, part.stop)
     kind = gguf.GGMLQuantizationType
     if t.tensor_type == kind.Q4_1:
-        out = _dequantize_q4_1(t.data)
+        out = _dequantize_q4_1(np.ascontiguousarray(data))
     elif t.tensor_type == kind.Q8_0:
-        out = _dequantize_q8_0(t.data)
+        out = _dequantize_q8_0(np.ascontiguousarray(data))
     else:
-        out = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.require(out, np.float32, ["C", "W"]).reshape(shape)
+        out = gguf.quants.dequantize(np.ascontiguousarray(data), t.tensor_type)
+    out = np.require(out, np.float32, ["C", "W"]).reshape(shape)
+    return out if cut_columns is None else np.ascontiguousarray(out[:, cut_columns])
 
 
 def _dequantize_q4_1(data: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from torch import nn
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.attention import AttentionBackend
+from mxserve.worker.model.checkpoint import TensorSlice
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.layers import RMSNorm, RotaryEmbedding, fused_layer_ops
 from mxserve.worker.model.parallel import (
@@ -23,7 +24,7 @@ from mxserve.worker.model.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from mxserve.worker.model.tp import TPGroup
+from mxserve.worker.model.tp import TPGroup, check_tensor_parallel
 
 
 class LlamaAttention(nn.Module):
@@ -31,15 +32,14 @@ class LlamaAttention(nn.Module):
                  rope: RotaryEmbedding, quant: str | None = None,
                  gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
-        if cfg.num_key_value_heads % tp.size:
-            raise ModelLoadError(
-                f"{cfg.num_key_value_heads} KV heads can't split over tp {tp.size}")
+        check_tensor_parallel(cfg, tp.size)
         self.num_heads = cfg.num_attention_heads // tp.size
-        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        start, stop = tp.kv_heads(cfg.num_key_value_heads)
+        self.num_kv_heads = stop - start
         self.head_dim = cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.attention_bias, tp,
-            dtype, device, quant, gemv_options)
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias,
+                                             tp, dtype, device, quant, gemv_options)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, dtype, device, quant,
                                         gemv_options)
         self.rope = rope  # the model's one table, shared by every layer
@@ -85,11 +85,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device,
                  quant: str | None = None, gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = cfg.intermediate_size // tp.size  # this rank's columns
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
                                                  dtype, device, quant, gemv_options)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device, quant,
-                                           gemv_options)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype,
+                                           device, quant, gemv_options)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
                  gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
         super().__init__()
         tp = tp or TPGroup()
+        self.tp = tp
         self.config = cfg
         self.quantization = quantization
         if quantize_lm_head and quantization is None:
@@ -186,8 +187,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden, torch.float32)  # [R, vocab]
 
+    def tensor_slice(self, name: str) -> TensorSlice | None:
+        """The slice of Hugging Face tensor `name` this rank holds (`tensor_slice`)."""
+        return tensor_slice(self.config, self.tp, name)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up and slicing for this rank."""
+        """Load Hugging Face-named tensors, each already this rank's slice (`tensor_slice`),
+        fusing q/k/v and gate/up."""
         expected = set(self._expected_names())
         seen: set[str] = set()
         for name, tensor in weights:
@@ -246,3 +252,21 @@ class LlamaForCausalLM(nn.Module):
         if proj in ("gate_proj", "up_proj"):
             return layer.mlp.gate_up_proj.load(0 if proj == "gate_proj" else 1, t)
         return layer.mlp.down_proj.load(t)
+
+
+def tensor_slice(cfg: ModelConfig, tp: TPGroup, name: str) -> TensorSlice | None:
+    """The slice of Hugging Face tensor `name` that rank tp.rank holds (None: all of it): rows
+    of column-parallel weights (q/k/v by heads, gate/up) and of the vocabulary, columns of
+    row-parallel ones (o, down)."""
+    if tp.size == 1 or name.endswith("norm.weight"):
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return TensorSlice(0, *tp.vocab(cfg.vocab_size)[:2])
+    proj = name.split(".")[-2]
+    if proj in ("q_proj", "o_proj"):
+        return TensorSlice(0 if proj == "q_proj" else 1, *tp.split(cfg.q_size))
+    if proj in ("k_proj", "v_proj"):
+        start, stop = tp.kv_heads(cfg.num_key_value_heads)
+        return TensorSlice(0, start * cfg.head_dim, stop * cfg.head_dim)
+    start, stop = tp.split(cfg.intermediate_size)  # gate_proj, up_proj, down_proj
+    return TensorSlice(0 if proj != "down_proj" else 1, start, stop)

@@ -27,7 +27,12 @@ from safetensors import safe_open
 from mxserve.api.errors import ModelLoadError
 from mxserve.api.tokenizer import Tokenizer, read_json
 from mxserve.worker.config import MX_QUANTIZATIONS
-from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names
+from mxserve.worker.model.checkpoint import (
+    Checkpoint,
+    SliceFor,
+    TensorSlice,
+    expected_tensor_names,
+)
 from mxserve.worker.model.config import ModelConfig, RopeScaling
 from mxserve.worker.model.gguf_checkpoint import open_gguf
 
@@ -90,13 +95,24 @@ class _SafetensorsSource:
         self.plan = plan  # shard file -> the HF names to read from it
         self.mx_fmt = mx_fmt  # MX checkpoints: element format of the X.weight_mx/_scale pairs
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, slice_for: SliceFor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in self.plan.items():
             with _safe_open(file) as f:
                 packed = set(f.keys()) if self.mx_fmt else set()
                 for name in names:
-                    yield name, (_mx().read_mx(f, name, self.mx_fmt) if name + "_mx" in packed
-                                 else f.get_tensor(name))
+                    part = slice_for(name) if slice_for else None
+                    if name + "_mx" in packed:
+                        yield name, _mx().read_mx(f, name, self.mx_fmt, part)
+                    elif part is None:
+                        yield name, f.get_tensor(name)
+                    else:  # the slice's bytes only
+                        yield name, _read_slice(f.get_slice(name), part)
+
+
+def _read_slice(lazy, part: TensorSlice) -> torch.Tensor:
+    """Rows or columns [start, stop) of a safetensors slice handle, read alone."""
+    index = slice(part.start, part.stop)
+    return lazy[index] if part.dim == 0 else lazy[:, index]
 
 
 def _open_hf_dir(path: str) -> Checkpoint:

@@ -36,8 +36,8 @@ from mxserve.kernels.mx_layout import prepare_mx_weight
 from mxserve.kernels.mx_linear import mx_linear
 from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.config import MX_QUANTIZATIONS
+from mxserve.worker.model.checkpoint import TensorSlice
 from mxserve.worker.model.config import ModelConfig
-from mxserve.worker.model.tp import TPGroup
 
 MX_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # How the engine and `mxserve quantize` pick a block's scale (kernels/mx.py SCALE_MODES): "ceil",
@@ -149,29 +149,40 @@ def _check_pairs(file: str, bases: list[str], fmt: str) -> None:
                     f"(uint8 [N, packed K] and [N, K // {BLOCK_SIZE}])")
 
 
-def read_mx(handle, name: str, fmt: str) -> MXTensor:
-    """The MXTensor [N, K] stored as `name`_mx / `name`_scale in an open safetensors file."""
-    data, scales = handle.get_tensor(name + "_mx"), handle.get_tensor(name + "_scale")
-    return MXTensor(data, scales, fmt, (scales.shape[0], scales.shape[1] * BLOCK_SIZE))
+def read_mx(handle, name: str, fmt: str, part: TensorSlice | None = None) -> MXTensor:
+    """The MXTensor [N, K] stored as `name`_mx / `name`_scale in an open safetensors file, or
+    only its rows / whole 32-blocks of K in `part` (a tensor-parallel rank's)."""
+    data, scales = handle.get_slice(name + "_mx"), handle.get_slice(name + "_scale")
+    n, num_blocks = scales.get_shape()
+    if part is None:
+        return MXTensor(data[:], scales[:], fmt, (n, num_blocks * BLOCK_SIZE))
+    if part.dim == 0:
+        rows = slice(part.start, part.stop)
+        return MXTensor(data[rows], scales[rows], fmt, (part.stop - part.start,
+                                                         num_blocks * BLOCK_SIZE))
+    return slice_mx_k(lambda cols: data[:, cols], lambda cols: scales[:, cols], fmt, n, part)
 
 
-def shard_mx(t: MXTensor, tp: TPGroup, dim: int) -> MXTensor:
-    """This rank's equal slice of an [N, K] MXTensor: rows (dim 0) or whole blocks of K (dim 1)."""
-    n, k = t.shape
-    if tp.size == 1:
+def slice_mx_k(data, scales, fmt: str, n: int, part: TensorSlice) -> MXTensor:
+    """The MXTensor of K range [start, stop) (whole 32-blocks) of an [n, K] one whose packed
+    codes and scales `data(cols)` / `scales(cols)` read by column slice."""
+    if part.start % BLOCK_SIZE or part.stop % BLOCK_SIZE:
+        raise ModelLoadError(f"K range [{part.start}, {part.stop}) does not hold whole MX "
+                             f"blocks of {BLOCK_SIZE}")
+    f = get_format(fmt)
+    return MXTensor(data(slice(f.packed_len(part.start), f.packed_len(part.stop))),
+                    scales(slice(part.start // BLOCK_SIZE, part.stop // BLOCK_SIZE)), fmt,
+                    (n, part.stop - part.start))
+
+
+def slice_mx(t: MXTensor, part: TensorSlice | None) -> MXTensor:
+    """`part` of an [N, K] MXTensor: rows, or whole 32-blocks of K."""
+    if part is None:
         return t
-    if dim == 0:
-        if n % tp.size:
-            raise ValueError(f"dim 0 of size {n} not divisible by tp {tp.size}")
-        rows = slice(tp.rank * n // tp.size, (tp.rank + 1) * n // tp.size)
-        return MXTensor(t.data[rows], t.scales[rows], t.fmt, (n // tp.size, k))
-    k_local = k // tp.size
-    if k % tp.size or k_local % BLOCK_SIZE:
-        raise ValueError(f"K={k} does not split into {tp.size} whole MX blocks of {BLOCK_SIZE}")
-    packed = get_format(t.fmt).packed_len(k_local)
-    return MXTensor(t.data[:, tp.rank * packed:(tp.rank + 1) * packed],
-                    t.scales[:, tp.rank * (k_local // BLOCK_SIZE):
-                             (tp.rank + 1) * (k_local // BLOCK_SIZE)], t.fmt, (n, k_local))
+    if part.dim == 0:
+        rows = slice(part.start, part.stop)
+        return MXTensor(t.data[rows], t.scales[rows], t.fmt, (part.stop - part.start, t.shape[1]))
+    return slice_mx_k(lambda c: t.data[:, c], lambda c: t.scales[:, c], t.fmt, t.shape[0], part)
 
 
 # ---- the layer weight ----
@@ -186,9 +197,10 @@ def packed_on(device: torch.device) -> bool:
 class MXWeight(nn.Module):
     """An [N, K] linear weight whose values are those of an MX tensor of element format `fmt`.
 
-    Loading: `load(rows, w, tp, dim)` takes a full MXTensor (an MX checkpoint) or a float tensor
-    (quantized here: on-the-fly quantization), keeps this rank's slice and writes it into `rows`;
-    fused layers load each shard's rows this way. `finish_loading()` runs once, after the last.
+    Loading: `load(rows, w)` takes this rank's slice as an MXTensor (an MX checkpoint) or as a
+    float tensor (quantized here: on-the-fly quantization; MX blocks run along K, so quantizing a
+    slice of whole blocks equals slicing the quantized whole) and writes it into `rows`; fused
+    layers load each shard's rows this way. `finish_loading()` runs once, after the last.
 
     Two forms, by device (`packed_on`):
     - CUDA: the canonical bytes, re-arranged at finish_loading for the kernels (prepare_mx_weight);
@@ -220,21 +232,22 @@ class MXWeight(nn.Module):
             self.weight = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device),
                                        requires_grad=False)
 
-    def load(self, rows: slice, weight: torch.Tensor | MXTensor, tp: TPGroup, dim: int) -> None:
-        """Write this rank's slice (along `dim`) of the full `weight` into `rows`."""
-        mx = self._local_mx(weight, tp, dim)
+    def load(self, rows: slice, weight: torch.Tensor | MXTensor) -> None:
+        """Write a weight (this rank's slice already: an MXTensor, or float values quantized
+        here) into `rows`."""
+        mx = self._as_mx(weight)
         if self.packed:
             self.data[rows].copy_(mx.data)
             self.scales[rows].copy_(mx.scales)
         else:
             self.weight.data[rows].copy_(dequantize_mx(mx, self.dtype))
 
-    def _local_mx(self, weight: torch.Tensor | MXTensor, tp: TPGroup, dim: int) -> MXTensor:
+    def _as_mx(self, weight: torch.Tensor | MXTensor) -> MXTensor:
         if isinstance(weight, MXTensor):
             if weight.fmt != self.fmt:
                 raise ModelLoadError(f"MX weight in {weight.fmt} for a layer built for {self.fmt}")
-            return shard_mx(weight, tp, dim)
-        return quantize_mx(tp.shard(weight, dim).to(self.device), self.fmt, SCALE_MODE)
+            return weight
+        return quantize_mx(weight.to(self.device), self.fmt, SCALE_MODE)
 
     def finish_loading(self) -> None:
         if self.packed and self.prepared is None:

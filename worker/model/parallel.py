@@ -1,9 +1,11 @@
 """The linear layers that shard over a tensor-parallel group (tp.py).
 
 World size 1 is the trivial case: every layer holds the whole weight and no collective runs.
-With size > 1 (torch.distributed already initialised: NCCL on GPU, gloo on CPU), column-parallel
-layers hold a slice of the output features and row-parallel layers a slice of the input features
-followed by an all-reduce, so one attention block or MLP costs one all-reduce (Megatron's split).
+With size > 1 (the group's process group: NCCL on GPU, gloo on CPU), column-parallel layers hold
+a slice of the output features and row-parallel layers a slice of the input features followed by
+an all-reduce, so one attention block or MLP costs one all-reduce (Megatron's split). Layers load
+this rank's slice of each weight only (the checkpoint reads it: checkpoint.TensorSlice); which
+slice that is, the model says (llama.py `tensor_slice`).
 """
 
 from __future__ import annotations
@@ -63,15 +65,16 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over ranks; the output stays sharded.
 
-    Several logical projections may be fused (qkv, gate_up): `output_sizes` lists their full sizes
-    and `load(shard_index, w)` places each one's rank slice in its part of the fused weight.
+    Several logical projections may be fused (qkv, gate_up): `local_sizes` lists this rank's rows
+    of each and `load(shard_index, w)` places each one's rank slice in its part of the fused
+    weight.
     `quant` (an MX element format, e.g. "e2m1"): the weight is one MXWeight (mx_layers.py) for
     the fused layer; each shard's packed rows go to its part (MX blocks run along K, so rows
     concatenate exactly). `finish_loading()` runs once after the last `load`. `gemv_options`:
     when CUDA decode takes kernels/gemv.py.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+    def __init__(self, in_features: int, local_sizes: list[int], bias: bool, tp: TPGroup,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
                  quant: str | None = None,
                  gemv_options: GemvOptions = DEFAULT_GEMV) -> None:
@@ -79,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.quant = quant
         self.gemv_options = gemv_options
-        self.local_sizes = [s // tp.size for s in output_sizes]
+        self.local_sizes = list(local_sizes)
         out = sum(self.local_sizes)
         self.weight = _weight(out, in_features, dtype, device, quant, gemv_options)
         self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False)
@@ -92,15 +95,15 @@ class ColumnParallelLinear(nn.Module):
         return slice(start, start + self.local_sizes[shard_index])
 
     def load(self, shard_index: int, weight: torch.Tensor) -> None:
-        """weight: the full [output_sizes[shard_index], in_features] tensor (or MXTensor)."""
+        """weight: this rank's [local_sizes[shard_index], in_features] (a tensor or MXTensor)."""
         if self.quant:
-            return self.weight.load(self._rows(shard_index), weight, self.tp, 0)
-        self.weight.data[self._rows(shard_index)].copy_(self.tp.shard(weight, 0))
+            return self.weight.load(self._rows(shard_index), weight)
+        self.weight.data[self._rows(shard_index)].copy_(weight)
 
     def load_bias(self, shard_index: int, bias: torch.Tensor) -> None:
         if self.bias is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
-        self.bias.data[self._rows(shard_index)].copy_(self.tp.shard(bias, 0))
+        self.bias.data[self._rows(shard_index)].copy_(bias)
 
     def finish_loading(self) -> None:
         if self.quant:
@@ -158,9 +161,10 @@ class RowParallelLinear(nn.Module):
         self.int4: Int4Weight | None = None
 
     def load(self, weight: torch.Tensor) -> None:
+        """weight: this rank's [out_features, in_features / size] (a tensor or MXTensor)."""
         if self.quant:
-            return self.weight.load(slice(None), weight, self.tp, 1)
-        self.weight.data.copy_(self.tp.shard(weight, 1))
+            return self.weight.load(slice(None), weight)
+        self.weight.data.copy_(weight)
 
     def finish_loading(self) -> None:
         if self.quant:
@@ -191,21 +195,21 @@ def _weight(out_features: int, in_features: int, dtype: torch.dtype,
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows split over ranks by vocabulary range; out-of-range ids contribute zeros."""
+    """Embedding rows split over ranks by vocabulary range (tp.py `vocab`: the last range padded
+    with zero rows); out-of-range ids contribute zeros, then an all-reduce."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
-        if vocab_size % tp.size:
-            raise ValueError(f"vocab {vocab_size} not divisible by tensor-parallel size {tp.size}")
         self.tp = tp
-        self.num_local = vocab_size // tp.size
-        self.start = tp.rank * self.num_local
-        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=dtype,
-                                               device=device), requires_grad=False)
+        self.start, stop, rows = tp.vocab(vocab_size)
+        self.num_local = stop - self.start  # real rows; the rest (to `rows`) are padding
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
 
     def load(self, weight: torch.Tensor) -> None:
-        self.weight.data.copy_(self.tp.shard(weight, 0))
+        """weight: this rank's vocabulary rows [num_local, hidden]."""
+        self.weight.data[:self.num_local].copy_(weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -226,17 +230,21 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.gemv_options = gemv_options
+        self.vocab_size = vocab_size
         self.tied = embedding is not None
         self.embedding = embedding  # tied: share the embedding's weight, load nothing
+        start, stop, rows = tp.vocab(vocab_size)  # as the embedding's
+        self.num_local = stop - start
         if embedding is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, hidden_size,
-                                                   dtype=dtype, device=device), requires_grad=False)
+            self.weight = nn.Parameter(torch.zeros(rows, hidden_size, dtype=dtype, device=device),
+                                       requires_grad=False)
         self.packed: torch.Tensor | None = None  # pack_for_cpu: oneDNN's layout, or
         self.pairs: torch.Tensor | None = None  # cpu_linear.py's (float32 logits), or
         self.mx = None  # quantize_mx on CUDA: an mx_layers.MXWeight
 
     def load(self, weight: torch.Tensor) -> None:
-        self.weight.data.copy_(self.tp.shard(weight, 0))
+        """weight: this rank's vocabulary rows [num_local, hidden]."""
+        self.weight.data[:self.num_local].copy_(weight)
 
     def quantize_mx(self, fmt: str) -> None:
         """The head's weight (this rank's vocab slice) as MX element format `fmt`, after loading
@@ -247,7 +255,7 @@ class ParallelLMHead(nn.Module):
 
         weight = self.embedding.weight if self.tied else self.weight
         mx = MXWeight(*weight.shape, fmt, weight.dtype, weight.device, self.gemv_options)
-        mx.load(slice(None), weight.data, TPGroup(), 0)  # already this rank's slice
+        mx.load(slice(None), weight.data)  # this rank's slice
         mx.finish_loading()
         if mx.packed:
             self.mx = mx
@@ -290,4 +298,7 @@ class ParallelLMHead(nn.Module):
             logits = _dense_linear(hidden, weight, None, self.gemv_options, out_dtype)
         if out_dtype is not None:
             logits = logits.to(out_dtype)  # (a no-op where it already is)
-        return self.tp.all_gather_last_dim(logits)
+        if self.tp.size == 1:
+            return logits
+        # [T, vocab]: the ranks' ranges side by side, the padding rows dropped
+        return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size].contiguous()

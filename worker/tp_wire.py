@@ -1,0 +1,59 @@
+"""A StepPlan as bytes, for the other ranks of a tensor-parallel group (tp_executor.py).
+
+The other ranks run the same model step as rank 0, so they need what the model runner reads of
+the plan and nothing else: per scheduled request its tokens, positions, block table (and its
+version, which the CUDA graphs keep tables by), whether it samples, and where its in-flight
+token is. One flat int64 array:
+
+    [num_scheduled, num_decodes, num_inflight_tokens,
+     then per request: num_new_tokens, start_position, table_version, samples, inflight_row,
+                       len(token_ids), len(block_table),
+     then every request's token_ids, then every request's block_table]
+
+The in-flight tokens themselves stay on the device: rank 0 broadcasts them over the group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mxserve.worker.scheduler import ScheduledRequest, StepPlan
+
+_HEADER, _PER_REQUEST = 3, 7
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    sched = plan.scheduled
+    inflight = plan.inflight_tokens
+    uses_inflight = inflight is not None and any(s.inflight_row >= 0 for s in sched)
+    head = [len(sched), plan.num_decodes, inflight.numel() if uses_inflight else 0]
+    rows: list[int] = []
+    tokens: list[int] = []
+    tables: list[int] = []
+    for s in sched:
+        rows += (s.num_new_tokens, s.start_position, s.table_version, s.samples, s.inflight_row,
+                 len(s.token_ids), len(s.block_table))
+        tokens += s.token_ids
+        tables += s.block_table
+    return np.array(head + rows + tokens + tables, dtype=np.int64).tobytes()
+
+
+def decode_plan(data: bytes) -> tuple[StepPlan, int]:
+    """(the plan without requests or in-flight tokens, how many in-flight tokens rank 0 will
+    broadcast for it: 0 when none)."""
+    a = np.frombuffer(data, dtype=np.int64)
+    num, num_decodes, num_inflight = (int(x) for x in a[:_HEADER])
+    rows = a[_HEADER:_HEADER + num * _PER_REQUEST].reshape(num, _PER_REQUEST).tolist()
+    rest = a[_HEADER + num * _PER_REQUEST:].tolist()
+    at = 0
+    token_ids = []
+    for row in rows:
+        token_ids.append(rest[at:at + row[5]])
+        at += row[5]
+    plan = StepPlan(num_decodes=num_decodes)
+    for row, ids in zip(rows, token_ids):
+        num_new, start, version, samples, inflight_row, _, num_blocks = row
+        plan.scheduled.append(ScheduledRequest(None, num_new, start, ids, rest[at:at + num_blocks],
+                                               version, bool(samples), inflight_row))
+        at += num_blocks
+    return plan, num_inflight
