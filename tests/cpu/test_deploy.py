@@ -15,6 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.deployments import SERVICER, app_builder
 from mxserve.cluster.local import SERVE_ENV
+from mxserve.cluster.tp_ranks import group_fits, rank_bundle
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -86,12 +87,15 @@ def test_gpu_pods_fit_the_worker_replicas(serve_config, service):
     (container,) = group["template"]["spec"]["containers"]
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert container["resources"]["requests"]["nvidia.com/gpu"] == str(gpus)
-    per_pod = gpus // int(args.worker_resources.num_gpus)
-    assert per_pod >= 1  # a replica fits one pod
+    # a replica is tensor_parallel_size ranks of worker_resources each, all on one pod
+    tp = args.engine_config().tensor_parallel_size
+    bundle = rank_bundle(args.worker_resources.ray_actor_options())
+    pod = {"Alive": True, "Resources": {"CPU": float(container["resources"]["limits"]["cpu"]),
+                                        "GPU": float(gpus)}}
+    assert group_fits(tp, bundle, [pod]) is None
+    per_pod = gpus // int(tp * args.worker_resources.num_gpus)
     assert args.autoscaling.max_workers <= group["maxReplicas"] * per_pod
     assert args.autoscaling.min_workers <= group["minReplicas"] * per_pod
-    tp = args.engine_config().tensor_parallel_size
-    assert args.worker_resources.num_gpus == tp  # one GPU per tensor-parallel rank
     assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 

@@ -267,10 +267,12 @@ def test_serve_cli_builds_the_config(monkeypatch):
                                                                   ask=ask) or 0)
     assert cli.main(["serve", "--num-workers", "2", "--grpc-port", "9001", "--worker-cpus", "0.5",
                      "--max-num-seqs", "8", "--address", "auto", "--routing", "round_robin",
-                     "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?"]) == 0
+                     "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?",
+                     "--tensor-parallel-size", "2"]) == 0
     config = seen["config"]
     assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
-    assert config.worker_resources.num_cpus == 0.5 and config.engine == {"max_num_seqs": 8}
+    assert config.worker_resources.num_cpus == 0.5
+    assert config.engine == {"max_num_seqs": 8, "tensor_parallel_size": 2}
     assert config.routing.policy == "round_robin" and not config.uses_prefix_index
     assert config.redis_url == "redis://:pw@redis:6379/0" and seen["ask"] == "hi?"
 
@@ -302,6 +304,22 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
+
+
+def test_build_app_reserves_one_bundle_per_tensor_parallel_rank():
+    from mxserve.cluster.config import Resources
+    from mxserve.cluster.deployments import build_app
+
+    for resources, strategy in ((dict(num_cpus=2, num_gpus=1), "STRICT_PACK"),
+                                (dict(num_cpus=1), "PACK")):
+        config = ServeConfig(engine={"tensor_parallel_size": 4},
+                             worker_resources=Resources(**resources))
+        worker = build_app(config)._bound_deployment.init_args[0]._bound_deployment
+        bundle = {"CPU": resources["num_cpus"], **({"GPU": 1.0} if "num_gpus" in resources
+                                                   else {})}
+        assert worker._replica_config.placement_group_bundles == [bundle] * 4
+        assert worker._replica_config.placement_group_strategy == strategy
+        assert worker.init_args[3] == config.worker_resources.ray_actor_options()  # each rank's
 
 
 def test_build_app_wires_prefix_routing_to_redis():
