@@ -91,6 +91,21 @@ def measure(model: str, size: int, threads: int, batch: int, steps: int) -> dict
     return result
 
 
+def _reading(runs: list[dict]) -> str:
+    """Where the group's extra time goes, a line per batch."""
+    lines = []
+    for tp2 in (r for r in runs if r["tp"] == 2):
+        base = next(r for r in runs if r["batch"] == tp2["batch"] and r["tp"] == 1
+                    and r["threads"] == 1)
+        extra = tp2["step_ms"] - base["step_ms"]
+        collectives = (tp2["all_reduce_us"] + tp2["all_gather_us"]) / 1e3
+        each = tp2["all_reduce_us"] / 1e3 / max(1, tp2["all_reduces"])
+        lines.append(f"- batch {tp2['batch']}: TP=2 adds {extra:.1f} ms a step; its "
+                     f"collectives take {collectives:.1f} ms ({each:.2f} ms an all-reduce), the "
+                     f"plan {tp2['plan_us'] / 1e3:.2f} ms.")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=64)
@@ -123,7 +138,7 @@ def main() -> None:
           f"-layer, hidden {CONFIG['hidden_size']} Llama (dummy weights, float32), median of "
           f"{args.steps}.\n\n| batch | engine | step ms | vs TP=1 x 1 | plan send us | "
           "all-reduces / us | logits all-gather us |\n|---|---|---|---|---|---|---|\n"
-          + "\n".join(rows) + "\n")
+          + "\n".join(rows) + "\n\n" + _reading(runs))
     write_result(args.out, result, md)
     print(md)
 
