@@ -259,15 +259,18 @@ def test_packed_cpu_weights_give_the_same_numbers(ckpt):
     assert outs[True] == outs[False]
 
 
-def test_an_option_the_engine_cannot_honour_is_an_error():
-    """tensor_parallel_size > 1 until tensor parallelism lands: refused, not silently one rank."""
+def test_bad_engine_options_are_errors_naming_them():
     from mxserve.cluster.config import ServeConfig
 
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported"):
-        EngineConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ServeConfig(engine={"tensor_parallel_size": 2})
-    assert EngineConfig(tensor_parallel_size=1).tensor_parallel_size == 1
+    for options, name in ((dict(tensor_parallel_size=0), "tensor_parallel_size"),
+                          (dict(tp_timeout_s=0), "tp_timeout_s"),
+                          (dict(num_threads=0), "num_threads"),
+                          (dict(max_num_seqs=-1), "max_num_seqs")):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**options)
+        with pytest.raises(ValueError, match=name):
+            ServeConfig(engine=options)
+    assert EngineConfig(tensor_parallel_size=4).tensor_parallel_size == 4
 
 
 def test_gemv_options_reach_every_linear_of_their_engine_only(ckpt):

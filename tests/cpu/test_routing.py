@@ -112,8 +112,9 @@ def test_every_worker_sent_a_prefix_keeps_it_while_it_prefills(redis_server):
     async def main():
         index = await index_with(redis_server, a=64)
         router = PrefixRouter(index, RoutingConfig(request_tokens=64, kv_weight=0,
-                                                   cache_weight=0))
-        report = [ReplicaLoad("a", 16, 0.0, reported_at=0.0),
+                                                   cache_weight=0, lookup_timeout_s=1.0),
+                              rng=random.Random(0))
+        report = [ReplicaLoad("a", 17, 0.0, reported_at=0.0),  # 1088 tokens > the 1024 held
                   ReplicaLoad("b", 0, 0.0, reported_at=0.0)]
         got = []
         for i in range(8):

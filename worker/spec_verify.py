@@ -1,0 +1,141 @@
+"""Speculative verify: which of a request's drafted tokens it keeps, and the one token more.
+
+A request with drafts x_1..x_d was computed for d + 1 positions in one pass; logits row i is the
+target's next-token distribution p_i after the known tokens and x_1..x_i (row 0: after the known
+tokens alone). Each row is processed as the sampler would process it had x_1..x_i already been
+output (min_tokens, penalties; then temperature, top-k/top-p/min-p), so p_i is exactly the
+distribution plain decoding would draw from at that point.
+
+    greedy:   keep x_i while x_i == argmax p_{i-1}; then add argmax p_a (a = drafts kept).
+    sampled:  for i = 1..d: keep x_i with probability min(1, p_{i-1}(x_i) / q_i(x_i));
+              at the first rejection draw from normalize(max(0, p_{i-1} - q_i)) and stop;
+              with all d kept, draw the bonus token from p_d.
+
+q_i is the drafter's distribution for x_i; a drafter that picks tokens deterministically
+(ngram, argmax EAGLE) has q_i one-hot at x_i, so x_i is kept with probability p(x_i) and a
+rejection draws from p with x_i removed. Either way every emitted token is distributed as plain
+decoding's (Leviathan et al. 2023, speculative sampling). Draws use the request's own generator
+when it has a seed, so seeded outputs are reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mxserve.api.sampling_params import SamplingParams
+from mxserve.worker.logits_ops import apply_min_tokens, apply_penalties, filter_threshold
+from mxserve.worker.request import Request
+
+
+@dataclass
+class Verified:
+    """One request's verify: the tokens it emits (kept drafts, then one more) and their
+    logprobs (raw target distribution; None unless asked)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    num_drafts: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass(slots=True)
+class _AsIfOutput:
+    """A request as verify row i sees it: the drafts before that row already output."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+           generator_for, draft_probs: list[torch.Tensor | None] | None = None,
+           top_p_on_device: bool | None = None) -> list[Verified]:
+    """logits: [sum(len(d) + 1), vocab] float32, request after request, modified in place.
+    generator_for(request, device): the torch.Generator its draws come from. draft_probs: per
+    request [d, vocab] q rows, or None (q one-hot at each draft)."""
+    starts, views = [], []
+    for r, d in zip(requests, drafts):
+        starts.append(len(views))
+        views += [_AsIfOutput(r.sampling_params, r.prompt_token_ids,
+                              r.output_token_ids + d[:i], r.eos_token_ids)
+                  for i in range(len(d) + 1)]
+    lp_rows = [i for i, v in enumerate(views) if v.sampling_params.logprobs is not None]
+    raw = {}
+    if lp_rows:
+        raw = dict(zip(lp_rows, logits[lp_rows].log_softmax(-1)))
+    apply_min_tokens(logits, views)
+    apply_penalties(logits, views)
+    out = []
+    for j, (r, d) in enumerate(zip(requests, drafts)):
+        rows = logits[starts[j]:starts[j] + len(d) + 1]
+        q = draft_probs[j] if draft_probs else None
+        if r.sampling_params.greedy:
+            tokens = _greedy(rows, d)
+        else:
+            tokens = _sampled(rows, d, r.sampling_params, q,
+                              generator_for(r, logits.device), top_p_on_device)
+        lps = None
+        if r.sampling_params.logprobs is not None:
+            n = r.sampling_params.logprobs
+            lps = [_logprobs(raw[starts[j] + i], t, n) for i, t in enumerate(tokens)]
+        out.append(Verified(tokens, lps, len(d)))
+    return out
+
+
+def _greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
+    top = rows.argmax(-1).tolist()
+    a = 0
+    while a < len(drafts) and drafts[a] == top[a]:
+        a += 1
+    return drafts[:a] + [top[a]]
+
+
+def _sampled(rows: torch.Tensor, drafts: list[int], sp: SamplingParams,
+             q: torch.Tensor | None, generator: torch.Generator,
+             top_p_on_device: bool | None) -> list[int]:
+    if sp.temperature != 1.0:
+        rows = rows / sp.temperature
+    threshold = filter_threshold(rows, [sp] * rows.shape[0], top_p_on_device)
+    probs = rows.softmax(-1)
+    if threshold is not None:
+        probs = probs * (rows >= threshold)
+        probs = probs / probs.sum(-1, keepdim=True)
+    u = torch.rand(len(drafts), generator=generator, device=rows.device, dtype=torch.float64)
+    u = u.tolist()
+    for i, x in enumerate(drafts):
+        p_x = probs[i, x].item()
+        q_x = q[i, x].item() if q is not None else 1.0
+        if u[i] * q_x < p_x:  # u < p / q: keep x
+            continue
+        residual = (probs[i] - q[i]).clamp_(min=0) if q is not None else probs[i].clone()
+        if q is None:
+            residual[x] = 0.0
+        return drafts[:i] + [_draw(residual, generator)]
+    return drafts + [_draw(probs[len(drafts)], generator)]
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """A token with probability proportional to weights [vocab] (the exponential race)."""
+    u = torch.rand(weights.shape, generator=generator, device=weights.device,
+                   dtype=torch.float64)
+    return int((weights.double() / u.log_().neg_()).argmax())
+
+
+def _logprobs(raw: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """{token: its logprob, then the top-n's}, as the sampler reports them."""
+    out = {token: raw[token].item()}
+    if n:
+        top = raw.topk(n)
+        for lp, i in zip(top.values.tolist(), top.indices.tolist()):
+            out.setdefault(i, lp)
+    return out
