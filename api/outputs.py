@@ -19,6 +19,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
+    # Speculative decoding, the request's totals so far: steps that verified drafts, drafts
+    # verified, drafts kept (mean acceptance length = 1 + accepted / drafts steps).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
@@ -29,4 +34,5 @@ def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
     return StepOutput(
         then.request_id, first.new_token_ids + then.new_token_ids,
         logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
-        then.num_cached_tokens, then.num_output_tokens)
+        then.num_cached_tokens, then.num_output_tokens, then.num_drafts,
+        then.num_draft_tokens, then.num_accepted_tokens)

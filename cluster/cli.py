@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of one engine: this process and N - 1 local processes "
                         "(one GPU each on CUDA)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "eagle", '
+                        '"num_speculative_tokens": 3}\' or {"method": "ngram"}')
 
 
 # Sampling flags: unset ones take the model's defaults (docs/sampling.md), as in the API.
@@ -61,7 +64,36 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _client_parser(sub)
     _quantize_parser(sub)
+    _train_draft_parser(sub)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _train_draft_parser(sub) -> None:
+    p = sub.add_parser("train-draft", help="train an EAGLE draft head for speculative decoding",
+                       description="Self-distillation (worker/eagle_train.py): the target "
+                                   "answers chat prompts, the head learns from its hidden "
+                                   "states; resumable; reports acceptance on held-out prompts.")
+    p.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="work directory; the head goes to OUT/head")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128, help="answer length")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the report")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None)
 
 
 def _serve_parser(sub) -> None:
@@ -102,7 +134,8 @@ def _serve_parser(sub) -> None:
     for name, kind in (("dtype", str), ("device", str), ("max-model-len", int),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int),
                        ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
-                       ("num-threads", int), ("tensor-parallel-size", int)):
+                       ("num-threads", int), ("tensor-parallel-size", int),
+                       ("speculative-config", _json_object)):
         p.add_argument(f"--{name}", type=kind, default=None, help="engine option")
 
 
@@ -164,7 +197,8 @@ def _llm(args):
     return LLM(model=args.model, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
                quantize_lm_head=args.quantize_lm_head,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size,
+               speculative_config=args.speculative_config)
 
 
 def cmd_generate(args) -> int:
@@ -221,7 +255,8 @@ def _print_stream(texts) -> str:
 
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_kv_blocks", "kv_cache_memory_gb", "num_threads", "tensor_parallel_size")
+                 "num_kv_blocks", "kv_cache_memory_gb", "num_threads", "tensor_parallel_size",
+                 "speculative_config")
 
 
 def cmd_serve(args) -> int:
@@ -295,10 +330,26 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    import json
+
+    from mxserve.worker.eagle_train import TrainConfig, train_draft
+
+    if args.num_prompts < 1 or args.epochs < 1 or args.max_tokens < 1:
+        raise MxserveError("--num-prompts, --epochs and --max-tokens must be >= 1")
+    report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
+                         args.heldout, args.num_speculative_tokens,
+                         TrainConfig(epochs=args.epochs), num_threads=args.num_threads)
+    print(json.dumps(report["heldout"]))
+    print(f"wrote {report['head']}: use speculative_config={{\"method\": \"eagle\", "
+          f"\"model\": \"{report['head']}\"}}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "client": cmd_client, "quantize": cmd_quantize}
+                "client": cmd_client, "quantize": cmd_quantize, "train-draft": cmd_train_draft}
     try:
         return commands[args.command](args)
     except MxserveError as e:

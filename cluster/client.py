@@ -34,6 +34,10 @@ class Completion:
     cached_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    # speculative decoding: steps that verified drafts, drafts verified, drafts kept
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 def build_request(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -92,6 +96,8 @@ class Client:
                 u = r.usage
                 done.prompt_tokens, done.cached_tokens = u.prompt_tokens, u.cached_tokens
                 done.completion_tokens = u.completion_tokens
+                done.num_drafts, done.draft_tokens = u.num_drafts, u.draft_tokens
+                done.accepted_draft_tokens = u.accepted_draft_tokens
         return done
 
     def chat(self, messages: list[dict], **kwargs) -> Completion:

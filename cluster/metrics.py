@@ -62,7 +62,13 @@ class WorkerMetricsExporter:
         self.prefix_hits = metrics.Counter("mxserve_prefix_cache_hit_tokens_total",
                                            "Prompt tokens served from the prefix cache")
         self.prompt_tokens = metrics.Counter("mxserve_prompt_tokens_total", "Prompt tokens")
+        counter = metrics.Counter
+        self.spec = (  # speculative decoding, counted as requests finish
+            counter("mxserve_spec_decode_num_drafts_total", "Steps that verified drafts"),
+            counter("mxserve_spec_decode_num_draft_tokens_total", "Draft tokens verified"),
+            counter("mxserve_spec_decode_num_accepted_tokens_total", "Draft tokens accepted"))
         self._last = (0, 0, 0)
+        self._last_spec = (0, 0, 0)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -90,3 +96,8 @@ class WorkerMetricsExporter:
         if prompts:
             self.prompt_tokens.inc(prompts)
         self.tokens_per_s.set(outputs / elapsed_s if elapsed_s > 0 else 0.0)
+        spec = (w.num_drafts, w.num_draft_tokens, w.num_accepted_tokens)
+        for counter, now, before in zip(self.spec, spec, self._last_spec):
+            if now > before:
+                counter.inc(now - before)
+        self._last_spec = spec

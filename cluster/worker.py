@@ -48,6 +48,7 @@ class Worker:
         self.num_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.num_output_tokens = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation
         self._froze_gc = False  # start(freeze_gc=True) froze the heap; shutdown thaws it
 
     def start(self, freeze_gc: bool = False) -> None:
@@ -98,6 +99,10 @@ class Worker:
                     self.num_prefill_tokens_pending -= pending
                     first = False
                 self.num_output_tokens += len(out.new_token_ids)
+                if out.finished:
+                    self.num_drafts += out.num_drafts
+                    self.num_draft_tokens += out.num_draft_tokens
+                    self.num_accepted_tokens += out.num_accepted_tokens
                 yield out
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted

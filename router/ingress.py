@@ -165,7 +165,10 @@ def _response(request_id: str, out: OutputStream, step: StepOutput,
         response.finish_reason = out.finish_reason
         response.usage.CopyFrom(pb.Usage(prompt_tokens=step.num_prompt_tokens,
                                          cached_tokens=step.num_cached_tokens,
-                                         completion_tokens=out.num_tokens))
+                                         completion_tokens=out.num_tokens,
+                                         num_drafts=step.num_drafts,
+                                         draft_tokens=step.num_draft_tokens,
+                                         accepted_draft_tokens=step.num_accepted_tokens))
         if isinstance(out.stop_reason, str):
             response.stop_string = out.stop_reason
         elif out.stop_reason is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
+from mxserve.worker.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +82,17 @@ class EngineConfig:
     # CUDA: when decode steps take kernels/gemv.py's whole-row GEMV over cuBLAS / mx_linear
     # (kernels/options.py). A mapping (a deploy config's) is read as GemvOptions' fields.
     gemv: GemvOptions = DEFAULT_GEMV
+    # Speculative decoding (vLLM's speculative_config): {"method": "eagle" | "ngram", "model":
+    # the EAGLE head's directory, "num_speculative_tokens": k}; a mapping is read as
+    # SpeculativeConfig's fields (worker/spec_config.py). None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling does not combine with speculative_config yet: "
+                             "a step's tokens decide where the next one starts")
         if isinstance(self.gemv, dict):
             unknown = sorted(set(self.gemv) - set(GemvOptions.__dataclass_fields__))
             if unknown:

@@ -145,8 +145,8 @@ class DecodeGraphs:
         return hidden, model.compute_logits(hidden)
 
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, hidden) of the plan's rows that sample, as the eager path returns them;
-        views of the graph's outputs when all rows sample, valid until the next replay."""
+        """(logits of the plan's rows that sample, hidden states of all its rows), as the eager
+        path returns them; views of the graph's outputs, valid until the next replay."""
         batch = len(plan.scheduled)
         size = next(s for s in self.sizes if s >= batch)
         self._copy_inputs(plan, size)
@@ -158,8 +158,7 @@ class DecodeGraphs:
         rows = [i for i, s in enumerate(plan.scheduled) if s.samples]
         if len(rows) == batch:
             return logits, hidden
-        index = index_on(rows, logits)  # a 1-token chunk
-        return logits.index_select(0, index), hidden.index_select(0, index)
+        return logits.index_select(0, index_on(rows, logits)), hidden  # a 1-token chunk
 
     def _update_tables(self, sched) -> int:
         """Bring rows 0..len(sched)-1 of the kept block tables up to the plan's; returns the

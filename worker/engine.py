@@ -40,13 +40,15 @@ from mxserve.api.outputs import StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.api.tokenizer import Tokenizer
 from mxserve.worker.config import EngineConfig
+from mxserve.worker.drafters import Drafter, build_drafter
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tp import TPGroup, check_tensor_parallel
 from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner, StepResult, context_limit, load_runner, open_model
 from mxserve.worker.sampler import SampledTokens, Sampler
-from mxserve.worker.scheduler import Scheduler, StepPlan
+from mxserve.worker.scheduler import ScheduledRequest, Scheduler, StepPlan
+from mxserve.worker.spec_verify import verify_plan
 from mxserve.worker.stop import check_stop
 from mxserve.worker.tp_executor import RankGroup, RankLauncher, check_group_size
 
@@ -72,7 +74,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, runner: ModelRunner, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, drafter: Drafter | None = None) -> None:
         self.runner = runner
         self.model_config = model_config
         self.config = config
@@ -80,13 +82,16 @@ class Engine:
         self.kv = KVCacheManager(runner.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config, model_config)
+        self.drafter = drafter  # speculative decoding (drafters.py); None: off
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len,
+                                   drafter.num_lookahead_tokens if drafter else 0)
         self.sampler = Sampler(config.seed, top_p_on_device=config.top_p_on_device,
                                graphs=config.sample_graphs)
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none
-            self.async_scheduling = runner.device.type == "cuda"
+        if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none.
+            # Speculation decides where the next step starts only once this one completes.
+            self.async_scheduling = runner.device.type == "cuda" and drafter is None
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -176,6 +181,7 @@ class Engine:
         (this one, or with async scheduling the previous one)."""
         previous, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
+        plan.keep_hidden = self.drafter is not None and self.drafter.needs_hidden
         result = None if plan.is_empty else self._run_model(plan, previous)
         outputs = [] if previous is None else self._complete(previous)
         if result is None:
@@ -185,6 +191,8 @@ class Engine:
             self._inflight = launched
         else:
             outputs += self._complete(launched)
+        if self.drafter is not None:
+            self._draft(plan, result)
         return outputs
 
     def _run_model(self, plan: StepPlan, previous: LaunchedStep | None) -> StepResult:
@@ -202,7 +210,11 @@ class Engine:
         """Queue the sampling of the plan's logits and the copy of the tokens to the host."""
         sampling = [s.request for s in plan.scheduled if s.samples]
         with torch.inference_mode():  # the logits are inference tensors
-            samples = self.sampler.sample(result.logits, sampling, result.static_logits)
+            if any(s.num_draft_tokens for s in plan.scheduled):
+                samples = verify_plan(result.logits, [s for s in plan.scheduled if s.samples],
+                                      self.sampler)
+            else:
+                samples = self.sampler.sample(result.logits, sampling, result.static_logits)
         for request in sampling:
             request.num_inflight += 1
         return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
@@ -223,6 +235,9 @@ class Engine:
                 request.num_inflight -= 1
             if request.status is RequestStatus.FINISHED:  # aborted, or ended by its previous
                 continue  # token: this one is dropped
+            if s.num_draft_tokens:  # token: the kept drafts and one more
+                outputs.append(self._complete_verified(s, token, lp))
+                continue
             end = s.start_position + s.num_new_tokens
             filled_block = end // bs != s.start_position // bs
             if not s.samples:
@@ -237,6 +252,50 @@ class Engine:
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
+
+    def _complete_verified(self, s: ScheduledRequest, tokens: list[int],
+                           logprobs: list[dict[int, float]] | None) -> StepOutput:
+        """A request that verified drafts: roll back the rejected ones' KV, then append the
+        tokens one by one, stopping where a stop condition lands."""
+        request, num_kept = s.request, len(tokens) - 1
+        request.num_draft_tokens += s.num_draft_tokens
+        request.num_accepted_tokens += num_kept
+        request.num_drafts += 1
+        request.num_computed_tokens -= s.num_draft_tokens - num_kept
+        self.kv.trim(request.request_id,
+                     self.scheduler.with_lookahead(request.num_computed_tokens))
+        emitted = 0
+        for i, token in enumerate(tokens):
+            request.append_output(token, logprobs[i] if logprobs else None)
+            emitted += 1
+            check_stop(request, self.max_model_len)
+            if request.finish_reason is not None:
+                break
+        end = request.num_computed_tokens
+        if end // self.kv.block_size != s.start_position // self.kv.block_size:
+            self._cache_blocks(request, end)
+        out = self._output(request, tokens[:emitted], emitted if logprobs else 0)
+        if request.finish_reason is not None:
+            self._finish(request)
+        return out
+
+    def _draft(self, plan: StepPlan, result: StepResult) -> None:
+        """Ask the drafter for the next step's drafts of each request that sampled and runs on,
+        as many as its max_tokens and the context leave room for."""
+        num_drafts = {}
+        k = self.config.speculative_config.num_speculative_tokens
+        for s in plan.scheduled:
+            request = s.request
+            if not s.samples or request.status is not RequestStatus.RUNNING:
+                continue
+            max_tokens = request.sampling_params.max_tokens or self.max_model_len
+            n = min(k, max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens)
+            request.draft_token_ids = []
+            if n > 0:
+                num_drafts[request] = n
+        with torch.inference_mode():
+            self.drafter.propose(plan, result.hidden_states, num_drafts)
 
     def _cache_blocks(self, request: Request, end: int) -> None:
         """Hash and register the full blocks of the first `end` tokens, after a step that filled
@@ -259,7 +318,8 @@ class Engine:
             request.output_logprobs[-num_logprobs:] if num_logprobs else None,
             reason is not None, reason.value if reason else None,
             len(request.prompt_token_ids), request.num_cached_tokens,
-            len(request.output_token_ids))
+            len(request.output_token_ids), request.num_drafts, request.num_draft_tokens,
+            request.num_accepted_tokens)
 
 
 def build_engine(config: EngineConfig, launcher: RankLauncher | None = None) -> Engine:
@@ -287,7 +347,10 @@ def build_engine(config: EngineConfig, launcher: RankLauncher | None = None) -> 
         # Different numerics, different KV: keep prefix-cache hashes apart from the original's.
         model_config = dataclasses.replace(
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
-    engine = Engine(runner, model_config, config, checkpoint.tokenizer)
+    drafter = None
+    if config.speculative_config is not None:
+        drafter = build_drafter(config.speculative_config, runner, checkpoint.config)
+    engine = Engine(runner, model_config, config, checkpoint.tokenizer, drafter)
     if runner.graphs is not None:
         engine.sampler.capture_graphs([g.logits for g in runner.graphs.graphs.values()])
     engine.generation_defaults = dict(checkpoint.generation_defaults)

@@ -34,6 +34,10 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    # speculative decoding: steps that verified drafts, drafts verified, drafts kept
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class LLM:
@@ -167,6 +171,8 @@ class LLM:
         if delta.new_logprobs:
             out.logprobs = (out.logprobs or []) + delta.new_logprobs[:num_new]
         out.num_cached_tokens = delta.num_cached_tokens
+        out.num_drafts, out.num_draft_tokens = delta.num_drafts, delta.num_draft_tokens
+        out.num_accepted_tokens = delta.num_accepted_tokens
         text = stream.take_text()
         out.text += text
         out.finish_reason = stream.finish_reason

@@ -52,6 +52,12 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # torch.Generator for a seeded request, created by the sampler on first use.
     generator: object | None = None
+    # Speculative decoding: the drafter's proposals for the tokens after all_token_ids, verified
+    # by the next step (scheduled as "compute 1 + len(drafts)"); and running totals.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of them, kept
+    num_drafts: int = 0  # steps that verified drafts (vLLM's name)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -47,9 +47,11 @@ class Followers(Protocol):
 class StepResult:
     """The runner's answer to a StepPlan."""
 
-    # [num_sampling, vocab] float32: a row per scheduled request with `samples` True, in plan order.
+    # [num_sampling, vocab] float32: a row per scheduled request with `samples` True, in plan
+    # order; 1 + num_draft_tokens rows for a request verifying drafts.
     logits: torch.Tensor
-    # Final hidden states [num_sampling, hidden] of those rows, for a draft model (None otherwise).
+    # Final hidden states [num_tokens, hidden] of every token of the plan, in plan order, when
+    # plan.keep_hidden (a drafter reads them); else None.
     hidden_states: torch.Tensor | None = None
     # The static logits buffer of the decode graph replayed (`logits` is its first rows when
     # every row samples, else a copy), for the sampler's own graphs of it (sampler_graphs.py:
@@ -207,7 +209,8 @@ class ModelRunner:
         if self.graphs is not None:
             if self.graphs.can_run(plan):
                 logits, hidden = self.graphs.run(plan)
-                return StepResult(logits=logits, hidden_states=hidden,
+                return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden
+                                  else None,
                                   static_logits=self.graphs.graphs[self.graphs.last_size].logits)
             self.graphs.last_size = None
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
@@ -217,8 +220,9 @@ class ModelRunner:
             block_tables=[s.block_table for s in plan.scheduled],
             num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device))
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn, meta)  # [T, hidden]
-        hidden = hidden[sample_rows]  # only the rows whose logits pick a next token
-        return StepResult(logits=self.model.compute_logits(hidden), hidden_states=hidden)
+        # logits only for the rows that pick a next token
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None)
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
@@ -231,8 +235,8 @@ class ModelRunner:
                 inflight.append((len(ids), s.inflight_row))
                 ids.append(0)  # filled on the device below
             positions.extend(range(s.start_position, s.start_position + s.num_new_tokens))
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
+            if s.samples:  # the last position, and each draft's
+                sample_rows.extend(range(len(ids) - 1 - s.num_draft_tokens, len(ids)))
         input_ids = to_device(ids, torch.long, self.device)
         if inflight:
             fill_inflight_tokens(input_ids, inflight, plan.inflight_tokens)

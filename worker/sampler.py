@@ -232,11 +232,18 @@ class Sampler:
             shape = (len(unseeded), probs.shape[1])
             write_rows(q, unseeded, _exp1(shape, self._generator(probs.device), q))
         for j, r in enumerate(requests):
-            if r.sampling_params.seed is not None:
-                if r.generator is None:  # first sampled step of this request
-                    r.generator = torch.Generator(probs.device).manual_seed(r.sampling_params.seed)
-                q[j] = _exp1((probs.shape[1],), r.generator, q)  # same draws whatever the batch
+            if r.sampling_params.seed is not None:  # same draws whatever the batch
+                q[j] = _exp1((probs.shape[1],), self.generator_for(r, probs.device), q)
         return q
+
+    def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
+        """Where a request's random draws come from: its own generator when it has a seed
+        (made on its first draw), else the sampler's."""
+        if request.sampling_params.seed is None:
+            return self._generator(device)
+        if request.generator is None:
+            request.generator = torch.Generator(device).manual_seed(request.sampling_params.seed)
+        return request.generator
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

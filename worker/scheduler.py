@@ -4,7 +4,11 @@ Scheduling is by token counts only. Every request tracks `num_computed_tokens` (
 in the cache) against `num_tokens` (prompt + output so far). Each step hands every request some
 tokens to compute under one budget of `max_num_batched_tokens`: 1 for a plain decode, up to the rest
 of the budget for a prompt (chunked prefill, continued over later steps), and a prefix-cache hit
-just starts `num_computed_tokens` further along. A speculative verify will be "compute k + 1".
+just starts `num_computed_tokens` further along. A speculative verify is "compute k + 1": a
+decoding request with k drafts (request.draft_token_ids) computes its last token and the drafts
+in one pass (the budget counts all of them; drafts past the budget wait), and the engine rolls
+back what it rejects. With a drafter that keeps KV of its own in the same blocks (EAGLE), each
+request also holds `num_lookahead_tokens` slots past what it computes.
 With async scheduling a request's newest token may still be on the device (`num_inflight`): it
 is scheduled like a known one, and the runner takes its id from the previous step's samples.
 
@@ -45,6 +49,9 @@ class ScheduledRequest:
     # >= 0: the last token to compute is still on the device, in row `inflight_row` of
     # StepPlan.inflight_tokens, and token_ids lacks it (set by the engine).
     inflight_row: int = -1
+    # Drafts verified this step: the last num_draft_tokens of token_ids; logits come back for
+    # each of the 1 + num_draft_tokens last positions.
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -56,6 +63,8 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
     # The previous step's sampled ids [rows] on the device, when some request here computes one.
     inflight_tokens: torch.Tensor | None = None
+    # The runner returns every token's final hidden state (a drafter reads them), not only logits.
+    keep_hidden: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -68,8 +77,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # With num_inflight: which requests end by length (None: no context limit).
@@ -106,12 +116,14 @@ class Scheduler:
             if request.num_inflight and reaches_length_limit(request, self.max_model_len,
                                                              request.num_inflight):
                 continue  # its token in flight is its last one
-            num_new = min(len(request.all_token_ids) + request.num_inflight
-                          - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, plan):
+            num_rest = (len(request.all_token_ids) + request.num_inflight
+                        - request.num_computed_tokens)
+            num_new = min(num_rest, budget)
+            drafts = request.draft_token_ids[:budget - num_new] if num_new == num_rest else []
+            if not self._allocate_or_preempt(request, num_new + len(drafts), plan):
                 continue
-            plan.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            plan.scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
         self._admit_waiting(plan, budget)
         # Attention treats every single-token query as a decode; they lead the batch.
         plan.num_decodes = sum(s.num_new_tokens == 1 for s in plan.scheduled)
@@ -127,7 +139,8 @@ class Scheduler:
             hits = self.prefix_hits(request)
             num_computed = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if not self.kv.allocate(request.request_id, num_computed + num_new, hits):
+            if not self.kv.allocate(request.request_id,
+                                    self.with_lookahead(num_computed + num_new), hits):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
@@ -148,7 +161,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Make room for `num_new` more tokens, preempting later requests; False if `request`
         itself had to be preempted."""
-        total = request.num_computed_tokens + num_new
+        total = self.with_lookahead(request.num_computed_tokens + num_new)
         while not self.kv.allocate(request.request_id, total):
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -156,7 +169,13 @@ class Scheduler:
                 return False
         return True
 
+    def with_lookahead(self, num_tokens: int) -> int:
+        """Slots a request computing up to num_tokens holds: its drafter's lookahead too, within
+        the context limit (which the pool always holds)."""
+        return max(num_tokens, min(num_tokens + self.num_lookahead_tokens, self.max_model_len))
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        request.draft_token_ids = []
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -166,9 +185,14 @@ class Scheduler:
         plan.preempted.append(request)
         plan.scheduled = [s for s in plan.scheduled if s.request is not request]
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: list[int] = ()) -> ScheduledRequest:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         rid = request.request_id
-        return ScheduledRequest(request, num_new, start, request.all_token_ids[start:end],
+        token_ids = request.all_token_ids[start:end]
+        if drafts:
+            token_ids += drafts
+        return ScheduledRequest(request, num_new + len(drafts), start, token_ids,
                                 self.kv.get_block_ids(rid), self.kv.table_version(rid),
-                                end == len(request.all_token_ids) + request.num_inflight)
+                                end == len(request.all_token_ids) + request.num_inflight,
+                                num_draft_tokens=len(drafts))

@@ -27,6 +27,8 @@ import torch
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.logits_ops import apply_min_tokens, apply_penalties, filter_threshold
 from mxserve.worker.request import Request
+from mxserve.worker.sampler import Sampler
+from mxserve.worker.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -41,6 +43,46 @@ class Verified:
     @property
     def num_accepted(self) -> int:
         return len(self.token_ids) - 1
+
+
+@dataclass
+class VerifiedTokens:
+    """A step's tokens when some request verified drafts: entry i belongs to the plan's i-th
+    sampling request, a token (and its logprobs dict) for one without drafts, a Verified for one
+    with. Already on the host (the engine steps synchronously under speculation)."""
+
+    token_ids: list
+    logprobs: list
+
+    def result(self) -> VerifiedTokens:
+        return self
+
+
+def verify_plan(logits: torch.Tensor, sampling: list[ScheduledRequest],
+                sampler: Sampler) -> VerifiedTokens:
+    """The tokens of a step whose plan verifies drafts. logits: [rows, vocab], 1 + drafts rows
+    for each sampling request in plan order. Requests without drafts sample as usual."""
+    first, at = [], 0
+    for s in sampling:
+        first.append(at)
+        at += 1 + s.num_draft_tokens
+    tokens: list = [None] * len(sampling)
+    lps: list = [None] * len(sampling)
+    plain = [i for i, s in enumerate(sampling) if not s.num_draft_tokens]
+    if plain:
+        out = sampler.sample(logits[[first[i] for i in plain]],
+                             [sampling[i].request for i in plain]).result()
+        for i, t, lp in zip(plain, out.token_ids, out.logprobs):
+            tokens[i], lps[i] = t, lp
+    spec = [i for i, s in enumerate(sampling) if s.num_draft_tokens]
+    if spec:
+        rows = [first[i] + j for i in spec for j in range(1 + sampling[i].num_draft_tokens)]
+        verified = verify(logits[rows], [sampling[i].request for i in spec],
+                          [sampling[i].token_ids[-sampling[i].num_draft_tokens:] for i in spec],
+                          sampler.generator_for, top_p_on_device=sampler.top_p_on_device)
+        for i, v in zip(spec, verified):
+            tokens[i], lps[i] = v.token_ids, v.logprobs
+    return VerifiedTokens(tokens, lps)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ token is. One flat int64 array:
 
     [num_scheduled, num_decodes, num_inflight_tokens,
      then per request: num_new_tokens, start_position, table_version, samples, inflight_row,
-                       len(token_ids), len(block_table),
+                       num_draft_tokens, len(token_ids), len(block_table),
      then every request's token_ids, then every request's block_table]
 
 The in-flight tokens themselves stay on the device: rank 0 broadcasts them over the group.
@@ -19,7 +19,7 @@ import numpy as np
 
 from mxserve.worker.scheduler import ScheduledRequest, StepPlan
 
-_HEADER, _PER_REQUEST = 3, 7
+_HEADER, _PER_REQUEST = 3, 8
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -32,7 +32,7 @@ def encode_plan(plan: StepPlan) -> bytes:
     tables: list[int] = []
     for s in sched:
         rows += (s.num_new_tokens, s.start_position, s.table_version, s.samples, s.inflight_row,
-                 len(s.token_ids), len(s.block_table))
+                 s.num_draft_tokens, len(s.token_ids), len(s.block_table))
         tokens += s.token_ids
         tables += s.block_table
     return np.array(head + rows + tokens + tables, dtype=np.int64).tobytes()
@@ -48,12 +48,12 @@ def decode_plan(data: bytes) -> tuple[StepPlan, int]:
     at = 0
     token_ids = []
     for row in rows:
-        token_ids.append(rest[at:at + row[5]])
-        at += row[5]
+        token_ids.append(rest[at:at + row[6]])
+        at += row[6]
     plan = StepPlan(num_decodes=num_decodes)
     for row, ids in zip(rows, token_ids):
-        num_new, start, version, samples, inflight_row, _, num_blocks = row
+        num_new, start, version, samples, inflight_row, num_drafts, _, num_blocks = row
         plan.scheduled.append(ScheduledRequest(None, num_new, start, ids, rest[at:at + num_blocks],
-                                               version, bool(samples), inflight_row))
+                                               version, bool(samples), inflight_row, num_drafts))
         at += num_blocks
     return plan, num_inflight

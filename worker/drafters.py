@@ -1,0 +1,72 @@
+"""Drafters for speculative decoding, chosen by name (SpeculativeConfig.method): after each step
+the engine asks its drafter for up to n tokens for each request that decodes next; the next step
+verifies them (spec_verify.py).
+
+- "ngram" (prompt lookup, no model): the longest recent n-gram of the request's tokens that also
+  occurred earlier proposes what followed that earlier occurrence.
+- "eagle" (worker/eagle.py): a one-layer head over the target's final hidden states.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from mxserve.worker.spec_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from mxserve.worker.request import Request
+    from mxserve.worker.scheduler import StepPlan
+
+
+class Drafter(Protocol):
+    """Proposes drafts after a step. `needs_hidden`: the step's runner returns every token's
+    final hidden state. `num_lookahead_tokens`: KV slots a request holds past what it computes,
+    for a drafter that writes KV of its own in the request's blocks."""
+
+    needs_hidden: bool
+    num_lookahead_tokens: int
+
+    def propose(self, plan: StepPlan, hidden: torch.Tensor | None,
+                num_drafts: dict[Request, int]) -> None:
+        """After `plan` completed (rejected drafts rolled back: each running request's
+        num_computed_tokens is where its valid KV ends), set `draft_token_ids` (at most n) of
+        each request in num_drafts. hidden: [plan.num_tokens, hidden] in plan order, or None."""
+
+
+class NgramDrafter:
+    needs_hidden = False
+    num_lookahead_tokens = 0
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, plan: StepPlan, hidden, num_drafts: dict[Request, int]) -> None:
+        for request, n in num_drafts.items():
+            request.draft_token_ids = ngram_lookup(request.all_token_ids, n, self.min_n,
+                                                   self.max_n)
+
+
+def ngram_lookup(tokens: list[int], n: int, min_n: int, max_n: int) -> list[int]:
+    """Up to n tokens that followed the latest earlier occurrence of the sequence's last
+    max_n..min_n tokens (the longest that occurred), or [] if none did."""
+    a = np.asarray(tokens, dtype=np.int64)
+    for size in range(min(max_n, len(a) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(a[:-1], size)  # ends before the last
+        hits = np.flatnonzero((windows == a[-size:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + size
+            return a[start:start + n].tolist()
+    return []
+
+
+def build_drafter(config: SpeculativeConfig, runner, model_config) -> Drafter:
+    """The drafter `config.method` names, on `runner`'s device (EAGLE loads its head)."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    from mxserve.worker.eagle import EagleDrafter
+
+    return EagleDrafter(config, runner, model_config)

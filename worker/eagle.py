@@ -1,0 +1,229 @@
+"""EAGLE drafting (Li et al. 2024, EAGLE-1's head): a draft model over the target's own features.
+
+    g_p = layer(fc([embed(x_{p+1}) ; f_p]))      f_p: the target's final hidden state at p
+    draft logits at p = target_lm_head(g_p)       g_p is trained to be f_{p+1}
+
+The head is one Llama decoder layer of the target's shape, an fc from [embedding ; feature] to
+the hidden size, and the target's embedding and LM head (shared; own full copies when the target
+is split over tensor-parallel ranks). Its KV cache is one layer of the target's block pool: the
+same block ids, so a request's blocks, prefix-cache hits, preemption and rollback cover the
+head's KV too, and the scheduler holds `num_speculative_tokens` slots past each request's
+computed tokens for the chain below.
+
+After each step (EagleDrafter.propose): for every request the step computed (and kept), the head
+runs over the same positions with the target's features (the catch-up pass, batched like the
+target's step); its output at the last kept position gives draft 1 (argmax). Each next draft
+runs one position further on (draft j, the head's own previous output as the feature): k drafts
+cost k small passes. A block the prefix cache shares was drafted over with the next token of the
+request that computed it, which only costs acceptance.
+
+A head is a directory: config.json (the target's shape it was trained for) and model.safetensors
+(this module's state dict), written by `save_head` (training: worker/eagle_train.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mxserve.api.errors import ModelLoadError
+from mxserve.worker.attention import AttentionBatch
+from mxserve.worker.model.config import ModelConfig
+from mxserve.worker.model.layers import RotaryEmbedding
+from mxserve.worker.model.llama import LlamaDecoderLayer
+from mxserve.worker.model.parallel import ParallelLMHead, VocabParallelEmbedding
+from mxserve.worker.model.tp import TPGroup
+from mxserve.worker.request import Request, RequestStatus
+from mxserve.worker.spec_config import SpeculativeConfig
+
+HEAD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+               "max_position_embeddings")
+# The head shipped for the default model (SmolLM2-135M-Instruct), used when no model is given.
+DEFAULT_HEAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads",
+                            "smollm2-135m-eagle")
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 embed: VocabParallelEmbedding | None = None,
+                 lm_head: ParallelLMHead | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        hidden = cfg.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype, device=device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling, device)
+        self.layer = LlamaDecoderLayer(cfg, TPGroup(), dtype, device, self.rope)
+        # Not submodules: the target's (its weights are not the head's to save).
+        self._embed, self._lm_head = embed, lm_head
+
+    def attach(self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead) -> None:
+        self._embed, self._lm_head = embed, lm_head
+
+    def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn, meta) -> torch.Tensor:
+        # token_ids, positions [T]; features [T, hidden] -> the head's outputs g [T, hidden]
+        self.rope.prepare(positions)
+        x = self.fc(torch.cat([self._embed(token_ids), features.to(self.fc.weight.dtype)], -1))
+        h, residual = self.layer(x, None, positions, kv_cache, attn, meta)
+        return h + residual
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(g, torch.float32)  # [T, vocab]
+
+
+def head_config(target: ModelConfig, **overrides) -> ModelConfig:
+    """The head's shape: the target's (one layer), with any HEAD_FIELDS overridden."""
+    return dataclasses.replace(target, num_hidden_layers=1, **overrides)
+
+
+def save_head(head: EagleHead, path: str, target_model_id: str = "") -> None:
+    os.makedirs(path, exist_ok=True)
+    cfg = {name: getattr(head.config, name) for name in HEAD_FIELDS}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architecture": "EagleHead", "target_model_id": target_model_id, **cfg}, f,
+                  indent=1)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, os.path.join(path, "model.safetensors"))
+
+
+def load_head(path: str, target: ModelConfig, dtype: torch.dtype,
+              device: torch.device) -> EagleHead:
+    """The head in `path`, for `target`; ModelLoadError naming the field that does not match."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"speculative_config.model: {path} has no config.json "
+                             "(an EAGLE head directory: mxserve train-draft writes one)")
+    with open(config_path) as f:
+        stored = json.load(f)
+    for name in ("hidden_size", "vocab_size"):
+        if stored.get(name) != getattr(target, name):
+            raise ModelLoadError(f"speculative_config.model: the head's {name} "
+                                 f"{stored.get(name)} does not match the target's "
+                                 f"{getattr(target, name)}")
+    head = EagleHead(head_config(target, **{k: stored[k] for k in HEAD_FIELDS if k in stored}),
+                     dtype, device)
+    state = load_file(os.path.join(path, "model.safetensors"), device=str(device))
+    missing, unexpected = head.load_state_dict({k: v.to(dtype) for k, v in state.items()},
+                                               strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"speculative_config.model: {path}: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+    return head
+
+
+class EagleDrafter:
+    needs_hidden = True
+
+    def __init__(self, config: SpeculativeConfig, runner, target: ModelConfig) -> None:
+        path = config.model or DEFAULT_HEAD
+        self.runner, self.k = runner, config.num_speculative_tokens
+        self.num_lookahead_tokens = self.k
+        self.head = load_head(path, target, runner.dtype, runner.device)
+        model = runner.model
+        if runner.tp.size == 1:
+            self.head.attach(model.embed_tokens, model.lm_head)
+        else:  # the target's are split over the ranks: full copies on this rank
+            self.head.attach(*_full_embedding_and_head(runner, target))
+        cfg = self.head.config
+        shape = (runner.num_kv_blocks, runner.config.block_size,
+                 cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = (torch.zeros(shape, dtype=runner.dtype, device=runner.device),
+                         torch.zeros(shape, dtype=runner.dtype, device=runner.device))
+        self.attn = runner.attn
+
+    def propose(self, plan, hidden: torch.Tensor, num_drafts: dict) -> None:
+        spans = self._kept_spans(plan)
+        if not spans:
+            return
+        g = self._run([t for sp in spans for t in sp.next_tokens()],
+                      torch.cat([hidden[sp.offset:sp.offset + sp.length] for sp in spans]),
+                      spans)
+        last, at = [], -1
+        for sp in spans:
+            at += sp.length
+            last.append(at)
+        drafting = [(last[i], sp) for i, sp in enumerate(spans) if sp.request in num_drafts]
+        if not drafting:
+            return
+        g = g[[row for row, _ in drafting]]  # each drafting request's last output
+        chain = [_Span(sp.request, sp.request.num_computed_tokens, 1, 0, sp.block_table)
+                 for _, sp in drafting]
+        for sp in chain:
+            sp.request.draft_token_ids = []
+        for j in range(max(num_drafts[sp.request] for sp in chain)):
+            ids = self.head.logits(g).argmax(-1).tolist()
+            for sp, t in zip(chain, ids):
+                sp.request.draft_token_ids.append(t)
+            keep = [i for i, sp in enumerate(chain) if num_drafts[sp.request] > j + 1]
+            if not keep:
+                return
+            chain = [_Span(chain[i].request, chain[i].start + (j > 0), 1, 0,
+                           chain[i].block_table) for i in keep]
+            g = self._run([ids[i] for i in keep], g[keep], chain)
+
+    def _kept_spans(self, plan) -> list[_Span]:
+        """The positions each request of the plan still running kept (its target step's
+        features for them are rows offset.. of the step's hidden states), decodes first."""
+        spans, offset = [], 0
+        for s in plan.scheduled:
+            kept = s.request.num_computed_tokens - s.start_position
+            if s.request.status is RequestStatus.RUNNING and kept > 0:
+                spans.append(_Span(s.request, s.start_position, kept, offset, s.block_table))
+            offset += s.num_new_tokens
+        spans.sort(key=lambda sp: sp.length != 1)
+        return spans
+
+    def _run(self, tokens: list[int], features: torch.Tensor, spans: list[_Span]
+             ) -> torch.Tensor:
+        """The head over the spans' positions (single positions first), `tokens` and
+        `features` flat in span order; its KV goes to each request's blocks."""
+        device = self.runner.device
+        meta = self.attn.build_metadata(AttentionBatch(
+            query_lens=[sp.length for sp in spans], start_positions=[sp.start for sp in spans],
+            block_tables=[sp.block_table for sp in spans],
+            num_decodes=sum(sp.length == 1 for sp in spans),
+            block_size=self.runner.config.block_size, device=device))
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        positions = torch.tensor([p for sp in spans for p in range(sp.start, sp.start + sp.length)],
+                                 dtype=torch.long, device=device)
+        return self.head(ids, features, positions, self.kv_cache, self.attn, meta)
+
+
+@dataclass(slots=True)
+class _Span:
+    """Positions start .. start + length - 1 of a request for the head to run over."""
+
+    request: Request
+    start: int
+    length: int
+    offset: int  # its first row in the step's hidden states
+    block_table: list[int]
+
+    def next_tokens(self) -> list[int]:
+        """The tokens after each position: the head's token inputs."""
+        return self.request.all_token_ids[self.start + 1:self.start + self.length + 1]
+
+
+def _full_embedding_and_head(runner, target: ModelConfig):
+    """The target's whole embedding and LM head on this rank (its own are vocabulary slices)."""
+    from mxserve.worker.runner import open_model
+
+    tp1 = TPGroup()
+    embed = VocabParallelEmbedding(target.vocab_size, target.hidden_size, tp1, runner.dtype,
+                                   runner.device)
+    head = ParallelLMHead(embed if target.tie_word_embeddings else None, target.vocab_size,
+                          target.hidden_size, tp1, runner.dtype, runner.device)
+    for name, tensor in open_model(runner.config).weights(progress=False):
+        if name == "model.embed_tokens.weight":
+            embed.load(tensor.to(runner.dtype))
+        elif name == "lm_head.weight":
+            head.load(tensor.to(runner.dtype))
+    return embed, head

