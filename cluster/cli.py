@@ -93,6 +93,8 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the report")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--text-tokens", type=int, default=0,
+                   help="also learn from this many tokens of KJV text (prefill only: cheap)")
     p.add_argument("--num-threads", type=int, default=None)
 
 
@@ -339,7 +341,8 @@ def cmd_train_draft(args) -> int:
         raise MxserveError("--num-prompts, --epochs and --max-tokens must be >= 1")
     report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
                          args.heldout, args.num_speculative_tokens,
-                         TrainConfig(epochs=args.epochs), num_threads=args.num_threads)
+                         TrainConfig(epochs=args.epochs), text_tokens=args.text_tokens,
+                         num_threads=args.num_threads)
     print(json.dumps(report["heldout"]))
     print(f"wrote {report['head']}: use speculative_config={{\"method\": \"eagle\", "
           f"\"model\": \"{report['head']}\"}}")

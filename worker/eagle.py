@@ -84,13 +84,15 @@ def head_config(target: ModelConfig, **overrides) -> ModelConfig:
     return dataclasses.replace(target, num_hidden_layers=1, **overrides)
 
 
-def save_head(head: EagleHead, path: str, target_model_id: str = "") -> None:
+def save_head(head: EagleHead, path: str, target_model_id: str = "",
+              dtype: torch.dtype = torch.float32) -> None:
+    """Write the head (its weights in `dtype`; loading casts them to the engine's)."""
     os.makedirs(path, exist_ok=True)
     cfg = {name: getattr(head.config, name) for name in HEAD_FIELDS}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architecture": "EagleHead", "target_model_id": target_model_id, **cfg}, f,
                   indent=1)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, os.path.join(path, "model.safetensors"))
 
 

@@ -1,8 +1,9 @@
 """`mxserve train-draft`: an EAGLE head (worker/eagle.py) for a target model, by
 self-distillation on the target's own outputs.
 
-1. Prompts: chat prompts made from KJV verses and general questions (`chat_prompts`; the
-   training and held-out splits share no verse or question).
+1. Prompts: chat prompts made from KJV verses and general questions (`chat_prompts`), and a
+   quarter of KJV passages to continue (`passage_prompts`); the training and held-out splits
+   share no verse or question.
 2. The target answers them (greedy, `max_tokens`), then runs once over each prompt + answer
    for its final hidden states f (the features the head reads at inference).
 3. The head learns, for every answer position p, from (x_{p+1}, f_p): its output g_p regresses
@@ -10,6 +11,7 @@ self-distillation on the target's own outputs.
    next-token distribution softmax(lm_head(f_{p+1})) (soft cross-entropy). Then one step
    unrolled on its own outputs: (x_{p+2}, g_p) at position p + 1 learns f_{p+2}, as drafting
    feeds a draft its predecessor's output; features get a little noise (EAGLE's augmentation).
+   With `text_tokens`, windows of KJV text (their prefill only) join the answers.
 4. Acceptance length on held-out prompts: tokens per verify step (accepted drafts + 1) of the
    engine speculating with the new head, greedy.
 
@@ -57,9 +59,8 @@ TEMPLATES = [  # turning a verse into a chat prompt
 ]
 
 
-def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]]:
-    """n chat conversations (one user message each): verses of the Old Testament in templates
-    plus questions for "train"; New Testament verses and other questions for "heldout"."""
+def _verses(split: str) -> list[dict]:
+    """KJV verses: the Old Testament for "train", the New for "heldout"."""
     import importlib.util
 
     spec = importlib.util.find_spec("bible")
@@ -69,7 +70,13 @@ def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]
     with open(os.path.join(spec.submodule_search_locations[0], "data", "kjv.jsonl")) as f:
         verses = [json.loads(line) for line in f]
     new_testament = next(i for i, v in enumerate(verses) if v["book"] == "Matthew")
-    pool = verses[:new_testament] if split == "train" else verses[new_testament:]
+    return verses[:new_testament] if split == "train" else verses[new_testament:]
+
+
+def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]]:
+    """n chat conversations (one user message each): verses in templates and general questions;
+    the "train" and "heldout" splits share no verse (Old / New Testament) or question."""
+    pool = _verses(split)
     questions = [q for i, q in enumerate(QUESTIONS) if (i % 5 == 4) == (split != "train")]
     rng = random.Random(f"{seed}-{split}")
     out = []
@@ -82,38 +89,88 @@ def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]
     return out
 
 
+def passage_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
+    """n plain-text prompts: 3 to 5 consecutive KJV verses each, for the model to continue."""
+    pool = _verses(split)
+    rng = random.Random(f"{seed}-{split}-passages")
+    out = []
+    for _ in range(n):
+        start = rng.randrange(len(pool) - 5)
+        out.append(" ".join(v["text"] for v in pool[start:start + rng.randint(3, 5)]))
+    return out
+
+
+def text_samples(tokenizer, num_tokens: int, window: int = 256, seed: int = 0) -> list:
+    """KJV text of the "train" split in windows of `window` tokens, about num_tokens in all:
+    prefill-only data (the target's predictions over real text are the labels), far cheaper
+    to make than answers."""
+    rng = random.Random(f"{seed}-text")
+    pool = _verses("train")
+    start = rng.randrange(max(1, len(pool) - num_tokens // 20))
+    ids: list[int] = []
+    for v in pool[start:]:
+        ids += tokenizer.encode(" " + v["text"], add_special_tokens=False)
+        if len(ids) >= num_tokens:
+            break
+    return [Sample(ids[i:i + window], 1) for i in range(0, len(ids) - window + 1, window)]
+
+
 @dataclass
 class Sample:
     token_ids: list[int]  # prompt + the target's answer
     num_prompt_tokens: int
 
 
-def generate_samples(llm, conversations: list[list[dict]], max_tokens: int) -> list[Sample]:
+def generate_samples(llm, prompts: list, max_tokens: int) -> list[Sample]:
+    """The target's greedy answers: prompts are conversations (chat) or strings (continued)."""
     from mxserve.api.sampling_params import SamplingParams
 
-    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=max_tokens))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    chats = [p for p in prompts if not isinstance(p, str)]
+    texts = [p for p in prompts if isinstance(p, str)]
+    outs = (llm.chat(chats, params) if chats else []) + \
+        (llm.generate(texts, params) if texts else [])
     return [Sample(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]
 
 
 @torch.inference_mode()
-def target_features(llm, samples: list[Sample]) -> list[torch.Tensor]:
-    """The target's final hidden states [len, hidden] of each sample, float32 on the CPU: one
-    prefill each, in the idle engine's blocks (its prefix cache is reset first)."""
+def target_features(llm, samples: list[Sample], tokens_per_pass: int = 4096
+                    ) -> list[torch.Tensor]:
+    """The target's final hidden states [len, hidden] of each sample, float32 on the CPU: a
+    prefill of several samples at a time, in the idle engine's blocks (its prefix cache is reset
+    first)."""
     from mxserve.worker.attention import AttentionBatch
 
     engine, runner = llm.engine, llm.engine.runner
     if not engine.kv.reset_prefix_cache():
         raise RuntimeError("target_features needs an idle engine")
-    bs, out = engine.kv.block_size, []
-    for sample in tqdm(samples, desc="target features", unit="sample", file=sys.stderr):
-        n = len(sample.token_ids)
+    bs, out, group = engine.kv.block_size, [], []
+    bar = tqdm(total=len(samples), desc="target features", unit="sample", file=sys.stderr)
+
+    def run(group: list[Sample]) -> None:
+        lens = [len(s.token_ids) for s in group]
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + -(-n // bs))))
+            first += len(tables[-1])
         meta = runner.attn.build_metadata(AttentionBatch(
-            query_lens=[n], start_positions=[0], block_tables=[list(range(-(-n // bs)))],
+            query_lens=lens, start_positions=[0] * len(lens), block_tables=tables,
             num_decodes=0, block_size=bs, device=runner.device))
-        ids = torch.tensor(sample.token_ids, device=runner.device)
-        hidden = runner.model(ids, torch.arange(n, device=runner.device), runner.kv_caches,
-                              runner.attn, meta)
-        out.append(hidden.float().cpu())
+        ids = torch.tensor([t for s in group for t in s.token_ids], device=runner.device)
+        positions = torch.tensor([p for n in lens for p in range(n)], device=runner.device)
+        hidden = runner.model(ids, positions, runner.kv_caches, runner.attn, meta)
+        out.extend(h.float().cpu() for h in hidden.split(lens))
+        bar.update(len(group))
+
+    for sample in samples:
+        if group and sum(len(s.token_ids) for s in group) + len(sample.token_ids) \
+                > tokens_per_pass:
+            run(group)
+            group = []
+        group.append(sample)
+    if group:
+        run(group)
+    bar.close()
     return out
 
 
@@ -180,6 +237,8 @@ class TrainConfig:
     cls_weight: float = 0.1  # the soft cross-entropy's weight beside the feature regression
     unroll_weight: float = 0.5  # the unrolled step's losses
     noise: float = 0.05  # feature noise, times each feature's RMS
+    cls_fraction: float = 0.25  # answer positions the cross-entropy (a vocabulary-wide
+    # product, most of a step's cost) is computed on, drawn anew each step
     seed: int = 0
 
 
@@ -270,6 +329,8 @@ def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor]
 def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float]:
     g, want = g[mask], want[mask]  # [N, hidden]
     reg = F.smooth_l1_loss(g, want)
+    some = torch.rand(g.shape[0]) < cfg.cls_fraction
+    g, want = g[some], want[some]
     with torch.no_grad():
         target_logits = want @ embed.T
         target = target_logits.softmax(-1)
@@ -299,7 +360,7 @@ def acceptance_length(model: str | None, head_dir: str, conversations: list[list
 
 def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens: int = 128,
                 num_heldout: int = 32, k: int = 3, train: TrainConfig | None = None,
-                log=print, **engine_options) -> dict:
+                text_tokens: int = 0, log=print, **engine_options) -> dict:
     """The whole command: data (cached), training (resumable), the head in `out`, and its
     acceptance on held-out prompts. Returns the report it also writes to out/report.json."""
     from mxserve.worker.llm import LLM
@@ -316,19 +377,31 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
         log(f"train-draft: {len(samples)} cached samples")
     else:
         log(f"train-draft: the target answers {num_prompts} prompts...")
-        samples = generate_samples(llm, chat_prompts(num_prompts, "train", train.seed),
-                                   max_tokens)
+        num_passages = num_prompts // 4
+        samples = generate_samples(
+            llm, chat_prompts(num_prompts - num_passages, "train", train.seed)
+            + passage_prompts(num_passages, "train", train.seed), max_tokens)
         features = target_features(llm, samples)
         torch.save({"samples": samples, "features": features}, data_path)
+    text_path = os.path.join(out, f"text{text_tokens}.pt")
+    if text_tokens and os.path.exists(text_path):
+        text = torch.load(text_path, weights_only=False)
+    elif text_tokens:
+        log(f"train-draft: the target reads {text_tokens} tokens of KJV text...")
+        texts = text_samples(llm.tokenizer, text_tokens, seed=train.seed)
+        text = {"samples": texts, "features": target_features(llm, texts)}
+        torch.save(text, text_path)
+    if text_tokens:
+        samples, features = samples + text["samples"], features + text["features"]
     lm_head = llm.engine.runner.model.lm_head
     embed = (lm_head.embedding.weight if lm_head.tied else lm_head.weight).detach().float()
     head = init_head(target, train.seed)
     train_head(head, embed, samples, features, train, os.path.join(out, "train_state.pt"),
                log)
     head_dir = os.path.join(out, "head")
-    save_head(head, head_dir, target.model_id)
+    save_head(head, head_dir, target.model_id, torch.bfloat16)
     del llm
-    report = {"model": model or "smollm2", "num_samples": len(samples),
+    report = {"model": model or "smollm2", "num_samples": len(samples), "text_tokens": text_tokens,
               "answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in samples),
               "train": train.__dict__, "k": k, "head": head_dir,
               "heldout": acceptance_length(model, head_dir, chat_prompts(

@@ -1,0 +1,121 @@
+"""Speculative decoding on CPU: SmolLM2-135M-Instruct, greedy, no speculation vs ngram vs EAGLE
+(the shipped head, or --head), side by side in one run.
+
+Workloads (held out from the head's training: worker/eagle_train.py's "heldout" split, New
+Testament verses and other questions): chat prompts, and KJV passages to continue. Each runs at
+batch 1 (one request at a time) and batch 8 (8 at once). Reported per method: output tok/s
+(output tokens / wall time, after a warm-up), the speed-up over no speculation, the acceptance
+length (tokens a verify step yields: 1 + accepted drafts / verify steps), the acceptance rate,
+and whether every output equals no speculation's (greedy: it must).
+
+Targets (issue 23): acceptance length >= 2.2 at k = 3 on the chat prompts; EAGLE >= 1.5x the
+tok/s of no speculation at batch 1.
+
+Run: python bench/spec_decode.py [--prompts 8] [--max-tokens 128] [--k 3]
+     [--out bench/results/spec_decode.json]   (~10 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.revision import head_commit, write_result  # noqa: E402
+
+from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.worker.eagle_train import chat_prompts, passage_prompts  # noqa: E402
+
+
+def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> dict:
+    """Generate for the prompts `batch` at a time; outputs, seconds, speculation totals."""
+    outs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        outs += llm.chat(group, params) if isinstance(group[0], list) else \
+            llm.generate(group, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    drafts = sum(o.num_drafts for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    drafted = sum(o.num_draft_tokens for o in outs)
+    return dict(token_ids=[o.token_ids for o in outs], seconds=seconds, tokens=tokens,
+                tok_s=tokens / seconds,
+                acceptance_length=(1 + accepted / drafts) if drafts else None,
+                acceptance_rate=accepted / drafted if drafted else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--head", default=None, help="EAGLE head directory (default: the shipped)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="bench/results/spec_decode.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    workloads = {"chat": chat_prompts(args.prompts, "heldout"),
+                 "kjv": passage_prompts(args.prompts, "heldout")}
+    methods = {"none": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+               "eagle": {"method": "eagle", "num_speculative_tokens": args.k,
+                         "model": args.head}}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows, results = [], []
+    for method, spec in methods.items():
+        llm = LLM(load_progress=False, num_threads=args.threads, speculative_config=spec)
+        run(llm, workloads["chat"][:2], 2, params)  # warm-up: kernels built, caches touched
+        for workload, prompts in workloads.items():
+            for batch in (1, 8):
+                llm.engine.kv.reset_prefix_cache()
+                r = run(llm, prompts, batch, params)
+                results.append(dict(method=method, workload=workload, batch=batch, **r))
+        llm.shutdown()
+    for r in results:
+        base = next(b for b in results if b["method"] == "none" and b["workload"] == r["workload"]
+                    and b["batch"] == r["batch"])
+        r["speedup"] = round(r["tok_s"] / base["tok_s"], 3)
+        r["same_output"] = r["token_ids"] == base["token_ids"]
+        rows.append(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']:.1f} | "
+                    f"{r['speedup']}x | {_fmt(r['acceptance_length'])} | "
+                    f"{_fmt(r['acceptance_rate'])} | {r['same_output']} |")
+    for r in results:
+        del r["token_ids"]
+    chat_eagle = next(r for r in results if r["method"] == "eagle" and r["workload"] == "chat"
+                      and r["batch"] == 1)
+    targets_met = {
+        "chat_acceptance_length_2.2_at_k3": args.k == 3
+        and (chat_eagle["acceptance_length"] or 0) >= 2.2,
+        "eagle_1.5x_tok_s_at_batch1": chat_eagle["speedup"] >= 1.5,
+        "greedy_outputs_equal": all(r["same_output"] for r in results)}
+    command = "python " + " ".join(sys.argv)
+    result = dict(benchmark="spec_decode", device=platform.processor() or platform.machine(),
+                  cpus=os.cpu_count(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+                  commit=head_commit(), versions=dict(torch=torch.__version__,
+                                                      python=platform.python_version()),
+                  command=command, model="SmolLM2-135M-Instruct (Q4_1 GGUF, float32 here)",
+                  prompts=args.prompts, max_tokens=args.max_tokens, k=args.k, runs=results,
+                  targets_met=targets_met)
+    md = (f"# spec_decode ({result['device']}, {result['cpus']} cores, {result['date'][:10]}, "
+          f"{result['commit']})\n\n`{command}`: SmolLM2-135M-Instruct greedy, {args.prompts} "
+          f"held-out prompts a workload, {args.max_tokens} tokens each, k = {args.k}.\n\n"
+          "| workload | batch | method | tok/s | vs none | acceptance length | "
+          "acceptance rate | same output |\n|---|---|---|---|---|---|---|---|\n"
+          + "\n".join(rows) + f"\n\nTargets: {targets_met}\n")
+    write_result(args.out, result, md)
+    print(md)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    main()
