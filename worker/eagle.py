@@ -34,6 +34,7 @@ from torch import nn
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.worker.attention import AttentionBatch
+from mxserve.worker.model.checkpoint import set_default_permissions
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.layers import RotaryEmbedding
 from mxserve.worker.model.llama import LlamaDecoderLayer
@@ -94,6 +95,7 @@ def save_head(head: EagleHead, path: str, target_model_id: str = "",
                   indent=1)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, os.path.join(path, "model.safetensors"))
+    set_default_permissions(os.path.join(path, "model.safetensors"))
 
 
 def load_head(path: str, target: ModelConfig, dtype: torch.dtype,

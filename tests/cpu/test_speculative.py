@@ -91,6 +91,21 @@ def test_greedy_speculation_equals_plain_decoding(ckpt, reference, random_head, 
         _check_pool(llm)
 
 
+def test_the_shipped_head_on_smollm2_equals_plain_decoding():
+    """The default model's own head (worker/heads/), used when no model is given."""
+    questions = [[{"role": "user", "content": q}] for q in
+                 ("What is the capital of France?", "Describe a river in two sentences.")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    with LLM(dtype="float32", load_progress=False, num_threads=1) as plain:
+        want = [o.token_ids for o in plain.chat(questions, params)]
+    with LLM(dtype="float32", load_progress=False, num_threads=1,
+             speculative_config={"method": "eagle", "num_speculative_tokens": 3}) as llm:
+        outs = llm.chat(questions, params)
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.num_accepted_tokens for o in outs) > 0  # it is a trained head
+        _check_pool(llm)
+
+
 def test_stops_inside_accepted_runs_end_where_plain_decoding_ends(ckpt, reference):
     prompts, ref = _prompts(), reference["greedy"]
     stop_id = ref[2][9]  # a token the third answer reaches mid-way

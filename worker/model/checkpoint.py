@@ -115,3 +115,11 @@ def torch_module():
     import torch
 
     return torch
+
+
+def set_default_permissions(path: str) -> None:
+    """Give `path` the permissions a file opened for writing gets (0666 less the umask):
+    safetensors' save_file creates its file private (0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

@@ -26,7 +26,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mxserve.kernels.mx import quantize_mx
-from mxserve.worker.model.checkpoint import Checkpoint, expected_tensor_names
+from mxserve.worker.model.checkpoint import (
+    Checkpoint,
+    expected_tensor_names,
+    set_default_permissions,
+)
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.gptq import collect_hessians, gptq_mx
 from mxserve.worker.model.llama import LlamaForCausalLM
@@ -83,19 +87,11 @@ def quantize_checkpoint(model: str | None, fmt: str, out_dir: str, *, device: st
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS_FILE)
     save_file(tensors, weights, metadata={"format": "pt", "quantization": fmt})
-    _set_default_permissions(weights)
+    set_default_permissions(weights)
     _write_json(out_dir, "config.json",
                 {**_hf_config(ckpt), "quantization_config": quantization_config(fmt, method)})
     _write_tokenizer(ckpt, out_dir)
     return out_dir
-
-
-def _set_default_permissions(path: str) -> None:
-    """Give `path` the permissions a file opened for writing gets (0666 less the umask):
-    save_file creates its file private (0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def _torch_device(device: str) -> torch.device:
