@@ -31,7 +31,7 @@ from mxserve.router.ingress import Router
 from mxserve.router.requests import ModelCard
 
 logger = logging.getLogger(__name__)
-SERVICER = "mxserve.proto.mxserve_pb2_grpc.add_MxServeServicer_to_server"
+SERVICER = "mxserve.cluster.grpc_proxy.add_servicer"  # mxserve's service, cancels guarded
 WORKER, ROUTER = "Worker", "Router"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"

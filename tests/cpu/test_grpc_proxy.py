@@ -1,0 +1,188 @@
+"""The servicer Serve's gRPC proxy registers: a client's cancel reaches the replica whether it
+lands while the proxy awaits the next chunk or while grpc writes one (cluster/grpc_proxy.py).
+
+`serve_like_stream` is Serve's server-streaming proxy generator in miniature (Ray 2.60,
+`gRPCProxy.send_request_to_replica` and `proxy_request`): it cancels the replica's call only on a
+CancelledError at its await, a close at its `yield` is caught without a cancel, and it touches
+the grpc context after each chunk and at its end (a finished call's context crashes the proxy's
+process). The first test shows that behaviour, so the others test the guard against it."""
+
+from __future__ import annotations
+
+import asyncio
+from unittest.mock import Mock
+
+import pytest
+
+from mxserve.cluster.grpc_proxy import add_servicer, cancel_on_close
+
+
+class ReplicaCall:
+    """A replica's stream: chunks put in a queue; `cancelled` once the proxy cancels it."""
+
+    def __init__(self, chunks: list[str]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        for chunk in chunks:
+            self.queue.put_nowait(chunk)
+        self.cancelled = False
+
+
+class Context:
+    """A grpc servicer context that records what was touched after its call had ended."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.touched_after_end: list[str] = []
+
+    def _touch(self, name: str):
+        if self.ended:
+            self.touched_after_end.append(name)
+
+    def peer(self):
+        self._touch("peer")
+        return "ipv4:127.0.0.1:1"
+
+    def invocation_metadata(self):
+        self._touch("invocation_metadata")
+        return ()
+
+    def set_code(self, code):
+        self._touch("set_code")
+
+
+async def serve_like_stream(call: ReplicaCall, context):
+    context.invocation_metadata()
+    try:
+        while True:
+            try:
+                chunk = await call.queue.get()
+            except asyncio.CancelledError:
+                call.cancelled = True  # Serve: ProxyResponseGenerator cancels the response
+                raise
+            if chunk is None:
+                break
+            yield chunk
+            context.set_code(0)
+        status = "OK"
+    except BaseException:  # as Serve's proxy does, GeneratorExit included
+        status = "CANCELLED"
+    context.peer()  # its access log
+    yield status
+
+
+def test_a_close_at_the_proxys_yield_does_not_cancel_without_the_guard():
+    async def main():
+        call = ReplicaCall(["a", "b"])
+        stream = serve_like_stream(call, Context())
+        assert await stream.__anext__() == "a"
+        with pytest.raises(RuntimeError, match="ignored GeneratorExit"):
+            await stream.aclose()
+        return call.cancelled
+
+    assert asyncio.run(main()) is False
+
+
+@pytest.mark.parametrize("num_ready", [0, 1, 3])
+def test_a_close_at_a_yield_cancels_the_replica_call(num_ready):
+    """Closed after its first chunk, with 0, 1 or 3 more chunks already waiting."""
+
+    async def main():
+        call, context = ReplicaCall(["first"] + [f"ready{i}" for i in range(num_ready)]), Context()
+        stream = cancel_on_close(serve_like_stream)(call, context)
+        assert await stream.__anext__() == "first"
+        context.ended = True  # grpc ended the call, then dropped its handler
+        await stream.aclose()
+        return call, context
+
+    call, context = asyncio.run(main())
+    assert call.cancelled
+    assert call.queue.empty()
+    assert context.touched_after_end == []
+
+
+def test_a_cancel_at_the_await_still_cancels_and_a_finished_stream_is_left_alone():
+    async def consume(stream, into):
+        async for chunk in stream:
+            into.append(chunk)
+
+    async def main():
+        waiting = ReplicaCall(["first"])
+        got: list[str] = []
+        task = asyncio.ensure_future(consume(
+            cancel_on_close(serve_like_stream)(waiting, Context()), got))
+        while not got:
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+        done = ReplicaCall(["x", "y", None])
+        ended: list[str] = []
+        await consume(cancel_on_close(serve_like_stream)(done, Context()), ended)
+        return waiting, done, got, ended
+
+    waiting, done, got, ended = asyncio.run(main())
+    assert waiting.cancelled and got == ["first", "CANCELLED"]  # Serve's status, then its end
+    assert not done.cancelled and ended == ["x", "y", "OK"]
+
+
+def test_add_servicer_guards_only_the_streaming_method_of_serves_grpc_server():
+    """On Serve's own gRPCGenericServer: Generate's unary_stream handler is the guard around
+    the one Serve's factory made; unary handlers and the factory itself are as Serve left them."""
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    made = {}
+
+    def factory(service_method, streaming_type):
+        async def handler(request, context):
+            yield (service_method, streaming_type.name)
+        made.setdefault((service_method, streaming_type.name), []).append(handler)
+        return handler
+
+    async def build():  # grpc.aio servers are made inside a running loop
+        server = gRPCGenericServer(factory)
+        add_servicer(Mock(), server)
+        return server
+
+    server = asyncio.run(build())
+    assert server.service_handler_factory is factory
+    handlers = {}
+    for generic in server.generic_rpc_handlers:
+        handlers.update(generic[0]._method_handlers)
+    generate = handlers["/mxserve.v1.MxServe/Generate"]
+    assert generate.unary_stream not in made[("/mxserve.v1.MxServe/Generate", "UNARY_STREAM")]
+    assert generate.unary_unary in made[("/mxserve.v1.MxServe/Generate", "UNARY_UNARY")]
+    health = handlers["/mxserve.v1.MxServe/Health"]
+    assert health.unary_unary in made[("/mxserve.v1.MxServe/Health", "UNARY_UNARY")]
+
+    async def first(stream):
+        return await stream.__anext__()
+
+    got = asyncio.run(first(generate.unary_stream(None, Context())))
+    assert got == ("/mxserve.v1.MxServe/Generate", "UNARY_STREAM")
+
+
+def test_add_servicer_on_a_plain_grpc_server_serves_the_servicer():
+    """Without Serve's factory the servicer's own methods answer, over loopback."""
+    import grpc
+
+    from mxserve.proto import mxserve_pb2 as pb
+    from mxserve.proto.mxserve_pb2_grpc import MxServeStub
+
+    class Servicer:
+        Generate = ListModels = None  # not called here
+
+        async def Health(self, request, context):
+            return pb.HealthResponse(healthy=True)
+
+    async def main():
+        server = grpc.aio.server()
+        add_servicer(Servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return await MxServeStub(channel).Health(pb.HealthRequest(), timeout=10)
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()).healthy
