@@ -1,5 +1,6 @@
 """Speculative decoding on CPU: SmolLM2-135M-Instruct, greedy, no speculation vs ngram vs EAGLE
-(the shipped head, or --head), side by side in one run.
+(the shipped head, or --head: with its draft vocabulary, and the same head drafting over the
+whole vocabulary), side by side in one run.
 
 Workloads (held out from the head's training: worker/eagle_train.py's "heldout" split, New
 Testament verses and other questions): chat prompts, and KJV passages to continue. Each runs at
@@ -12,16 +13,19 @@ Targets (issue 23): acceptance length >= 2.2 at k = 3 on the chat prompts; EAGLE
 tok/s of no speculation at batch 1.
 
 Run: python bench/spec_decode.py [--prompts 8] [--max-tokens 128] [--k 3]
-     [--out bench/results/spec_decode.json]   (~10 min on 2 cores)
+     [--out bench/results/spec_decode.json]   (~15 min on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lib.revision import head_commit, write_result  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.worker.eagle import DEFAULT_HEAD  # noqa: E402
 from mxserve.worker.eagle_train import chat_prompts, passage_prompts  # noqa: E402
 
 
@@ -63,10 +68,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     workloads = {"chat": chat_prompts(args.prompts, "heldout"),
                  "kjv": passage_prompts(args.prompts, "heldout")}
+    head = args.head or DEFAULT_HEAD
     methods = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
-               "eagle": {"method": "eagle", "num_speculative_tokens": args.k,
-                         "model": args.head}}
+               "eagle": {"method": "eagle", "num_speculative_tokens": args.k, "model": head},
+               "eagle-full-vocab": {"method": "eagle", "num_speculative_tokens": args.k,
+                                    "model": _full_vocab_copy(head)}}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, results = [], []
     for method, spec in methods.items():
@@ -111,6 +118,18 @@ def main() -> None:
           + "\n".join(rows) + f"\n\nTargets: {targets_met}\n")
     write_result(args.out, result, md)
     print(md)
+
+
+def _full_vocab_copy(head: str) -> str:
+    """The head in a temporary directory with draft_vocab_size 0: drafts over the whole
+    vocabulary (the same weights), for the draft vocabulary's cost and acceptance."""
+    path = tempfile.mkdtemp(prefix="head-full-vocab-")
+    shutil.copy(os.path.join(head, "model.safetensors"), path)
+    with open(os.path.join(head, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "draft_vocab_size": 0}, f)
+    return path
 
 
 def _fmt(x) -> str:

@@ -91,10 +91,19 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128, help="answer length")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the report")
+    p.add_argument("--heldout", type=int, default=32,
+                   help="held-out prompts the engine speculates on for the report (0: only the "
+                        "teacher-forced agreement)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--text-tokens", type=int, default=0,
                    help="also learn from this many tokens of KJV text (prefill only: cheap)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="answer tokens a step, about")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the target in bf16 there)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="drafts come from the N tokens the target writes most (0: all)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the target's batch when "
+                   "answering the prompts (a GPU takes hundreds)")
     p.add_argument("--num-threads", type=int, default=None)
 
 
@@ -337,13 +346,23 @@ def cmd_train_draft(args) -> int:
 
     from mxserve.worker.eagle_train import TrainConfig, train_draft
 
-    if args.num_prompts < 1 or args.epochs < 1 or args.max_tokens < 1:
-        raise MxserveError("--num-prompts, --epochs and --max-tokens must be >= 1")
+    if min(args.num_prompts, args.epochs, args.max_tokens, args.batch_tokens,
+           args.max_num_seqs) < 1:
+        raise MxserveError("--num-prompts, --epochs, --max-tokens, --batch-tokens and "
+                           "--max-num-seqs must be >= 1")
+    if args.draft_vocab_size < 0:
+        raise MxserveError(f"--draft-vocab-size: must be >= 0, got {args.draft_vocab_size}")
+    if not args.lr > 0:
+        raise MxserveError(f"--lr: must be > 0, got {args.lr}")
     report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
                          args.heldout, args.num_speculative_tokens,
-                         TrainConfig(epochs=args.epochs), text_tokens=args.text_tokens,
-                         num_threads=args.num_threads)
-    print(json.dumps(report["heldout"]))
+                         TrainConfig(epochs=args.epochs, lr=args.lr,
+                                     batch_tokens=args.batch_tokens),
+                         text_tokens=args.text_tokens, device=args.device,
+                         draft_vocab_size=args.draft_vocab_size,
+                         max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)
+    print(json.dumps({key: report[key] for key in ("heldout_teacher_forced_top1", "heldout")
+                      if key in report}))
     print(f"wrote {report['head']}: use speculative_config={{\"method\": \"eagle\", "
           f"\"model\": \"{report['head']}\"}}")
     return 0

@@ -17,8 +17,16 @@ runs one position further on (draft j, the head's own previous output as the fea
 cost k small passes. A block the prefix cache shares was drafted over with the next token of the
 request that computed it, which only costs acceptance.
 
-A head is a directory: config.json (the target's shape it was trained for) and model.safetensors
-(this module's state dict), written by `save_head` (training: worker/eagle_train.py).
+A draft vocabulary: a head may carry the target's token ids ranked by how often the target
+wrote them in training (`draft_vocab_ranking`) and a `draft_vocab_size` N in its config; drafts
+are then the argmax over the N most frequent only, scored by those N rows of the target's LM
+head. On a CPU the full LM head is most of a draft's cost (49152 rows for SmolLM2 against one
+decoder layer); the verify step still scores the whole vocabulary, so outputs do not change,
+only a draft the subset cannot express is lost (bench/results/spec_decode.md).
+
+A head is a directory: config.json (the target's shape it was trained for, the draft vocabulary
+size) and model.safetensors (this module's state dict, and the ranking), written by `save_head`
+(training: worker/eagle_train.py).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -43,6 +52,7 @@ from mxserve.worker.model.tp import TPGroup
 from mxserve.worker.request import Request, RequestStatus
 from mxserve.worker.spec_config import SpeculativeConfig
 
+RANKING = "draft_vocab_ranking"  # its tensor's name in model.safetensors
 HEAD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
                "max_position_embeddings")
@@ -64,9 +74,33 @@ class EagleHead(nn.Module):
         self.layer = LlamaDecoderLayer(cfg, TPGroup(), dtype, device, self.rope)
         # Not submodules: the target's (its weights are not the head's to save).
         self._embed, self._lm_head = embed, lm_head
+        # the draft vocabulary: target ids ranked by frequency [num_ranked], and how many of
+        # them drafts may be (0: the whole vocabulary)
+        self.draft_vocab_ranking: torch.Tensor | None = None
+        self.draft_vocab_size = 0
+        self._draft_ids: torch.Tensor | None = None  # [N] the ranking's first N, on the device
+        self._draft_weight: torch.Tensor | None = None  # [N, hidden]: their LM head rows
 
-    def attach(self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead) -> None:
+    def attach(self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead) -> bool:
+        """Use the target's embedding and LM head; with a draft vocabulary, copy its rows of the
+        LM head (a dense weight: False when the head holds none, packed or MX)."""
         self._embed, self._lm_head = embed, lm_head
+        if not self.draft_vocab_size:
+            return True
+        weight = lm_head.embedding.weight if lm_head.tied else lm_head.weight
+        if weight.dim() != 2 or weight.shape[0] < lm_head.num_local:
+            return False
+        ids = self.draft_vocab_ranking[:self.draft_vocab_size].to(weight.device)
+        self._draft_ids, self._draft_weight = ids, weight[ids].clone()  # [N, hidden]
+        return True
+
+    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
+        """g [R, hidden] -> [R] each row's draft: the target's id of the highest logit, over the
+        draft vocabulary when the head has one."""
+        if self._draft_weight is None:
+            return self._lm_head(g, torch.float32).argmax(-1)
+        return self._draft_ids[F.linear(g.to(self._draft_weight.dtype),
+                                        self._draft_weight).argmax(-1)]
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn, meta) -> torch.Tensor:
@@ -76,9 +110,6 @@ class EagleHead(nn.Module):
         h, residual = self.layer(x, None, positions, kv_cache, attn, meta)
         return h + residual
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(g, torch.float32)  # [T, vocab]
-
 
 def head_config(target: ModelConfig, **overrides) -> ModelConfig:
     """The head's shape: the target's (one layer), with any HEAD_FIELDS overridden."""
@@ -87,13 +118,16 @@ def head_config(target: ModelConfig, **overrides) -> ModelConfig:
 
 def save_head(head: EagleHead, path: str, target_model_id: str = "",
               dtype: torch.dtype = torch.float32) -> None:
-    """Write the head (its weights in `dtype`; loading casts them to the engine's)."""
+    """Write the head (its weights in `dtype`; loading casts them to the engine's) and its
+    draft vocabulary, if any."""
     os.makedirs(path, exist_ok=True)
     cfg = {name: getattr(head.config, name) for name in HEAD_FIELDS}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architecture": "EagleHead", "target_model_id": target_model_id, **cfg}, f,
-                  indent=1)
+        json.dump({"architecture": "EagleHead", "target_model_id": target_model_id, **cfg,
+                   "draft_vocab_size": head.draft_vocab_size}, f, indent=1)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()}
+    if head.draft_vocab_ranking is not None:
+        state[RANKING] = head.draft_vocab_ranking.to(torch.int64).contiguous().cpu()
     save_file(state, os.path.join(path, "model.safetensors"))
     set_default_permissions(os.path.join(path, "model.safetensors"))
 
@@ -115,11 +149,22 @@ def load_head(path: str, target: ModelConfig, dtype: torch.dtype,
     head = EagleHead(head_config(target, **{k: stored[k] for k in HEAD_FIELDS if k in stored}),
                      dtype, device)
     state = load_file(os.path.join(path, "model.safetensors"), device=str(device))
+    ranking = state.pop(RANKING, None)
     missing, unexpected = head.load_state_dict({k: v.to(dtype) for k, v in state.items()},
                                                strict=False)
     if missing or unexpected:
         raise ModelLoadError(f"speculative_config.model: {path}: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
+    size = stored.get("draft_vocab_size", 0)
+    num_ranked = 0 if ranking is None else ranking.numel()
+    if not isinstance(size, int) or not 0 <= size <= num_ranked:
+        raise ModelLoadError(f"speculative_config.model: the head's draft_vocab_size {size!r} "
+                             f"must be an integer in 0..{num_ranked} (the ids it ranks)")
+    if ranking is not None and num_ranked and not (
+            0 <= int(ranking.min()) and int(ranking.max()) < target.vocab_size):
+        raise ModelLoadError(f"speculative_config.model: the head's {RANKING} holds ids "
+                             f"outside the target's vocabulary (0..{target.vocab_size - 1})")
+    head.draft_vocab_ranking, head.draft_vocab_size = ranking, size
     return head
 
 
@@ -132,9 +177,10 @@ class EagleDrafter:
         self.num_lookahead_tokens = self.k
         self.head = load_head(path, target, runner.dtype, runner.device)
         model = runner.model
-        if runner.tp.size == 1:
-            self.head.attach(model.embed_tokens, model.lm_head)
-        else:  # the target's are split over the ranks: full copies on this rank
+        # TP: the target's are split over the ranks: full copies on this rank. A draft
+        # vocabulary's rows come from a dense LM head: read from the checkpoint when the
+        # target's is packed or MX.
+        if runner.tp.size > 1 or not self.head.attach(model.embed_tokens, model.lm_head):
             self.head.attach(*_full_embedding_and_head(runner, target))
         cfg = self.head.config
         shape = (runner.num_kv_blocks, runner.config.block_size,
@@ -163,7 +209,7 @@ class EagleDrafter:
         for sp in chain:
             sp.request.draft_token_ids = []
         for j in range(max(num_drafts[sp.request] for sp in chain)):
-            ids = self.head.logits(g).argmax(-1).tolist()
+            ids = self.head.draft_tokens(g).tolist()
             for sp, t in zip(chain, ids):
                 sp.request.draft_token_ids.append(t)
             keep = [i for i, sp in enumerate(chain) if num_drafts[sp.request] > j + 1]

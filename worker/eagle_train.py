@@ -27,6 +27,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -136,15 +137,16 @@ def generate_samples(llm, prompts: list, max_tokens: int) -> list[Sample]:
 @torch.inference_mode()
 def target_features(llm, samples: list[Sample], tokens_per_pass: int = 4096
                     ) -> list[torch.Tensor]:
-    """The target's final hidden states [len, hidden] of each sample, float32 on the CPU: a
-    prefill of several samples at a time, in the idle engine's blocks (its prefix cache is reset
-    first)."""
+    """The target's final hidden states [len, hidden] of each sample, in host memory (float32
+    from a CPU engine; the engine's dtype from a GPU, half the memory for a large set): a prefill
+    of several samples at a time, in the idle engine's blocks (its prefix cache is reset first)."""
     from mxserve.worker.attention import AttentionBatch
 
     engine, runner = llm.engine, llm.engine.runner
     if not engine.kv.reset_prefix_cache():
         raise RuntimeError("target_features needs an idle engine")
     bs, out, group = engine.kv.block_size, [], []
+    dtype = torch.float32 if runner.device.type == "cpu" else runner.dtype
     bar = tqdm(total=len(samples), desc="target features", unit="sample", file=sys.stderr)
 
     def run(group: list[Sample]) -> None:
@@ -159,7 +161,7 @@ def target_features(llm, samples: list[Sample], tokens_per_pass: int = 4096
         ids = torch.tensor([t for s in group for t in s.token_ids], device=runner.device)
         positions = torch.tensor([p for n in lens for p in range(n)], device=runner.device)
         hidden = runner.model(ids, positions, runner.kv_caches, runner.attn, meta)
-        out.extend(h.float().cpu() for h in hidden.split(lens))
+        out.extend(h.to(dtype).cpu() for h in hidden.split(lens))
         bar.update(len(group))
 
     for sample in samples:
@@ -211,11 +213,11 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return t * cos[:, None] + rotated * sin[:, None]
 
 
-def init_head(target, seed: int = 0, std: float = 0.02) -> EagleHead:
-    """A new head for `target` (float32, CPU): linears ~ N(0, std^2), norms 1, biases 0; the
-    fc starts as [0 ; I] (the feature passes through)."""
+def init_head(target, seed: int = 0, std: float = 0.02, device: str = "cpu") -> EagleHead:
+    """A new head for `target` (float32, on `device`): linears ~ N(0, std^2), norms 1, biases 0;
+    the fc starts as [0 ; I] (the feature passes through)."""
     torch.manual_seed(seed)
-    head = EagleHead(head_config(target), torch.float32, "cpu")
+    head = EagleHead(head_config(target), torch.float32, device)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
@@ -225,7 +227,7 @@ def init_head(target, seed: int = 0, std: float = 0.02) -> EagleHead:
             else:
                 p.normal_(0.0, std)
         hidden = target.hidden_size
-        head.fc.weight[:, hidden:] += torch.eye(hidden)
+        head.fc.weight[:, hidden:] += torch.eye(hidden, device=device)
     return head
 
 
@@ -270,8 +272,8 @@ def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
         rng.shuffle(batches)
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch", file=sys.stderr)
         for batch in bar:
-            loss, acc = _batch_loss(head, embed, [samples[i] for i in batch],
-                                    [features[i] for i in batch], cfg)
+            loss, (acc, _) = _batch_loss(head, embed, [samples[i] for i in batch],
+                                         [features[i] for i in batch], cfg)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -283,6 +285,33 @@ def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
                         "epoch": epoch + 1}, state_path)
     for p in head.parameters():
         p.requires_grad_(False)
+
+
+def draft_vocab_ranking(samples: list[Sample]) -> torch.Tensor:
+    """Token ids by how often the target wrote them in `samples` (answers; text windows but
+    their first token), most first: [num_distinct] int64."""
+    counts: Counter = Counter()
+    for s in samples:
+        counts.update(s.token_ids[s.num_prompt_tokens:])
+    return torch.tensor([t for t, _ in counts.most_common()], dtype=torch.int64)
+
+
+def vocab_coverage(ids: torch.Tensor, samples: list[Sample]) -> float:
+    """The share of the samples' answer tokens that are in `ids`."""
+    keep = set(ids.tolist())
+    answers = [t for s in samples for t in s.token_ids[s.num_prompt_tokens:]]
+    return sum(t in keep for t in answers) / max(1, len(answers))
+
+
+def _unique(prompts: list) -> list:
+    """The prompts without repeats (a repeated prompt gets the same greedy answer)."""
+    seen, out = set(), []
+    for p in prompts:
+        key = json.dumps(p, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def _batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
@@ -310,6 +339,7 @@ def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor]
         ids[i, :n] = torch.tensor(s.token_ids)
         feats[i, :n] = f
         mask[i, max(0, s.num_prompt_tokens - 1):n - 1] = True
+    ids, feats, mask = (t.to(embed.device) for t in (ids, feats, mask))
     noisy = feats + cfg.noise * feats.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(feats)
     # step 1: (x_{p+1}, f_p) -> g_p ~ f_{p+1}
     g = head_forward_train(head, embed, ids[:, 1:length + 1], noisy)
@@ -322,14 +352,18 @@ def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor]
     want2[:, :-1] = feats[:, 2:]
     mask2 = mask[:, 1:].clone()
     mask2[:, -1] = False
-    loss2, _ = _losses(g2, want2, mask2, embed, cfg)
-    return loss + cfg.unroll_weight * loss2, acc
+    loss2, acc2 = _losses(g2, want2, mask2, embed, cfg)
+    return loss + cfg.unroll_weight * loss2, (acc, acc2)
 
 
 def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float]:
     g, want = g[mask], want[mask]  # [N, hidden]
+    if g.shape[0] == 0:  # no answer position (a batch of prompts cut short): nothing to learn
+        return g.sum(), 0.0
     reg = F.smooth_l1_loss(g, want)
-    some = torch.rand(g.shape[0]) < cfg.cls_fraction
+    some = torch.rand(g.shape[0], device=g.device) < cfg.cls_fraction
+    if not some.any():  # a small batch may draw none: take one
+        some[0] = True
     g, want = g[some], want[some]
     with torch.no_grad():
         target_logits = want @ embed.T
@@ -338,6 +372,24 @@ def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float
     cls = -(target * logits.log_softmax(-1)).sum(-1).mean()
     acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
     return reg + cfg.cls_weight * cls, acc
+
+
+@torch.no_grad()
+def teacher_forced_top1(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
+                        features: list[torch.Tensor], batch_tokens: int = 2048
+                        ) -> tuple[float, float]:
+    """How often the head's argmax is the target's on answer positions, teacher-forced: its
+    first draft (from the target's feature) and its second (from its own output): a quick
+    measure of a head, without running the engine. Each step's mean over batches of about
+    `batch_tokens`, weighted by their samples."""
+    cfg = TrainConfig(noise=0.0, cls_fraction=1.0)
+    hits = [0.0, 0.0]
+    for batch in _batches(samples, batch_tokens):
+        _, accs = _batch_loss(head, embed, [samples[i] for i in batch],
+                              [features[i] for i in batch], cfg)
+        for j in range(2):
+            hits[j] += accs[j] * len(batch)
+    return hits[0] / len(samples), hits[1] / len(samples)
 
 
 def acceptance_length(model: str | None, head_dir: str, conversations: list[list[dict]],
@@ -360,15 +412,21 @@ def acceptance_length(model: str | None, head_dir: str, conversations: list[list
 
 def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens: int = 128,
                 num_heldout: int = 32, k: int = 3, train: TrainConfig | None = None,
-                text_tokens: int = 0, log=print, **engine_options) -> dict:
+                text_tokens: int = 0, device: str = "cpu", draft_vocab_size: int = 8192,
+                log=print, **engine_options) -> dict:
     """The whole command: data (cached), training (resumable), the head in `out`, and its
-    acceptance on held-out prompts. Returns the report it also writes to out/report.json."""
+    quality on held-out prompts: teacher-forced agreement, and the acceptance length of the
+    engine speculating with it (`num_heldout` > 0). Returns the report it also writes to
+    out/report.json. On a GPU the target runs in bf16 and the head trains there. The head's draft
+    vocabulary: the `draft_vocab_size` tokens the target wrote most in the training data (0: the
+    whole vocabulary); the report gives the share of held-out answer tokens it covers."""
     from mxserve.worker.llm import LLM
 
     train = train or TrainConfig()
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
-    llm = LLM(model, load_progress=False, dtype="float32", **engine_options)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    llm = LLM(model, load_progress=False, dtype=dtype, device=device, **engine_options)
     target = llm.engine.model_config
     data_path = os.path.join(out, "data.pt")
     if os.path.exists(data_path):
@@ -378,9 +436,9 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
     else:
         log(f"train-draft: the target answers {num_prompts} prompts...")
         num_passages = num_prompts // 4
-        samples = generate_samples(
-            llm, chat_prompts(num_prompts - num_passages, "train", train.seed)
-            + passage_prompts(num_passages, "train", train.seed), max_tokens)
+        prompts = _unique(chat_prompts(num_prompts - num_passages, "train", train.seed)
+                          + passage_prompts(num_passages, "train", train.seed))
+        samples = generate_samples(llm, prompts, max_tokens)
         features = target_features(llm, samples)
         torch.save({"samples": samples, "features": features}, data_path)
     text_path = os.path.join(out, f"text{text_tokens}.pt")
@@ -395,18 +453,36 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
         samples, features = samples + text["samples"], features + text["features"]
     lm_head = llm.engine.runner.model.lm_head
     embed = (lm_head.embedding.weight if lm_head.tied else lm_head.weight).detach().float()
-    head = init_head(target, train.seed)
+    heldout_samples = generate_samples(llm, _unique(chat_prompts(
+        max(num_heldout, 64), "heldout", train.seed)), max_tokens)
+    heldout_features = target_features(llm, heldout_samples)
+    head = init_head(target, train.seed, device=embed.device.type)
     train_head(head, embed, samples, features, train, os.path.join(out, "train_state.pt"),
                log)
+    ranking = draft_vocab_ranking(samples)
+    head.draft_vocab_ranking = ranking
+    head.draft_vocab_size = min(draft_vocab_size, ranking.numel())
     head_dir = os.path.join(out, "head")
     save_head(head, head_dir, target.model_id, torch.bfloat16)
+    top1 = teacher_forced_top1(head, embed, heldout_samples, heldout_features)
+    train_seconds = round(time.monotonic() - start, 1)
     del llm
-    report = {"model": model or "smollm2", "num_samples": len(samples), "text_tokens": text_tokens,
+    report = {"model": model or "smollm2", "device": device, "num_samples": len(samples),
+              "text_tokens": text_tokens,
               "answer_tokens": sum(len(s.token_ids) - s.num_prompt_tokens for s in samples),
               "train": train.__dict__, "k": k, "head": head_dir,
-              "heldout": acceptance_length(model, head_dir, chat_prompts(
-                  num_heldout, "heldout", train.seed), k, max_tokens, **engine_options),
-              "seconds": round(time.monotonic() - start, 1)}
+              "heldout_teacher_forced_top1": {"first_draft": round(top1[0], 4),
+                                              "second_draft": round(top1[1], 4)},
+              "draft_vocab_size": head.draft_vocab_size,
+              "heldout_answer_tokens_covered": {
+                  n: round(vocab_coverage(ranking[:n], heldout_samples), 4)
+                  for n in (2048, 4096, 8192, 16384, head.draft_vocab_size)},
+              "seconds_to_head": train_seconds}
+    if num_heldout > 0:
+        report["heldout"] = acceptance_length(
+            model, head_dir, chat_prompts(num_heldout, "heldout", train.seed), k, max_tokens,
+            device=device, dtype=dtype, **engine_options)
+    report["seconds"] = round(time.monotonic() - start, 1)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
