@@ -22,7 +22,7 @@ wrote them in training (`draft_vocab_ranking`) and a `draft_vocab_size` N in its
 are then the argmax over the N most frequent only, scored by those N rows of the target's LM
 head. On a CPU the full LM head is most of a draft's cost (49152 rows for SmolLM2 against one
 decoder layer); the verify step still scores the whole vocabulary, so outputs do not change,
-only a draft the subset cannot express is lost (bench/results/spec_decode.md).
+only a draft the subset cannot express is lost (bench/spec_decode.py runs a head both ways).
 
 A head is a directory: config.json (the target's shape it was trained for, the draft vocabulary
 size) and model.safetensors (this module's state dict, and the ranking), written by `save_head`
