@@ -14,10 +14,12 @@ the median of --steps steady steps (after --warmup-steps), all sections in one r
   draft is kept: spec_verify's greedy rule is swapped for one that does the same device work
   (the argmax of every row, read back) and keeps them all, the regime where speculation pays
   and where the bookkeeping and EAGLE's catch-up cost most. With --accept rule the engine's
-  rule decides: in bf16 the random model's logits have near-ties everywhere, and the eager
-  verify's rounding (other kernels than the decode graph's) flips its argmax within a few
-  tokens, so few drafts are kept (in float32 all are). The oracle uses no device: the step is
-  schedule + the target's eager forward of k + 1 tokens a request + the rule + bookkeeping.
+  rule decides: in bf16 the random model's logits have near-ties everywhere, and the verify's
+  rounding (other kernels than the decode graph's) flips its argmax within a few tokens, so
+  few drafts are kept (in float32 all are). The oracle uses no device: the step is schedule +
+  the target's forward of k + 1 tokens a request (a replay of the verify CUDA graphs,
+  cuda_graphs.VerifyGraphs) + the rule + bookkeeping. verify_eager: the same with
+  `enforce_eager=True`.
 - eagle: an EAGLE head with random weights (eagle_train.init_head) runs its whole draft step
   every step (a catch-up pass over the positions the step kept, k - 1 chained positions, k LM
   heads: worker/eagle.py), then its drafts are replaced by the oracle's, so the verify is the
@@ -28,10 +30,9 @@ Per row also: host time in each part of the step (schedule / execute / sample, w
 accept rule / complete / draft; mean a step); the device time of a step's kernels and copies,
 summed (torch.profiler, async off: the floor a CUDA graph of an eager step would approach;
 kernels that overlap, as a decode graph's programmatic dependent launches do, count in full);
-the decode graph replayed alone with the last step's inputs (CUDA events); drafts and kept
-drafts a request a verify; the CUDA graph replays in the measured steps. Verify steps replay
-none: the runner replays a graph only when every request computes one token
-(DecodeGraphs.can_run); the EAGLE head always runs eagerly.
+the decode and verify graphs replayed alone with the last step's inputs (CUDA events); drafts
+and kept drafts a request a verify; the CUDA graph replays (decode or verify) in the measured
+steps. The EAGLE head always runs eagerly.
 
 Target (the speculative decoding issue): a verify step <= 1.15x a decode step at batch 1,
 against the decode step as users run it (async on); the ratio against async off is beside it.
@@ -110,13 +111,12 @@ class ReplacedDrafts:
 
 @contextlib.contextmanager
 def keep_all_drafts(enabled: bool):
-    """spec_verify's greedy rule swapped for one that keeps every draft after the same device
-    work (the outputs are then the drafts, not the target's tokens: for timing only)."""
+    """spec_verify's greedy rule swapped for one that keeps every draft, reading the same
+    argmax (the outputs are then the drafts, not the target's tokens: for timing only)."""
     from mxserve.worker import spec_verify
 
-    def keep_all(rows: torch.Tensor, drafts: list[int]) -> list[int]:
-        top = rows.argmax(-1).tolist()
-        return drafts + [top[len(drafts)]]
+    def keep_all(top: list[int], drafts: list[int]) -> list[int]:
+        return drafts + [top[len(drafts)]]  # top: the step's one argmax read-back, as the rule
 
     saved = spec_verify._greedy
     if enabled:
@@ -172,10 +172,15 @@ class StepProbe:
         return out
 
 
+def replays(engine) -> int:
+    """CUDA graph replays so far, decode and verify."""
+    return sum(g.num_replays for g in (engine.runner.graphs, engine.runner.verify_graphs)
+               if g is not None)
+
+
 def measure(engine, num_steps: int) -> dict:
     """Step timings over num_steps steps, graph replays and speculation counts among them."""
-    graphs = engine.runner.graphs
-    replays = graphs.num_replays if graphs is not None else 0
+    before_replays = replays(engine)
     before = spec_counts(engine)
     probe = StepProbe(engine)
     try:
@@ -183,7 +188,7 @@ def measure(engine, num_steps: int) -> dict:
             probe.step()
     finally:
         out = probe.close()
-    out["graph_replays"] = (graphs.num_replays if graphs is not None else 0) - replays
+    out["graph_replays"] = replays(engine) - before_replays
     after = spec_counts(engine)
     verifies = after[0] - before[0]
     if verifies:
@@ -275,10 +280,10 @@ def decode_section(args, state: dict, eager: bool = False) -> dict:
     return res
 
 
-def spec_section(args, state: dict, method: str) -> dict:
+def spec_section(args, state: dict, method: str, eager: bool = False) -> dict:
     """Speculative steps, each request verifying k of the oracle's drafts, drafted by the oracle
     alone ("ngram": that config, its drafter replaced) or after the EAGLE head's own draft
-    step ("eagle")."""
+    step ("eagle"); with the verify CUDA graphs, or none (`eager`)."""
     if not state["reference"]:
         raise RuntimeError("no reference tokens: the decode section did not run")
     spec = {"method": method, "num_speculative_tokens": args.k}
@@ -286,7 +291,7 @@ def spec_section(args, state: dict, method: str) -> dict:
         if method == "eagle":
             spec["model"] = head_dir
             write_random_head(args, head_dir)
-        engine, load_s = make_engine(args, speculative_config=spec)
+        engine, load_s = make_engine(args, speculative_config=spec, enforce_eager=eager)
     oracle = OracleDrafter(state["reference"])
     engine.drafter = oracle if method == "ngram" else ReplacedDrafts(engine.drafter, oracle)
     res = {"load_s": load_s, "async_scheduling": engine.async_scheduling, "accept": args.accept,
@@ -297,6 +302,9 @@ def spec_section(args, state: dict, method: str) -> dict:
             for _ in range(args.warmup_steps):
                 engine.step()
             row = {"batch": batch, **measure(engine, args.steps)}
+            graphs = engine.runner.verify_graphs
+            if graphs is not None and graphs.last_size is not None:
+                row["graph_replay_ms"] = replay_ms(graphs.graphs[graphs.last_size].graph, 20)
             if args.profile_steps and engine.runner.device.type == "cuda":
                 row.update(kernel_profile(engine, args.profile_steps))
         for r in requests:
@@ -336,11 +344,12 @@ def summary(sections: dict) -> tuple[list[dict], dict]:
                                                 ["num_steps"], 2))
     for r in rows("decode_eager"):
         by_batch.setdefault(r["batch"], {})["decode_eager_sync_ms"] = r["sync"]["step_ms"]
-    for name in ("verify", "eagle"):
+    for name in ("verify", "verify_eager", "eagle"):
         for r in rows(name):
             by_batch.setdefault(r["batch"], {}).update({
                 f"{name}_step_ms": r["step_ms"], f"{name}_draft_ms": r["draft_ms"],
                 f"{name}_kernel_ms": r.get("kernel_ms"),
+                f"{name}_replay_ms": r.get("graph_replay_ms"),
                 f"{name}_tokens_per_step": r.get("tokens_per_step"),
                 f"{name}_graph_replays_per_step": round(r["graph_replays"] / r["num_steps"], 2)})
     for s in by_batch.values():
@@ -353,6 +362,12 @@ def summary(sections: dict) -> tuple[list[dict], dict]:
             if s.get("verify_kernel_ms") and s.get(base):
                 key = f"verify_kernels_vs_{base.removesuffix('_ms')}"
                 s[key] = round(s["verify_kernel_ms"] / s[base], 3)
+        if s.get("verify_replay_ms") and s.get("decode_replay_ms"):
+            s["verify_replay_vs_decode_replay"] = round(s["verify_replay_ms"]
+                                                        / s["decode_replay_ms"], 3)
+        if s.get("verify_step_ms") and s.get("verify_eager_step_ms"):
+            s["verify_eager_vs_verify"] = round(s["verify_eager_step_ms"] / s["verify_step_ms"],
+                                                3)
         if s.get("verify_kernel_ms") and s.get("eagle_kernel_ms"):  # the head's, by difference
             s["eagle_draft_kernel_ms"] = round(s["eagle_kernel_ms"] - s["verify_kernel_ms"], 4)
     one, met = by_batch.get(1, {}), {}
@@ -372,26 +387,28 @@ def markdown(d: dict) -> str:
              f"{'all (forced)' if c['accept'] == 'all' else 'by the engine rule'}; each step "
              f"the median of {c['steps']}, in ms.", "",
              "| batch | decode, async | decode, sync | decode, eager sync | verify | "
-             "verify / decode async | verify / decode sync | tokens a verify | EAGLE step | "
-             "EAGLE draft | EAGLE step / decode async |", "|" + "---|" * 11]
+             "verify / decode async | verify / decode sync | verify, eager | tokens a verify | "
+             "EAGLE step | EAGLE draft | EAGLE step / decode async |", "|" + "---|" * 12]
     lines += [_cells(r, ("decode_async_ms", "decode_sync_ms", "decode_eager_sync_ms",
                          "verify_step_ms", "verify_vs_decode_async", "verify_vs_decode_sync",
-                         "verify_tokens_per_step", "eagle_step_ms", "eagle_draft_ms",
-                         "eagle_vs_decode_async")) for r in rows]
-    lines += ["", "Device time (ms): the decode graph replayed alone (CUDA events), and a "
-              "step's kernels and copies summed (torch.profiler, async off; overlapping kernels "
-              "count in full); the EAGLE head's by difference from the verify's.", "",
-              "| batch | decode replay | decode kernels | verify kernels | verify kernels / "
-              "decode replay | verify kernels / decode kernels | EAGLE head kernels | graph "
-              "replays a step: decode / verify / EAGLE |", "|" + "---|" * 8]
-    lines += [_cells(r, ("decode_replay_ms", "decode_kernel_ms", "verify_kernel_ms",
-                         "verify_kernels_vs_decode_replay", "verify_kernels_vs_decode_kernel",
+                         "verify_eager_step_ms", "verify_tokens_per_step", "eagle_step_ms",
+                         "eagle_draft_ms", "eagle_vs_decode_async")) for r in rows]
+    lines += ["", "Device time (ms): the decode and verify graphs replayed alone (CUDA "
+              "events), and a step's kernels and copies summed (torch.profiler, async off; "
+              "overlapping kernels count in full); the EAGLE head's by difference from the "
+              "verify's.", "",
+              "| batch | decode replay | verify replay | verify replay / decode replay | decode "
+              "kernels | verify kernels | verify kernels / decode kernels | EAGLE head kernels "
+              "| graph replays a step: decode / verify / EAGLE |", "|" + "---|" * 9]
+    lines += [_cells(r, ("decode_replay_ms", "verify_replay_ms",
+                         "verify_replay_vs_decode_replay", "decode_kernel_ms",
+                         "verify_kernel_ms", "verify_kernels_vs_decode_kernel",
                          "eagle_draft_kernel_ms"))
               + f" {r.get('decode_graph_replays_per_step')} / "
               f"{r.get('verify_graph_replays_per_step')} / "
               f"{r.get('eagle_graph_replays_per_step')} |" for r in rows]
     lines += ["", f"Verify steps: {d['verify_graphs']}", ""]
-    for name in ("decode", "verify", "eagle"):
+    for name in ("decode", "verify", "verify_eager", "eagle"):
         for r in (s.get(name) or {}).get("rows", []):
             parts = (r.get("async") or r)["parts_ms_mean"]
             lines.append(f"- {name} b{r['batch']}, host ms in each part, mean a step "
@@ -415,8 +432,8 @@ class Report:
     def __init__(self, args) -> None:
         self.args, self.t0 = args, time.perf_counter()
         self.data = {**environment(args), "targets": TARGETS, "verify_graphs": (
-            "eager: the runner replays a CUDA graph only when every request computes one token "
-            "(DecodeGraphs.can_run), so verify steps of k + 1 tokens run eagerly, and the EAGLE "
+            "verify steps of k + 1 tokens a request replay the verify CUDA graphs "
+            "(cuda_graphs.VerifyGraphs; verify_eager: enforce_eager), and the EAGLE "
             "head always does"), "sections": {}, "errors": {}}
 
     def run(self, name: str, fn, *a, **kw) -> None:
@@ -482,7 +499,7 @@ def parse_args() -> argparse.Namespace:
                    help="verify keeps every draft, or the engine's rule decides")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="speculative steps profiled for their kernels' time (0: none; CUDA)")
-    p.add_argument("--sections", default="decode,decode_eager,verify,eagle",
+    p.add_argument("--sections", default="decode,decode_eager,verify,verify_eager,eagle",
                    help="verify and eagle need decode (their drafts' reference)")
     p.add_argument("--deadline-s", type=float, default=240)
     args = p.parse_args()
@@ -517,6 +534,8 @@ def main() -> None:
         report.run("decode_eager", decode_section, args, state, eager=True)
     if "verify" in sections:
         report.run("verify", spec_section, args, state, "ngram")
+    if "verify_eager" in sections:
+        report.run("verify_eager", spec_section, args, state, "ngram", eager=True)
     if "eagle" in sections:
         report.run("eagle", spec_section, args, state, "eagle")
     report.write()

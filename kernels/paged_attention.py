@@ -391,12 +391,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, context_lens: torch.Tensor,
                             scale: float | None = None, *, return_attn_mass: bool = False,
                             out: torch.Tensor | None = None, max_query_len: int | None = None,
-                            max_seq_len: int | None = None, backend: str = "auto"):
+                            max_seq_len: int | None = None, num_splits: int | None = 1,
+                            backend: str = "auto"):
     """out [total_q, Hq, D]: request i's queries q[query_start_loc[i]:query_start_loc[i + 1]], at
     positions context_lens[i] .. seq_lens[i] - 1, attend causally to positions 0 .. their own (all
     K/V already in the caches). max_query_len: a host bound on the chunk lengths (default total_q).
     return_attn_mass: also mass [R, max_seq_len] fp32, each position's softmax probability summed
-    over query heads and the request's queries. Otherwise as paged_decode_attention."""
+    over query heads and the request's queries. num_splits: context splits, as decode's (None: the
+    decode rule, for short query runs such as a speculative verify's k + 1 tokens; long chunks
+    fill the device with query tiles and take 1). A request whose seq_len is 0 gives zeros.
+    Otherwise as paged_decode_attention."""
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out,
            block_tables=(block_tables, (num_seqs, None)),
@@ -411,7 +415,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             seq_lens, context_lens, scale,
                                             return_attn_mass=True, max_seq_len=width)
         return (out.copy_(ref[0]), ref[1]) if return_attn_mass else out.copy_(ref[0])
-    return _launch(q, k_cache, v_cache, index, out, scale, width, is_decode=False, num_splits=1,
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"paged_prefill_attention: num_splits must be >= 1, got {num_splits}")
+    splits = num_splits or _decode_splits(num_seqs, k_cache.shape[2], width, q.device)
+    return _launch(q, k_cache, v_cache, index, out, scale, width, is_decode=False,
+                   num_splits=splits,
                    max_query_len=q.shape[0] if max_query_len is None else max_query_len,
                    return_mass=return_attn_mass)
 

@@ -31,6 +31,7 @@ class PagedGroup:
     context_lens: torch.Tensor  # [num_reqs] int32: cached tokens before this step
     max_query_len: int  # host-side bounds: launch grids and the split choice, no device sync
     max_seq_len: int
+    num_splits: int | None = 1  # prefill's context splits (None: the decode rule; verify graphs)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,23 @@ def static_decode_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
                           context_lens=seq_lens, max_query_len=1, max_seq_len=max_seq_len))
 
 
+def static_verify_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           context_lens: torch.Tensor, tokens_per_row: int,
+                           max_seq_len: int) -> TritonAttentionMetadata:
+    """Metadata of a step where every request computes up to tokens_per_row tokens (a verify of
+    its last token and its drafts) over buffers a CUDA graph reads (cuda_graphs.VerifyGraphs):
+    request i's queries are rows tokens_per_row * i onward (query_start_loc, fixed); its tokens
+    past the real ones have slot -1 and attend like its last real one; a padding request has
+    seq_len 0. The context is split as a decode's, chosen for max_seq_len at capture."""
+    return TritonAttentionMetadata(
+        slot_mapping=slot_mapping, num_decode_tokens=0, decode=None,
+        prefill=PagedGroup(block_tables=block_tables, query_start_loc=query_start_loc,
+                           seq_lens=seq_lens, context_lens=context_lens,
+                           max_query_len=tokens_per_row, max_seq_len=max_seq_len,
+                           num_splits=None))
+
+
 class TritonAttention(AttentionBackend):
     """Paged Triton kernels (GPU, or the Triton interpreter on CPU): no gathered copies of K/V."""
 
@@ -100,6 +118,7 @@ class TritonAttention(AttentionBackend):
             paged_prefill_attention(q[nd:], k_cache, v_cache, pre.block_tables,
                                     pre.query_start_loc, pre.seq_lens, pre.context_lens,
                                     out=out[nd:], max_query_len=pre.max_query_len,
-                                    max_seq_len=pre.max_seq_len, backend="triton")
+                                    max_seq_len=pre.max_seq_len, num_splits=pre.num_splits,
+                                    backend="triton")
         return out.flatten(1)
 

@@ -11,10 +11,12 @@ replays the graph of the smallest captured size >= its batch:
     slot:       s0 s1 s2    -1  -1  -1       padding writes no KV ...
     seq_len:    n0 n1 n2     0   0   0       ... attends to nothing; its logits are dropped
 
-Steps with prefill chunks run eagerly (runner.py). Inputs go through two pinned host buffers used
-in turn, so a copy never waits for the device and a buffer is refilled only once its last copy
-ran (async scheduling queues step N + 1 while step N runs). A token the previous step sampled
-and the host has not seen yet is copied on the device from that step's samples.
+Speculative verify steps, where each request computes its last token and up to k drafts, replay
+graphs of their own (VerifyGraphs, below). Steps with prefill chunks run eagerly (runner.py).
+Inputs go through two pinned host buffers used in turn, so a copy never waits for the device and
+a buffer is refilled only once its last copy ran (async scheduling queues step N + 1 while step
+N runs). A token the previous step sampled and the host has not seen yet is copied on the device
+from that step's samples.
 
 A graph fixes every launch grid, so the decode attention's context split is chosen for
 `max_model_len` rather than for the step's longest context; the kernel's last split takes
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mxserve.worker.attention_triton import static_decode_metadata
+from mxserve.worker.attention_triton import static_decode_metadata, static_verify_metadata
 from mxserve.worker.host_to_device import fill_inflight_tokens, index_on
 from mxserve.worker.scheduler import StepPlan
 
@@ -55,27 +57,30 @@ class _Graph:
 class DecodeGraphs:
     """The captured decode graphs of one ModelRunner and the static buffers they read."""
 
-    def __init__(self, runner, max_model_len: int) -> None:
+    def __init__(self, runner, max_model_len: int, tokens_per_row: int = 1,
+                 max_rows: int | None = None) -> None:
         self.runner = runner
+        self.q = tokens_per_row  # tokens a request computes (VerifyGraphs: k + 1)
         self.block_size = runner.config.block_size
         self.max_model_len = max_model_len
-        self.sizes = capture_sizes(runner.config.max_num_seqs)
-        n, dev = self.sizes[-1], runner.device
+        self.sizes = capture_sizes(max_rows or runner.config.max_num_seqs)
+        n, q, dev = self.sizes[-1], tokens_per_row, runner.device
         self.max_blocks = -(-max_model_len // self.block_size)
-        # ids, positions and slots of a graph of `size` rows: tokens(size), [3, size] at the
-        # front of one buffer, so a step's token inputs are one copy
-        self._tokens = torch.zeros(3 * n, dtype=torch.long, device=dev)
+        # ids, positions and slots of a graph of `size` rows: tokens(size), [3, size * q] at
+        # the front of one buffer, so a step's token inputs are one copy
+        self._tokens = torch.zeros(3 * n * q, dtype=torch.long, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, _Graph] = {}
-        # Pinned staging of the inputs, two sets used in turn: (tokens [3 * n] int64, seq_lens
-        # [n] int32, block tables [n * max_blocks] int32), and an event after each set's copies.
+        # Pinned staging of the inputs, two sets used in turn: (tokens [3 * n * q] int64,
+        # lengths [2 * n] int32 (seq_lens, then VerifyGraphs' context_lens), block tables
+        # [n * max_blocks] int32), and an event after each set's copies.
         # A step fills the front of each, contiguously: a strided pinned source would be
         # staged through pageable memory, and that copy waits for the device, losing the
         # overlap (bench/results/host_step_probe.json).
         pin = dev.type == "cuda"  # (bench/host_overhead.py runs these on CPU tensors)
-        self._staging = [(torch.zeros(3 * n, dtype=torch.long, pin_memory=pin),
-                          torch.zeros(n, dtype=torch.int32, pin_memory=pin),
+        self._staging = [(torch.zeros(3 * n * q, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(2 * n, dtype=torch.int32, pin_memory=pin),
                           torch.zeros(n * self.max_blocks, dtype=torch.int32, pin_memory=pin))
                          for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
@@ -96,8 +101,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     def tokens(self, size: int) -> torch.Tensor:
-        """[3, size]: the ids, positions and slots the graph of `size` rows reads."""
-        return self._tokens[:3 * size].view(3, size)
+        """[3, size * q]: the ids, positions and slots the graph of `size` requests reads."""
+        return self._tokens[:3 * size * self.q].view(3, size * self.q)
 
     def can_run(self, plan: StepPlan) -> bool:
         """Every scheduled request decodes one token and the batch fits the captured sizes."""
@@ -203,3 +208,109 @@ class DecodeGraphs:
         inflight = [(i, s.inflight_row) for i, s in enumerate(sched) if s.inflight_row >= 0]
         if inflight:
             fill_inflight_tokens(self.tokens(size)[0], inflight, plan.inflight_tokens)
+
+
+# Verify graphs are captured for batches of at most this many tokens (rows x (k + 1)): their
+# logits buffers grow with it, and past it a step's device work dwarfs its launches.
+VERIFY_MAX_TOKENS = 256
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Graphs of speculative verify steps: every request computes its last token and its drafts,
+    at most `tokens_per_row` (k + 1) tokens, laid out k + 1 rows a request:
+
+    tokens:    [t0 d d d | t1 d - - | pad pad pad pad]    request 1 verifies one draft
+    slot:       s  s s s   s  s -1 -1  -1  -1  -1  -1     rows past its tokens write no KV ...
+    seq_len:      c0 + 4      c1 + 2        0             ... and attend as its last one does
+
+    The attention is the prefill kernel over fixed query runs (static_verify_metadata). The
+    runner takes a verify graph when no request is prefilling, one at least has drafts, and
+    none has a token in flight (speculation runs without async scheduling). Logits and hidden
+    states come back for every real token, in plan order."""
+
+    def __init__(self, runner, max_model_len: int, tokens_per_row: int) -> None:
+        super().__init__(runner, max_model_len, tokens_per_row,
+                         max(1, min(runner.config.max_num_seqs,
+                                    VERIFY_MAX_TOKENS // tokens_per_row)))
+        n, dev = self.sizes[-1], runner.device
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev) * self.q
+
+    def can_run(self, plan: StepPlan) -> bool:
+        return bool(self.graphs) and self.fits(plan)
+
+    def fits(self, plan: StepPlan) -> bool:
+        """A verify of at most q tokens a request, no prefill, no token in flight, within the
+        captured sizes."""
+        sched = plan.scheduled
+        return (0 < len(sched) <= self.sizes[-1]
+                and any(s.num_draft_tokens for s in sched)
+                and all(s.samples and s.inflight_row < 0
+                        and s.num_new_tokens == 1 + s.num_draft_tokens <= self.q
+                        for s in sched)
+                and max(len(s.block_table) for s in sched) <= self.max_blocks)
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model, tokens = self.runner.model, self.tokens(size)
+        meta = static_verify_metadata(tokens[2], self.block_tables[:size],
+                                      self.query_start_loc[:size + 1], self.seq_lens[:size],
+                                      self.context_lens[:size], self.q, self.max_model_len)
+        hidden = model(tokens[0], tokens[1], self.runner.kv_caches, self.runner.attn, meta)
+        return hidden, model.compute_logits(hidden)  # [size * q, hidden], [size * q, vocab]
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states) of every token of the plan (each samples), in plan order."""
+        size = next(s for s in self.sizes if s >= len(plan.scheduled))
+        self._copy_inputs(plan, size)
+        graph = self.graphs[size]
+        graph.graph.replay()
+        self.num_replays += 1
+        self.last_size = size
+        return self.real_rows(plan, graph.logits, graph.hidden)
+
+    def real_rows(self, plan: StepPlan, logits: torch.Tensor, hidden: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of a graph's outputs [size * q, ...] that hold the plan's tokens: views
+        when every request fills its q rows, else copies."""
+        sched, q = plan.scheduled, self.q
+        if all(s.num_new_tokens == q for s in sched):
+            return logits[:len(sched) * q], hidden[:len(sched) * q]
+        rows = index_on([i * q + j for i, s in enumerate(sched) for j in range(s.num_new_tokens)],
+                        logits)
+        return logits.index_select(0, rows), hidden.index_select(0, rows)
+
+    def _copy_inputs(self, plan: StepPlan, size: int) -> None:
+        sched, bs, q = plan.scheduled, self.block_size, self.q
+        batch = len(sched)
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        tokens_h, lens_h, tables_h = self._staging[turn]
+        width = self._update_tables(sched)
+        counts = np.fromiter((s.num_new_tokens for s in sched), np.int64, batch)
+        starts = np.fromiter((s.start_position for s in sched), np.int64, batch)
+        offsets = np.arange(q)
+        real = offsets[None, :] < counts[:, None]  # [batch, q]
+        positions = starts[:, None] + offsets[None, :]
+        blocks = np.minimum(positions // bs, self.max_blocks - 1)
+        slots = self._tables[np.arange(batch)[:, None], blocks] * bs + positions % bs
+        ids = np.zeros((batch, q), np.int64)
+        for i, s in enumerate(sched):
+            ids[i, :len(s.token_ids)] = s.token_ids
+        tokens = tokens_h[:3 * size * q].view(3, size * q).numpy()
+        tokens[:, batch * q:] = np.array([0, 0, -1])[:, None]  # padding requests
+        tokens[0, :batch * q] = ids.ravel()
+        tokens[1, :batch * q] = np.where(real, positions, 0).ravel()
+        tokens[2, :batch * q] = np.where(real, slots, -1).ravel()
+        lens = lens_h.numpy()
+        lens[:batch], lens[batch:size] = starts + counts, 0  # seq_lens
+        lens[size:size + batch], lens[size + batch:2 * size] = starts, 0  # context_lens
+        tables = tables_h[:batch * width].view(batch, width)
+        tables.numpy()[:] = self._tables[:batch, :width]
+        self._tokens[:3 * size * q].copy_(tokens_h[:3 * size * q], non_blocking=True)
+        self.seq_lens[:size].copy_(lens_h[:size], non_blocking=True)
+        self.context_lens[:size].copy_(lens_h[size:2 * size], non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        if self._tokens.is_cuda:
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()

@@ -130,6 +130,7 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
+        self.verify_graphs = None  # VerifyGraphs, likewise, when the engine speculates
         # Rank 0 of a tensor-parallel group: the other ranks, sent each step's plan
         # (tp_executor.RankGroup); None on one rank and on the other ranks themselves.
         self.followers: Followers | None = None
@@ -165,16 +166,22 @@ class ModelRunner:
                     module.pack_for_cpu(int4=int4)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Capture the decode CUDA graphs (cuda_graphs.py) when on CUDA with the Triton backend
-        and not `enforce_eager`; otherwise do nothing. Call once, after the weights are loaded:
+        """Capture the decode CUDA graphs (cuda_graphs.py), and the verify graphs when the engine
+        speculates, when on CUDA with the Triton backend and not `enforce_eager`; otherwise do
+        nothing. Call once, after the weights are loaded:
         the graphs hold the addresses of the weights and the KV caches."""
         if self.config.enforce_eager or self.device.type != "cuda" \
                 or type(self.attn).__name__ != "TritonAttention":
             return
-        from mxserve.worker.cuda_graphs import DecodeGraphs
+        from mxserve.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 
         self.graphs = DecodeGraphs(self, max_model_len)
         self.graphs.capture()
+        spec = self.config.speculative_config
+        if spec is not None:
+            self.verify_graphs = VerifyGraphs(self, max_model_len,
+                                              spec.num_speculative_tokens + 1)
+            self.verify_graphs.capture()
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_bytes_per_token(self.model_config, self.dtype, self.tp)
@@ -213,6 +220,12 @@ class ModelRunner:
                                   else None,
                                   static_logits=self.graphs.graphs[self.graphs.last_size].logits)
             self.graphs.last_size = None
+        if self.verify_graphs is not None:
+            if self.verify_graphs.can_run(plan):
+                logits, hidden = self.verify_graphs.run(plan)
+                return StepResult(logits=logits,
+                                  hidden_states=hidden if plan.keep_hidden else None)
+            self.verify_graphs.last_size = None
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         meta = self.attn.build_metadata(AttentionBatch(
             query_lens=[s.num_new_tokens for s in plan.scheduled],

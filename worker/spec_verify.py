@@ -117,12 +117,14 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
         raw = dict(zip(lp_rows, logits[lp_rows].log_softmax(-1)))
     apply_min_tokens(logits, views)
     apply_penalties(logits, views)
+    top = _argmax_rows(logits, [(starts[j], len(d) + 1) for j, (r, d)
+                                in enumerate(zip(requests, drafts)) if r.sampling_params.greedy])
     out = []
     for j, (r, d) in enumerate(zip(requests, drafts)):
         rows = logits[starts[j]:starts[j] + len(d) + 1]
         q = draft_probs[j] if draft_probs else None
         if r.sampling_params.greedy:
-            tokens = _greedy(rows, d)
+            tokens = _greedy(top[starts[j]:starts[j] + len(d) + 1], d)
         else:
             tokens = _sampled(rows, d, r.sampling_params, q,
                               generator_for(r, logits.device), top_p_on_device)
@@ -134,8 +136,21 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     return out
 
 
-def _greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
-    top = rows.argmax(-1).tolist()
+def _argmax_rows(logits: torch.Tensor, runs: list[tuple[int, int]]) -> list[int]:
+    """Per row of logits, its argmax where the row is in one of the runs (first row, count),
+    else -1: one device pass and one read-back for the whole step."""
+    rows = [i for first, n in runs for i in range(first, first + n)]
+    top = [-1] * logits.shape[0]
+    if len(rows) == logits.shape[0]:
+        return logits.argmax(-1).tolist()
+    if rows:
+        for i, t in zip(rows, logits[rows].argmax(-1).tolist()):
+            top[i] = t
+    return top
+
+
+def _greedy(top: list[int], drafts: list[int]) -> list[int]:
+    """top: the argmax of each of the request's 1 + len(drafts) rows."""
     a = 0
     while a < len(drafts) and drafts[a] == top[a]:
         a += 1

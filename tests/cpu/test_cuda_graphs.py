@@ -99,3 +99,69 @@ def test_kept_block_table_rows_follow_growth_new_tables_trims_and_reordering(tin
     kv.allocate("d", 16)  # a's released block goes elsewhere
     step((b, 30), (a, 40))  # a trimmed and grown back: other blocks at its end
     kv.check_integrity()
+
+
+def test_verify_graph_inputs_give_the_eager_verify_step(tiny_checkpoint):
+    """VerifyGraphs' layout, run eagerly on the CPU (Triton interpreter; the captured replays:
+    tests/gpu): its static inputs and forward (the prefill kernel over fixed runs of k + 1
+    query rows, split contexts, padded rows and padding requests) give the eager runner's
+    logits and hidden states for every token of verify plans with k, fewer and no drafts."""
+    import dataclasses
+    import os
+
+    import torch
+
+    from mxserve import SamplingParams
+    from mxserve.worker.cuda_graphs import VerifyGraphs
+    from mxserve.worker.scheduler import StepPlan
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    llm = LLM(model=str(tiny_checkpoint("llama")), device="cpu", load_progress=False,
+              max_num_seqs=4, attention_backend="triton",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.engine
+
+    class Drafts:  # a random model: prompt lookup would find nothing to draft
+        needs_hidden, num_lookahead_tokens = False, 0
+
+        def propose(self, plan, hidden, num_drafts):
+            for r, n in num_drafts.items():
+                r.draft_token_ids = [(r.num_tokens * 7 + i) % 200 + 3 for i in range(n)]
+
+    engine.drafter = Drafts()
+    for n in (20, 37, 9):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=40,
+                                                                 ignore_eos=True))
+    plan = None
+    for _ in range(12):
+        engine.step()
+        if all(len(r.draft_token_ids) == 3 for r in engine.scheduler.running):
+            plan = engine.scheduler.schedule()
+            break
+    assert plan is not None and len(plan.scheduled) == 3
+    assert all(s.num_draft_tokens == 3 for s in plan.scheduled)
+    graphs = VerifyGraphs(engine.runner, engine.max_model_len, 4)
+    assert graphs.sizes == [1, 2, 4]
+
+    def fewer(s, d):  # the same request verifying only its first d drafts
+        return dataclasses.replace(s, num_new_tokens=1 + d, token_ids=s.token_ids[:1 + d],
+                                   num_draft_tokens=d)
+
+    a, b, c = plan.scheduled
+    plans = [plan, StepPlan([fewer(c, 0), fewer(a, 1), b], num_decodes=1),  # decodes lead
+             StepPlan([fewer(b, 2)], num_decodes=0)]
+    for p in plans:
+        assert graphs.fits(p)
+        eager = engine.runner._execute(dataclasses.replace(p, keep_hidden=True))
+        size = next(s for s in graphs.sizes if s >= len(p.scheduled))
+        graphs._copy_inputs(p, size)
+        hidden, logits = graphs._forward(size)
+        got_logits, got_hidden = graphs.real_rows(p, logits, hidden)
+        torch.testing.assert_close(got_logits, eager.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_hidden, eager.hidden_states, rtol=1e-4, atol=1e-4)
+        tokens = graphs.tokens(size)
+        assert tokens[2, len(p.scheduled) * 4:].eq(-1).all()  # padding requests write nothing
+        assert graphs.seq_lens[len(p.scheduled):size].eq(0).all()
+    # a prefill chunk or a plan without drafts is not a verify graph's
+    assert not graphs.fits(StepPlan([fewer(a, 0)], num_decodes=1))
+    assert not graphs.can_run(plan)  # nothing captured on a CPU

@@ -158,6 +158,41 @@ def test_prefill(dtype, num_heads, num_kv_heads, head_dim, block_size):
     check_mass(mass, ref_mass, want_mass, query_lens * num_heads)
     assert paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, ctx,
                                    backend="triton").equal(got)  # default max_query_len: total
+    # the context split over programs (a verify graph's launch), merged as decode's
+    split = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, ctx, num_splits=3,
+                                    max_query_len=20, backend="triton")
+    for i, ((c, n), (k, v)) in enumerate(zip(chunks, truth)):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        want, p, mag = dense(q[a:b], k, v, c + torch.arange(n))
+        check_out(split[a:b], ref[a:b], want, mag, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_fixed_query_runs_with_padding_rows(num_splits):
+    """A verify graph's layout: every request q query rows (query_start_loc = q * i), a request
+    with fewer real queries padded past its seq_len, padding requests with seq_len 0. Real
+    queries match the reference; padding requests give zeros, never NaN."""
+    gen = seeded("verify-layout", num_splits)
+    num_heads, num_kv_heads, head_dim, block_size, q_len = 4, 2, 16, 4, 4
+    real = [(9, 4), (20, 2), (0, 0), (0, 0)]  # (cached context, real queries); 0, 0: padding
+    seq_lens = [c + n for c, n in real]
+    k_cache, v_cache, tables, truth = make_paged([max(n, 1) for n in seq_lens], num_kv_heads,
+                                                 head_dim, block_size, torch.float32, gen)
+    qsl = torch.arange(len(real) + 1, dtype=torch.int32) * q_len
+    ctx = torch.tensor([c for c, _ in real], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(real) * q_len, num_heads, head_dim, generator=gen)
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, ctx,
+                                  num_splits=num_splits, max_query_len=q_len, max_seq_len=32,
+                                  backend="triton")
+    assert not got.isnan().any()
+    for i, ((c, n), (k, v)) in enumerate(zip(real, truth)):
+        rows = got[i * q_len:i * q_len + n]
+        if n:
+            want, p, mag = dense(q[i * q_len:i * q_len + n], k, v, c + torch.arange(n))
+            assert (rows.double() - want).abs().le(RTOL[torch.float32] * mag + 1e-6).all()
+        else:
+            assert got[i * q_len:(i + 1) * q_len].eq(0).all()
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -172,3 +172,76 @@ def test_sampling_graph_draws_the_eager_samplers_tokens(path, num_prompts):
         assert (llm.engine.sampler.num_graph_samples - served >= 9) == on
     assert tokens[True] == tokens[False]
     assert len({tuple(t) for t in tokens[True][0]}) > 1
+
+
+class _Corrupted:
+    """Drafts each request's reference tokens with every third one wrong (so verifies keep
+    all, some or none of them, and requests near their end draft fewer than k)."""
+
+    needs_hidden, num_lookahead_tokens = False, 0
+
+    def __init__(self, reference: dict[str, list[int]]) -> None:
+        self.reference = reference
+
+    def propose(self, plan, hidden, num_drafts) -> None:
+        for r, n in num_drafts.items():
+            at = r.num_output_tokens
+            ref = self.reference[r.request_id][at:at + n]
+            r.draft_token_ids = [t if (at + i) % 3 else (t + 1) % 200 + 3
+                                 for i, t in enumerate(ref)]
+
+
+@pytest.mark.parametrize("num_prompts", [1, 5, 11])
+def test_verify_graphs_give_the_plain_greedy_tokens(path, num_prompts):
+    """Speculative verify steps replay VerifyGraphs (k + 1 rows a request, fewer drafts padded,
+    padding requests): the greedy tokens equal plain decoding's, the eager verify's logits
+    agree, and every block is freed."""
+    prompts, params = _prompts(num_prompts), _params(num_prompts)
+    common = dict(model=path, device="cuda", dtype="float32", load_progress=False,
+                  max_num_seqs=13)
+    plain = LLM(**common)
+    outs = plain.generate(prompts, params)
+    expected = [o.token_ids for o in outs]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(enforce_eager=eager, speculative_config=spec, **common)
+        engine = llm.engine
+        assert (engine.runner.verify_graphs is None) == eager
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        engine.drafter = _Corrupted(dict(zip(ids, expected)))
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        runs[eager] = [got[i] for i in ids]
+        if not eager:
+            assert engine.runner.verify_graphs.num_replays > 0
+        kv = engine.kv
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks
+    assert runs[False] == expected and runs[True] == expected
+
+
+def test_a_verify_graph_gives_the_eager_verify_logits(path):
+    """One verify step's logits, replayed vs eager, on bf16 weights: equal to bf16 rounding."""
+    prompts = _prompts(6)
+    steps = {}
+    for eager in (True, False):
+        llm = LLM(model=path, device="cuda", dtype="bfloat16", load_progress=False,
+                  enforce_eager=eager, max_num_seqs=8,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        engine = llm.engine
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()  # the prefill
+        for i, r in enumerate(engine.scheduler.running):
+            r.draft_token_ids = [5 + i, 6, 7][:1 + i % 3]  # 1 to 3 drafts
+        plan = engine.scheduler.schedule()
+        assert sum(s.num_draft_tokens for s in plan.scheduled) == 12
+        if not eager:
+            assert engine.runner.verify_graphs.can_run(plan)
+        steps[eager] = engine.runner.execute(plan).logits.clone()
+    assert steps[True].shape == steps[False].shape == (18, steps[True].shape[1])
+    err = (steps[False] - steps[True]).norm() / steps[True].norm()
+    assert err < 5e-2, err
