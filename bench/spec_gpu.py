@@ -87,6 +87,9 @@ class OracleDrafter:
 
     needs_hidden, num_lookahead_tokens = False, 0
 
+    def release(self, request):
+        pass
+
     def __init__(self, reference: dict[str, list[int]]) -> None:
         self.reference = reference
 
@@ -103,6 +106,7 @@ class ReplacedDrafts:
         self.inner, self.oracle = inner, oracle
         self.needs_hidden = inner.needs_hidden
         self.num_lookahead_tokens = inner.num_lookahead_tokens
+        self.release = inner.release
 
     def propose(self, plan, hidden, num_drafts) -> None:
         self.inner.propose(plan, hidden, num_drafts)

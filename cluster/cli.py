@@ -151,6 +151,13 @@ def _serve_parser(sub) -> None:
 
 
 def _client_parser(sub) -> None:
+    p = sub.add_parser("draft-server", help="serve a model's EAGLE head for workers whose "
+                       "speculative_config has draft_placement 'replica' (Ctrl-C to stop)")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="default: a free port (printed)")
+    p.add_argument("--num-blocks", type=int, default=4096,
+                   help="the head's KV pool, in blocks of the target's block size")
     p = sub.add_parser("client", help="send one prompt to an mxserve server and stream the answer")
     p.add_argument("prompt")
     p.add_argument("--endpoint", default="127.0.0.1:9000", help="host:port (default %(default)s)")
@@ -210,6 +217,26 @@ def _llm(args):
                quantize_lm_head=args.quantize_lm_head,
                tensor_parallel_size=args.tensor_parallel_size,
                speculative_config=args.speculative_config)
+
+
+def cmd_draft_server(args) -> int:
+    import threading
+
+    from mxserve.worker.config import EngineConfig
+    from mxserve.worker.draft_channel import DraftService
+    from mxserve.worker.draft_server import DraftServer
+
+    spec = dict(args.speculative_config or {"method": "eagle"}, draft_placement="local")
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          max_model_len=args.max_model_len, quantization=args.quantization,
+                          speculative_config=spec)
+    service = DraftService(DraftServer(config, args.num_blocks), args.host, args.port)
+    print(f"draft server listening on {service.address}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        service.close()
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -371,7 +398,8 @@ def cmd_train_draft(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "client": cmd_client, "quantize": cmd_quantize, "train-draft": cmd_train_draft}
+                "client": cmd_client, "quantize": cmd_quantize, "train-draft": cmd_train_draft,
+                "draft-server": cmd_draft_server}
     try:
         return commands[args.command](args)
     except MxserveError as e:

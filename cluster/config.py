@@ -49,6 +49,17 @@ class Autoscaling(BaseModel):
         return self
 
 
+class Drafts(BaseModel):
+    """The draft replicas that serve the workers' EAGLE head when the engine's
+    speculative_config has draft_placement "replica" (worker/draft_server.py): how many, what
+    each reserves (its own GPU, a fraction of the workers', or CPU only), and its KV pool."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_replicas: int = Field(1, ge=1)
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=1.0))
+    num_kv_blocks: int = Field(4096, ge=16)  # the head's pool, in the workers' block size
+
+
 class Routing(BaseModel):
     """How the router picks a worker. "prefix" (router/routing.py): longest cached prefix per
     the global prefix index in Redis, minus a load penalty. "power_of_two": Ray Serve's default,
@@ -105,6 +116,7 @@ class ServeConfig(BaseModel):
     # `mxserve serve` starts a local redis-server (embedded cluster only).
     redis_url: str | None = None
     routing: Routing = Field(default_factory=Routing)
+    drafts: Drafts = Field(default_factory=Drafts)  # used with draft_placement "replica"
     app_name: str = "mxserve"
 
     @model_validator(mode="after")
@@ -130,6 +142,11 @@ class ServeConfig(BaseModel):
     @property
     def index_namespace(self) -> str:
         return f"mxserve:{self.app_name}"
+
+    @property
+    def uses_draft_replicas(self) -> bool:
+        spec = self.engine_config().speculative_config
+        return spec is not None and spec.draft_placement == "replica"
 
     @property
     def uses_prefix_index(self) -> bool:

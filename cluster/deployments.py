@@ -32,7 +32,7 @@ from mxserve.router.requests import ModelCard
 
 logger = logging.getLogger(__name__)
 SERVICER = "mxserve.cluster.grpc_proxy.add_servicer"  # mxserve's service, cancels guarded
-WORKER, ROUTER = "Worker", "Router"
+WORKER, ROUTER, DRAFT = "Worker", "Router", "Draft"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 
@@ -46,7 +46,8 @@ class WorkerDeployment:
     """One engine replica: token ids in and out (the router detokenizes)."""
 
     async def __init__(self, engine_options: dict, max_queued_requests: int,
-                       index: dict | None = None, rank_options: dict | None = None) -> None:
+                       index: dict | None = None, rank_options: dict | None = None,
+                       drafts: DeploymentHandle | None = None) -> None:
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
         from mxserve.worker.config import EngineConfig
@@ -63,7 +64,12 @@ class WorkerDeployment:
             from mxserve.cluster.tp_ranks import RayRankLauncher
 
             self.launcher = RayRankLauncher(rank_options or {}, replica_id)
-        engine = await asyncio.to_thread(build_engine, config, self.launcher)
+        draft_address, self._draft_refresh = None, None
+        if drafts is not None:
+            draft_address = DraftAddress(drafts, asyncio.get_running_loop())
+            await draft_address.refresh()
+            self._draft_refresh = asyncio.create_task(draft_address.keep_fresh())
+        engine = await asyncio.to_thread(build_engine, config, self.launcher, draft_address)
         logger.info("worker %s: ready in %.1f s (%s, %s, %d KV blocks of %d tokens)", replica_id,
                     time.monotonic() - start, engine.runner.device,
                     str(engine.runner.dtype).removeprefix("torch."), engine.kv.num_blocks,
@@ -98,6 +104,9 @@ class WorkerDeployment:
         """Serve polls this for request routers; the router's Health RPC reads it too."""
         return self.worker.load()
 
+    def draft_stats(self) -> dict | None:
+        return self.worker.draft_stats()
+
     def record_replica_metadata(self) -> dict:
         """Read once by the request routers: how this worker hashes prompt blocks."""
         engine = self.worker.engine
@@ -106,9 +115,84 @@ class WorkerDeployment:
     async def __del__(self) -> None:  # Serve calls this when the replica stops
         if hasattr(self, "worker"):
             self._metrics.cancel()
+            if self._draft_refresh is not None:
+                self._draft_refresh.cancel()
             if self.publisher is not None:
                 await self.publisher.close()
             self.worker.shutdown()
+
+
+class DraftAddress:
+    """Where a worker's drafter (worker/draft_channel.RemoteDrafter) finds a draft replica:
+    answered at once with the address the last handle call gave. Each call (a connection being
+    made: the first, or one after a failure) asks for a fresh one in the background, and
+    `keep_fresh` asks every period_s, so a replica Serve has replaced is found within one retry
+    or period. The engine's thread never waits on Serve."""
+
+    def __init__(self, handle: DeploymentHandle, loop: asyncio.AbstractEventLoop,
+                 period_s: float = 2.0) -> None:
+        self.handle, self.loop, self.period_s = handle, loop, period_s
+        self.value: str | None = None
+        self._refreshing = False
+
+    async def keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            if not self._refreshing:
+                self._refreshing = True
+                await self.refresh(timeout_s=5 * self.period_s)
+
+    async def refresh(self, timeout_s: float = 60.0) -> None:
+        try:
+            self.value = await asyncio.wait_for(self.handle.address.remote(), timeout_s)
+        except Exception as e:  # no replica yet, or it died on the way
+            logger.warning("no draft replica address (%r); drafting resumes once one answers", e)
+        finally:
+            self._refreshing = False
+
+    def __call__(self) -> str | None:
+        if not self._refreshing:
+            self._refreshing = True
+            asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
+        return self.value
+
+
+@serve.deployment(name=DRAFT, logging_config=_LOGGING)
+class DraftDeployment:
+    """A draft replica: the workers' EAGLE head (worker/draft_server.py) behind its socket
+    (worker/draft_channel.py) on this node's address; workers ask a handle for `address` once
+    and talk to it directly."""
+
+    async def __init__(self, engine_options: dict, num_kv_blocks: int) -> None:
+        from mxserve.worker.config import EngineConfig
+        from mxserve.worker.draft_channel import DraftService
+        from mxserve.worker.draft_server import DraftServer
+
+        setup_process()
+        config = EngineConfig(**engine_options)
+        server = await asyncio.to_thread(DraftServer, config, num_kv_blocks)
+        host = ray.util.get_node_ip_address()
+        self.service = DraftService(server, host)
+        logger.info("draft replica listening on %s (%d KV blocks)", self.service.address,
+                    num_kv_blocks)
+
+    def address(self) -> str:
+        return self.service.address
+
+    def stats(self) -> dict:
+        server = self.service.server
+        return {"address": self.service.address, "node_id": ray.get_runtime_context().get_node_id(),
+                "num_targets": len(server.targets), "num_requests": server.num_requests,
+                "num_rounds": server.num_rounds, "num_batches": server.num_batches,
+                "num_evicted": server.num_evicted,
+                "num_prefix_hit_blocks": server.num_prefix_hit_blocks}
+
+    def check_health(self) -> None:
+        self.service.check()
+
+    def __del__(self) -> None:
+        if hasattr(self, "service"):
+            self.service.close()
 
 
 class HandleWorkers:
@@ -230,8 +314,15 @@ def build_app(config: ServeConfig) -> serve.Application:
             [rank_bundle(rank_options)] * engine.tensor_parallel_size
         worker_options["placement_group_strategy"] = \
             "STRICT_PACK" if config.worker_resources.num_gpus else "PACK"
+    drafts = None
+    if config.uses_draft_replicas:
+        d = config.drafts
+        drafts = DraftDeployment.options(
+            num_replicas=d.num_replicas, ray_actor_options=d.resources.ray_actor_options(),
+            health_check_period_s=config.health_check_period_s,
+        ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
-        engine_options, config.max_queued_requests, index, rank_options)
+        engine_options, config.max_queued_requests, index, rank_options, drafts)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),

@@ -3,7 +3,9 @@ Serve adds application/deployment/replica tags).
 
 Router (per request): time to first token, time per output token, requests by outcome, output
 tokens. Worker (sampled every `interval_s`): running and waiting requests (queue depth), KV blocks
-used/free and usage, prefix-cache hit tokens, prompt tokens, and generated tokens per second.
+used/free and usage, prefix-cache hit tokens, prompt tokens, generated tokens per second,
+speculation's drafts and accepted tokens, and with a draft replica its rounds, failures, the
+steps decoded without drafts and the round trip.
 """
 
 from __future__ import annotations
@@ -67,8 +69,17 @@ class WorkerMetricsExporter:
             counter("mxserve_spec_decode_num_drafts_total", "Steps that verified drafts"),
             counter("mxserve_spec_decode_num_draft_tokens_total", "Draft tokens verified"),
             counter("mxserve_spec_decode_num_accepted_tokens_total", "Draft tokens accepted"))
+        self.remote = (  # a draft replica's channel (draft_placement "replica")
+            counter("mxserve_draft_replica_rounds_total", "Draft messages a replica answered"),
+            counter("mxserve_draft_replica_failures_total",
+                    "Draft messages that failed or missed their deadline"),
+            counter("mxserve_draft_replica_fallback_steps_total",
+                    "Steps decoded without drafts because no draft replica answered"))
+        self.round_trip = gauge("mxserve_draft_replica_round_trip_seconds",
+                                "Median draft round trip over the latest messages")
         self._last = (0, 0, 0)
         self._last_spec = (0, 0, 0)
+        self._last_remote = (0, 0, 0)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -101,3 +112,12 @@ class WorkerMetricsExporter:
             if now > before:
                 counter.inc(now - before)
         self._last_spec = spec
+        stats = w.draft_stats()
+        if stats:
+            remote = (stats["num_rounds"], stats["num_failures"], stats["num_fallback_steps"])
+            for counter, now, before in zip(self.remote, remote, self._last_remote):
+                if now > before:
+                    counter.inc(now - before)
+            self._last_remote = remote
+            if stats["round_trip_p50_ms"] is not None:
+                self.round_trip.set(stats["round_trip_p50_ms"] / 1e3)

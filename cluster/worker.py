@@ -139,6 +139,17 @@ class Worker:
                     num_prefill_tokens_pending=self.num_prefill_tokens_pending,
                     reported_at=time.time())
 
+    def draft_stats(self) -> dict | None:
+        """The draft replica channel's counters (worker/draft_channel.RemoteDrafter), or None
+        when this engine drafts locally or not at all."""
+        drafter = self.engine.drafter
+        if not hasattr(drafter, "num_fallback_steps"):
+            return None
+        return dict(worker_id=self.worker_id, num_rounds=drafter.num_rounds,
+                    num_failures=drafter.num_failures,
+                    num_fallback_steps=drafter.num_fallback_steps,
+                    round_trip_p50_ms=drafter.round_trip_p50_ms)
+
     async def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no request holds KV blocks or waits; True if it happened in time."""
         loop = asyncio.get_running_loop()

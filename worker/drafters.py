@@ -9,6 +9,7 @@ verifies them (spec_verify.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -36,8 +37,16 @@ class Drafter(Protocol):
         num_computed_tokens is where its valid KV ends), set `draft_token_ids` (at most n) of
         each request in num_drafts. hidden: [plan.num_tokens, hidden] in plan order, or None."""
 
+    def release(self, request: Request) -> None:
+        """The request has ended (finished or aborted): drop what is kept for it."""
 
-class NgramDrafter:
+
+class _Stateless:
+    def release(self, request: Request) -> None:
+        pass
+
+
+class NgramDrafter(_Stateless):
     needs_hidden = False
     num_lookahead_tokens = 0
 
@@ -63,10 +72,21 @@ def ngram_lookup(tokens: list[int], n: int, min_n: int, max_n: int) -> list[int]
     return []
 
 
-def build_drafter(config: SpeculativeConfig, runner, model_config) -> Drafter:
-    """The drafter `config.method` names, on `runner`'s device (EAGLE loads its head)."""
+def build_drafter(config: SpeculativeConfig, runner, model_config,
+                  draft_address: Callable[[], str | None] | None = None) -> Drafter:
+    """The drafter `config.method` names, on `runner`'s device (EAGLE loads its head), or with
+    draft_placement "replica" the client of a draft replica (worker/draft_channel.py) at
+    draft_address() (default: config.draft_address)."""
     if config.method == "ngram":
         return NgramDrafter(config)
+    if config.draft_placement == "replica":
+        import uuid
+
+        from mxserve.worker.draft_channel import RemoteDrafter
+
+        return RemoteDrafter(draft_address or (lambda: config.draft_address),
+                             uuid.uuid4().hex[:12], model_config.model_id,
+                             runner.config.block_size, config.draft_timeout_s)
     from mxserve.worker.eagle import EagleDrafter
 
     return EagleDrafter(config, runner, model_config)

@@ -189,91 +189,133 @@ class EagleDrafter:
                          torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self.attn = runner.attn
 
+    def release(self, request: Request) -> None:
+        pass  # the head's KV is in the request's own blocks
+
     def propose(self, plan, hidden: torch.Tensor, num_drafts: dict) -> None:
-        spans = self._kept_spans(plan)
-        if not spans:
+        kept = kept_spans(plan)
+        if not kept:
             return
-        g = self._run([t for sp in spans for t in sp.next_tokens()],
-                      torch.cat([hidden[sp.offset:sp.offset + sp.length] for sp in spans]),
-                      spans)
-        last, at = [], -1
-        for sp in spans:
-            at += sp.length
-            last.append(at)
-        drafting = [(last[i], sp) for i, sp in enumerate(spans) if sp.request in num_drafts]
-        if not drafting:
-            return
-        g = g[[row for row, _ in drafting]]  # each drafting request's last output
-        chain = [_Span(sp.request, sp.request.num_computed_tokens, 1, 0, sp.block_table)
-                 for _, sp in drafting]
-        for sp in chain:
-            sp.request.draft_token_ids = []
-        for j in range(max(num_drafts[sp.request] for sp in chain)):
-            ids = self.head.draft_tokens(g).tolist()
-            for sp, t in zip(chain, ids):
-                sp.request.draft_token_ids.append(t)
-            keep = [i for i, sp in enumerate(chain) if num_drafts[sp.request] > j + 1]
-            if not keep:
-                return
-            chain = [_Span(chain[i].request, chain[i].start + (j > 0), 1, 0,
-                           chain[i].block_table) for i in keep]
-            g = self._run([ids[i] for i in keep], g[keep], chain)
-
-    def _kept_spans(self, plan) -> list[_Span]:
-        """The positions each request of the plan still running kept (its target step's
-        features for them are rows offset.. of the step's hidden states), decodes first."""
-        spans, offset = [], 0
-        for s in plan.scheduled:
-            kept = s.request.num_computed_tokens - s.start_position
-            if s.request.status is RequestStatus.RUNNING and kept > 0:
-                spans.append(_Span(s.request, s.start_position, kept, offset, s.block_table))
-            offset += s.num_new_tokens
-        spans.sort(key=lambda sp: sp.length != 1)
-        return spans
-
-    def _run(self, tokens: list[int], features: torch.Tensor, spans: list[_Span]
-             ) -> torch.Tensor:
-        """The head over the spans' positions (single positions first), `tokens` and
-        `features` flat in span order; its KV goes to each request's blocks."""
-        device = self.runner.device
-        meta = self.attn.build_metadata(AttentionBatch(
-            query_lens=[sp.length for sp in spans], start_positions=[sp.start for sp in spans],
-            block_tables=[sp.block_table for sp in spans],
-            num_decodes=sum(sp.length == 1 for sp in spans),
-            block_size=self.runner.config.block_size, device=device))
-        ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions = torch.tensor([p for sp in spans for p in range(sp.start, sp.start + sp.length)],
-                                 dtype=torch.long, device=device)
-        return self.head(ids, features, positions, self.kv_cache, self.attn, meta)
+        drafts = draft_round(self.head, self.kv_cache, self.attn, self.runner.config.block_size,
+                             [Span(s.start_position, n, s.block_table) for s, n in kept],
+                             [t for s, n in kept for t in _next_tokens(s.request,
+                                                                       s.start_position, n)],
+                             torch.cat([hidden[off:off + n] for (s, n), off
+                                        in zip(kept, kept_offsets(plan, kept))]),
+                             [num_drafts.get(s.request, 0) for s, _ in kept])
+        for (s, _), d in zip(kept, drafts):
+            if s.request in num_drafts:
+                s.request.draft_token_ids = d
 
 
-@dataclass(slots=True)
-class _Span:
-    """Positions start .. start + length - 1 of a request for the head to run over."""
+def kept_spans(plan) -> list[tuple]:
+    """(scheduled request, positions it kept) of each request of the finished plan that still
+    runs and kept some: the positions start_position .. + kept - 1 the head catches up on."""
+    out = []
+    for s in plan.scheduled:
+        kept = s.request.num_computed_tokens - s.start_position
+        if s.request.status is RequestStatus.RUNNING and kept > 0:
+            out.append((s, kept))
+    return out
 
-    request: Request
+
+def kept_offsets(plan, kept: list[tuple]) -> list[int]:
+    """Each kept span's first row in the step's hidden states (plan order)."""
+    offsets, at = {}, 0
+    for s in plan.scheduled:
+        offsets[id(s)] = at
+        at += s.num_new_tokens
+    return [offsets[id(s)] for s, _ in kept]
+
+
+def _next_tokens(request: Request, start: int, length: int) -> list[int]:
+    """The tokens after positions start .. start + length - 1: the head's token inputs."""
+    return request.all_token_ids[start + 1:start + length + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Positions start .. start + length - 1 of a request for the head to run over, its KV
+    going to the block table's slots."""
+
     start: int
     length: int
-    offset: int  # its first row in the step's hidden states
     block_table: list[int]
 
-    def next_tokens(self) -> list[int]:
-        """The tokens after each position: the head's token inputs."""
-        return self.request.all_token_ids[self.start + 1:self.start + self.length + 1]
+
+def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
+                block_size: int, spans: list[Span], tokens: list[int], features: torch.Tensor,
+                num_drafts: list[int]) -> list[list[int]]:
+    """One drafting round for a batch of requests (the local drafter's and the draft replica's,
+    worker/draft_server.py): the catch-up pass over each span's positions (`tokens` and
+    `features` flat in span order), then a chain of single positions from each span's last
+    output, num_drafts[i] drafts for span i (0: catch up only). Returns the drafts per span."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i].length != 1)  # decodes first
+    rows, at = [], 0
+    for sp in spans:
+        rows.append(range(at, at + sp.length))
+        at += sp.length
+    flat = [r for i in order for r in rows[i]]
+    device = features.device
+    g = _run(head, kv_cache, attn, block_size, [spans[i] for i in order],
+             [tokens[r] for r in flat], features[torch.tensor(flat, device=device)]
+             if flat != list(range(len(flat))) else features)
+    drafts: list[list[int]] = [[] for _ in spans]
+    last, at = {}, -1
+    for i in order:
+        at += spans[i].length
+        last[i] = at
+    chain = [i for i in order if num_drafts[i] > 0]
+    if not chain:
+        return drafts
+    g = g[[last[i] for i in chain]]  # each drafting request's last output
+    positions = {i: spans[i].start + spans[i].length for i in chain}  # the chain's next one
+    for j in range(max(num_drafts[i] for i in chain)):
+        ids = head.draft_tokens(g).tolist()
+        for i, t in zip(chain, ids):
+            drafts[i].append(t)
+        keep = [n for n, i in enumerate(chain) if num_drafts[i] > j + 1]
+        if not keep:
+            break
+        steps = [Span(positions[chain[n]] + j, 1, spans[chain[n]].block_table) for n in keep]
+        g = _run(head, kv_cache, attn, block_size, steps, [ids[n] for n in keep], g[keep])
+        chain = [chain[n] for n in keep]
+    return drafts
+
+
+def _run(head: EagleHead, kv_cache, attn, block_size: int, spans: list[Span],
+         tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+    """The head over the spans' positions (single positions first), `tokens` and `features`
+    flat in span order; its KV goes to each span's blocks."""
+    device = features.device
+    meta = attn.build_metadata(AttentionBatch(
+        query_lens=[sp.length for sp in spans], start_positions=[sp.start for sp in spans],
+        block_tables=[sp.block_table for sp in spans],
+        num_decodes=sum(sp.length == 1 for sp in spans), block_size=block_size, device=device))
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    positions = torch.tensor([p for sp in spans for p in range(sp.start, sp.start + sp.length)],
+                             dtype=torch.long, device=device)
+    return head(ids, features, positions, kv_cache, attn, meta)
 
 
 def _full_embedding_and_head(runner, target: ModelConfig):
     """The target's whole embedding and LM head on this rank (its own are vocabulary slices)."""
     from mxserve.worker.runner import open_model
 
-    tp1 = TPGroup()
-    embed = VocabParallelEmbedding(target.vocab_size, target.hidden_size, tp1, runner.dtype,
+    return load_embedding_and_head(open_model(runner.config), target, runner.dtype,
                                    runner.device)
+
+
+def load_embedding_and_head(checkpoint, target: ModelConfig, dtype: torch.dtype,
+                            device: torch.device):
+    """The checkpoint's whole embedding and LM head (tied: one weight), read from it alone."""
+    tp1 = TPGroup()
+    embed = VocabParallelEmbedding(target.vocab_size, target.hidden_size, tp1, dtype, device)
     head = ParallelLMHead(embed if target.tie_word_embeddings else None, target.vocab_size,
-                          target.hidden_size, tp1, runner.dtype, runner.device)
-    for name, tensor in open_model(runner.config).weights(progress=False):
+                          target.hidden_size, tp1, dtype, device)
+    for name, tensor in checkpoint.weights(progress=False):
         if name == "model.embed_tokens.weight":
-            embed.load(tensor.to(runner.dtype))
+            embed.load(tensor.to(dtype))
         elif name == "lm_head.weight":
-            head.load(tensor.to(runner.dtype))
+            head.load(tensor.to(dtype))
     return embed, head

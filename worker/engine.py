@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -308,6 +309,8 @@ class Engine:
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
+        if self.drafter is not None:
+            self.drafter.release(request)
         self.finished_requests.append(request)
         self.requests.pop(request.request_id, None)
 
@@ -322,7 +325,8 @@ class Engine:
             request.num_accepted_tokens)
 
 
-def build_engine(config: EngineConfig, launcher: RankLauncher | None = None) -> Engine:
+def build_engine(config: EngineConfig, launcher: RankLauncher | None = None,
+                 draft_address: Callable[[], str | None] | None = None) -> Engine:
     """Open the checkpoint (or draw dummy weights), build the runner, load the weights (with a
     progress bar). With tensor_parallel_size N, this process is rank 0 and `launcher` (local
     processes by default) starts the other N - 1 ranks, each loading its own shard."""
@@ -349,7 +353,8 @@ def build_engine(config: EngineConfig, launcher: RankLauncher | None = None) -> 
             model_config, model_id=f"{model_config.model_id}+{runner.quantization}")
     drafter = None
     if config.speculative_config is not None:
-        drafter = build_drafter(config.speculative_config, runner, checkpoint.config)
+        drafter = build_drafter(config.speculative_config, runner, model_config,
+                                draft_address)
     engine = Engine(runner, model_config, config, checkpoint.tokenizer, drafter)
     if runner.graphs is not None:
         engine.sampler.capture_graphs([g.logits for g in runner.graphs.graphs.values()])

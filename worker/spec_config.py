@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 METHODS = ("eagle", "ngram")
+PLACEMENTS = ("local", "replica")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -16,13 +17,23 @@ class SpeculativeConfig:
     (prompt lookup, no model: the longest recent n-gram that occurred before proposes what
     followed it). model: the EAGLE head's directory (None: the one shipped for the default
     model). num_speculative_tokens: drafts a step, 1..16. prompt_lookup_min/max: the n-gram
-    lengths ngram tries, longest first."""
+    lengths ngram tries, longest first.
+
+    draft_placement (eagle): "local", the head in the worker's process on its device; or
+    "replica", the head in a draft replica of its own (worker/draft_server.py) that the
+    worker reaches over worker/draft_channel.py: served, the cluster deploys it and tells the
+    workers where; offline, `draft_address` ("host:port") names a running one.
+    draft_timeout_s: a round's deadline; past it (or with the replica down) the step decodes
+    without drafts."""
 
     method: str
     num_speculative_tokens: int = 3
     model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_placement: str = "local"
+    draft_address: str | None = None
+    draft_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -37,6 +48,19 @@ class SpeculativeConfig:
                              "prompt_lookup_max")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model: ngram drafts without a model")
+        if self.draft_placement not in PLACEMENTS:
+            raise ValueError(f"speculative_config.draft_placement must be one of {PLACEMENTS}, "
+                             f"got {self.draft_placement!r}")
+        if self.draft_placement == "replica" and self.method != "eagle":
+            raise ValueError("speculative_config.draft_placement 'replica' needs method "
+                             "'eagle' (ngram drafts in the worker, without a model)")
+        if self.draft_address is not None and (
+                not isinstance(self.draft_address, str) or ":" not in self.draft_address):
+            raise ValueError(f"speculative_config.draft_address must be 'host:port', got "
+                             f"{self.draft_address!r}")
+        if not (isinstance(self.draft_timeout_s, int | float) and self.draft_timeout_s > 0):
+            raise ValueError(f"speculative_config.draft_timeout_s must be > 0, got "
+                             f"{self.draft_timeout_s!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -124,6 +124,9 @@ def test_verify_graph_inputs_give_the_eager_verify_step(tiny_checkpoint):
     class Drafts:  # a random model: prompt lookup would find nothing to draft
         needs_hidden, num_lookahead_tokens = False, 0
 
+        def release(self, request):
+            pass
+
         def propose(self, plan, hidden, num_drafts):
             for r, n in num_drafts.items():
                 r.draft_token_ids = [(r.num_tokens * 7 + i) % 200 + 3 for i in range(n)]

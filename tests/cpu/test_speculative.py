@@ -61,6 +61,9 @@ class OracleDrafter:
 
     needs_hidden, num_lookahead_tokens = False, 0
 
+    def release(self, request):
+        pass
+
     def __init__(self, reference: dict[tuple, list[int]], wrong: float = 0.0, seed: int = 0):
         self.reference, self.wrong, self.rng = reference, wrong, random.Random(seed)
 

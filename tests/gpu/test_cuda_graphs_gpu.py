@@ -180,6 +180,9 @@ class _Corrupted:
 
     needs_hidden, num_lookahead_tokens = False, 0
 
+    def release(self, request):
+        pass
+
     def __init__(self, reference: dict[str, list[int]]) -> None:
         self.reference = reference
 

@@ -1,0 +1,211 @@
+"""The EAGLE head served apart from its target (`speculative_config.draft_placement="replica"`):
+one DraftServer drafts for the requests of many target workers, batching their rounds.
+
+A target worker, after each step, sends for each request it kept positions of (a round):
+
+    key         the request, unique across targets ("<target id>/<request id>")
+    start       the first position the step computed
+    tokens      the request's tokens at start .. start + kept (the last: the one just sampled)
+    features    [kept, hidden]: the target's final hidden states at start .. start + kept - 1
+    num_drafts  drafts wanted (0: catch up only)
+    prefix      on a request's first round with start > 0 (a prefix-cache hit on the target):
+                the hashes of its blocks before start
+
+and gets back the drafts (worker/eagle.draft_round, the same computation as the local drafter).
+
+The head's KV lives here, in a paged pool of its own with a prefix cache keyed by the target's
+block hashes (recomputed here from the tokens, with the target's model id): what any target's
+request computed serves the next request sharing that prefix, as the local drafter's share of
+the target's pool does. Positions the head never saw (a prefix this pool lacks, or rounds lost
+while the replica was unreachable) hold zeros: drafts get worse there, outputs do not change
+(the target verifies every draft). A request's state goes when its target releases it, or,
+least recently used first, when the pool is short.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from mxserve.api.block_hash import extend_block_hashes
+from mxserve.kernels import cpu_attention
+from mxserve.worker.attention_backends import get_attention_backend
+from mxserve.worker.config import EngineConfig
+from mxserve.worker.eagle import (
+    DEFAULT_HEAD,
+    Span,
+    draft_round,
+    load_embedding_and_head,
+    load_head,
+)
+from mxserve.worker.kv_cache import KVCacheManager
+from mxserve.worker.runner import open_model
+
+
+@dataclass
+class DraftRound:
+    key: str
+    start: int
+    tokens: list[int]  # positions start .. start + kept: kept + 1 tokens
+    num_drafts: int
+    prefix: list[int] | None = None  # block hashes before start, on a first round
+
+    @property
+    def kept(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass
+class _State:
+    """A request's record here: its tokens so far (-1 where unknown), their block hashes, and
+    how far the head's KV is valid."""
+
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    end: int = 0
+    model_id: str = ""  # the target's, salting the hashes
+    hashable: bool = True  # False once some earlier tokens are unknown here
+
+
+class DraftServer:
+    """The head for `config.model`'s target (config: the target's EngineConfig; its
+    speculative_config names the head and k), its own KV pool of `num_blocks` blocks."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int = 4096) -> None:
+        spec = config.speculative_config
+        if spec is None or spec.method != "eagle":
+            raise ValueError("a draft server needs speculative_config with method 'eagle'")
+        self.k = spec.num_speculative_tokens
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.block_size
+        checkpoint = open_model(config)
+        target = checkpoint.config
+        self.head = load_head(spec.model or DEFAULT_HEAD, target, self.dtype, self.device)
+        embed, lm_head = load_embedding_and_head(checkpoint, target, self.dtype, self.device)
+        self.head.attach(embed, lm_head)
+        cfg = self.head.config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                         torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv = KVCacheManager(num_blocks, self.block_size)
+        self.attn = get_attention_backend(_attention_name(self.device, self.dtype, cfg,
+                                                          self.block_size))
+        self.hidden_size = target.hidden_size
+        self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
+        self.num_rounds = 0  # requests drafted for (a round each)
+        self.num_batches = 0
+        self.num_evicted = 0
+        self.num_prefix_hit_blocks = 0  # blocks a first round found computed by another
+        self.targets: set[str] = set()  # the target ids keys have named ("<target>/<request>")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    @torch.inference_mode()
+    def draft(self, rounds: list[DraftRound], features: torch.Tensor, model_id: str = ""
+              ) -> list[list[int]]:
+        """Drafts for each round (features: [sum of kept, hidden], round after round). A round
+        the pool cannot hold gets none."""
+        if features.shape != (sum(r.kept for r in rounds), self.hidden_size):
+            raise ValueError(f"draft: features must be [{sum(r.kept for r in rounds)}, "
+                             f"{self.hidden_size}], got {tuple(features.shape)}")
+        vocab = self.head.config.vocab_size
+        for r in rounds:
+            if r.kept < 1 or r.start < 0 or r.num_drafts < 0 or \
+                    not all(0 <= t < vocab for t in r.tokens):
+                raise ValueError(f"draft: round {r.key!r} needs start >= 0, tokens (ids below "
+                                 f"{vocab}) for at least one kept position and num_drafts >= 0")
+        features = features.to(self.device, self.dtype)
+        busy = {r.key for r in rounds}
+        spans, tokens, rows, nums, placed = [], [], [], [], []
+        at = 0
+        for i, r in enumerate(rounds):
+            table = self._place(r, busy, model_id)
+            if table is not None:
+                spans.append(Span(r.start, r.kept, table))
+                tokens += r.tokens[1:]
+                rows += range(at, at + r.kept)
+                nums.append(min(r.num_drafts, self.k))
+                placed.append(i)
+            at += r.kept
+        drafts: list[list[int]] = [[] for _ in rounds]
+        if spans:
+            feats = features if len(rows) == features.shape[0] else features[rows]
+            out = draft_round(self.head, self.kv_cache, self.attn, self.block_size, spans,
+                              tokens, feats, nums)
+            for i, d in zip(placed, out):
+                drafts[i] = d
+                self._computed(rounds[i], model_id)
+        self.num_rounds += len(rounds)
+        self.num_batches += 1
+        return drafts
+
+    def release(self, keys: list[str]) -> None:
+        """Forget these requests (ended, aborted or moved on their target)."""
+        for key in keys:
+            if self._states.pop(key, None) is not None:
+                self.kv.free(key)
+
+    def _place(self, r: DraftRound, busy: set[str], model_id: str) -> list[int] | None:
+        """The request's block table covering its round and chain (allocating, with a prefix
+        hit on its first round); None when the pool cannot hold it."""
+        state = self._states.get(r.key)
+        hits: list[int] = []
+        if state is None:
+            state = _State(model_id=model_id)
+            self.targets.add(r.key.split("/", 1)[0])
+            if r.start:
+                if r.prefix is None or r.start % self.block_size or \
+                        len(r.prefix) < r.start // self.block_size:
+                    state.hashable = False  # its earlier blocks' hashes are unknown here
+                else:
+                    state.hashes = list(r.prefix[:r.start // self.block_size])
+                    hits = self.kv.lookup_prefix(state.hashes)
+                    self.num_prefix_hit_blocks += len(hits)
+            state.end = len(hits) * self.block_size
+            state.tokens = [-1] * r.start
+        need = r.start + len(r.tokens) - 1 + max(r.num_drafts, 1)
+        while not self.kv.allocate(r.key, need, hits if r.key not in self._states else ()):
+            victim = next((k for k in self._states if k not in busy), None)
+            if victim is None:
+                return None
+            self.release([victim])
+            self.num_evicted += 1
+        self._states[r.key] = state
+        self._states.move_to_end(r.key)
+        table = self.kv.get_block_ids(r.key)
+        if state.end < r.start:  # positions this pool never computed: zeros, not stale KV
+            self._zero(table, state.end, r.start)
+        return table
+
+    def _computed(self, r: DraftRound, model_id: str) -> None:
+        """Record the round's tokens and valid KV; register its full blocks for reuse."""
+        state = self._states[r.key]
+        if len(state.tokens) < r.start:  # rounds it never got: those tokens are unknown
+            state.tokens += [-1] * (r.start - len(state.tokens))
+            state.hashable = False
+        state.tokens[r.start:] = r.tokens
+        state.end = r.start + r.kept
+        del state.hashes[r.start // self.block_size:]
+        if state.hashable and model_id == state.model_id:
+            extend_block_hashes(state.hashes, state.tokens[:state.end], self.block_size,
+                                model_id)
+            self.kv.cache_blocks(r.key, state.hashes, state.end)
+
+    def _zero(self, table: list[int], lo: int, hi: int) -> None:
+        bs = self.block_size
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(lo, hi)],
+                             dtype=torch.long, device=self.device)
+        for cache in self.kv_cache:
+            cache.view(-1, *cache.shape[2:]).index_fill_(0, slots, 0)
+
+
+def _attention_name(device: torch.device, dtype: torch.dtype, cfg, block_size: int) -> str:
+    if device.type == "cuda":
+        return "triton"
+    shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, block_size)
+    return "cpu" if cpu_attention.available(dtype, *shape) else "torch"
+
