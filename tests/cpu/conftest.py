@@ -58,6 +58,22 @@ def compile_outside_interpreter():
     return run
 
 
+@pytest.fixture(scope="session")
+def random_eagle_head(tmp_path_factory):
+    """make(checkpoint path, seed) -> a directory holding an EAGLE head of random weights for
+    that checkpoint's model (drafts mostly wrong, some right: speculation's tests)."""
+    def make(checkpoint: str, seed: int = 1, std: float = 0.2) -> str:
+        from mxserve.worker.eagle import save_head
+        from mxserve.worker.eagle_train import init_head
+        from mxserve.worker.model.loader import open_checkpoint
+
+        path = str(tmp_path_factory.mktemp("head"))
+        config = open_checkpoint(checkpoint).config
+        save_head(init_head(config, seed=seed, std=std), path, config.model_id)
+        return path
+    return make
+
+
 MB = 2**20
 SERVED_ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
 

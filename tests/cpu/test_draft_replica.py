@@ -23,9 +23,6 @@ from mxserve import LLM, SamplingParams
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.draft_channel import DraftService, recv_frame, send_frame
 from mxserve.worker.draft_server import DraftRound, DraftServer
-from mxserve.worker.eagle import save_head
-from mxserve.worker.eagle_train import init_head
-from mxserve.worker.model.loader import open_checkpoint
 
 ENGINE = dict(dtype="float32", num_kv_blocks=400, max_num_batched_tokens=64, max_num_seqs=8,
               load_progress=False, num_threads=1)
@@ -46,11 +43,8 @@ def ckpt(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def head(ckpt, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("head"))
-    config = open_checkpoint(ckpt).config
-    save_head(init_head(config, seed=3, std=0.2), path, config.model_id)
-    return path
+def head(ckpt, random_eagle_head):
+    return random_eagle_head(ckpt, seed=3)
 
 
 @pytest.fixture(scope="module")

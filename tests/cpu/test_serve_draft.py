@@ -53,18 +53,12 @@ def _answers(served, app: str, prompts: list[list[int]], max_tokens: int) -> lis
         return list(pool.map(one, prompts, timeout=300))
 
 
-def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(served, tmp_path):
+def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(
+        served, random_eagle_head):
     import ray
     from ray import serve
 
-    from mxserve.worker.eagle import save_head
-    from mxserve.worker.eagle_train import init_head
-    from mxserve.worker.model.loader import open_checkpoint
-
-    model = served.config.model
-    config = open_checkpoint(model).config
-    head = str(tmp_path / "head")
-    save_head(init_head(config, seed=5, std=0.2), head, config.model_id)
+    head = random_eagle_head(served.config.model, seed=5)
     node = served.cluster.add_node(num_cpus=1, resources={"draft_node": 1},
                                    object_store_memory=128 * MB)
     served.cluster.wait_for_nodes()

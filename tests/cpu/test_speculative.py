@@ -42,11 +42,8 @@ def ckpt(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def random_head(ckpt, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("head"))
-    config = open_checkpoint(ckpt).config
-    save_head(init_head(config, seed=1, std=0.2), path, config.model_id)
-    return path
+def random_head(ckpt, random_eagle_head):
+    return random_eagle_head(ckpt, seed=1)
 
 
 @pytest.fixture(scope="module")
