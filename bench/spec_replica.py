@@ -18,7 +18,7 @@ method (the per-round cost the channel replaces).
 Targets (issue 24, for the replica with run-ahead): >= 0.9x local's tok/s at batch 1 and >= 1.3x
 none's. Run-ahead is not built: the replica row is the strictly alternating one.
 
-Run: python bench/spec_replica.py [--prompts 8] [--max-tokens 128]   (~10 min on 2 cores)
+Run: python bench/spec_replica.py [--prompts 8] [--max-tokens 128]   (~5 min on 2 cores)
 """
 
 from __future__ import annotations

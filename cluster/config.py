@@ -58,6 +58,26 @@ class Drafts(BaseModel):
     num_replicas: int = Field(1, ge=1)
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=1.0))
     num_kv_blocks: int = Field(4096, ge=16)  # the head's pool, in the workers' block size
+    autoscaling: DraftAutoscaling | None = None  # when set, replaces num_replicas
+
+
+class DraftAutoscaling(BaseModel):
+    """Draft replicas scaled on their own load (cluster/autoscaling.py): enough to keep each
+    one's drafting thread busy about target_busy of the time."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_busy: float = Field(0.6, gt=0, le=1)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0)  # how often replicas report their load
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("drafts.autoscaling.max_replicas must be >= min_replicas")
+        return self
 
 
 class Routing(BaseModel):

@@ -35,6 +35,7 @@ SERVICER = "mxserve.cluster.grpc_proxy.add_servicer"  # mxserve's service, cance
 WORKER, ROUTER, DRAFT = "Worker", "Router", "Draft"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
+DRAFT_POLICY = "mxserve.cluster.autoscaling:DraftLoadPolicy"
 
 
 # The router logs every request in one line (router/ingress.py), so Serve's access log is off.
@@ -179,6 +180,15 @@ class DraftDeployment:
     def address(self) -> str:
         return self.service.address
 
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metric (cluster/autoscaling.py): the fraction of time
+        since the last report the drafting thread was busy."""
+        now, busy = time.monotonic(), self.service.busy_s
+        last_time, last_busy = getattr(self, "_last_report", (now, busy))
+        self._last_report = (now, busy)
+        span = now - last_time
+        return {"draft_busy": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0}
+
     def stats(self) -> dict:
         server = self.service.server
         return {"address": self.service.address, "node_id": ray.get_runtime_context().get_node_id(),
@@ -317,9 +327,19 @@ def build_app(config: ServeConfig) -> serve.Application:
     drafts = None
     if config.uses_draft_replicas:
         d = config.drafts
+        scale: dict = {"num_replicas": d.num_replicas}
+        if d.autoscaling is not None:
+            a = d.autoscaling
+            scale = {"autoscaling_config": dict(
+                min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                initial_replicas=a.min_replicas, metrics_interval_s=a.metrics_interval_s,
+                look_back_period_s=max(2 * a.metrics_interval_s, 4.0),
+                upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
+                policy=dict(policy_function=DRAFT_POLICY,
+                            policy_kwargs=dict(target_busy=a.target_busy)))}
         drafts = DraftDeployment.options(
-            num_replicas=d.num_replicas, ray_actor_options=d.resources.ray_actor_options(),
-            health_check_period_s=config.health_check_period_s,
+            ray_actor_options=d.resources.ray_actor_options(),
+            health_check_period_s=config.health_check_period_s, **scale,
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts)

@@ -100,6 +100,7 @@ class DraftService:
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self.batch_sizes: list[int] = []  # target messages drafted together, a batch each
+        self.busy_s = 0.0  # time spent drafting (the replica's load, for autoscaling)
         threading.Thread(target=self._accept, daemon=True, name="draft-accept").start()
         self._drafter = threading.Thread(target=self._drafting, daemon=True,
                                          name="draft-batch")
@@ -157,7 +158,10 @@ class DraftService:
                     break
                 batch.append(more)
             self.batch_sizes.append(len(batch))
+            del self.batch_sizes[:-1000]
+            t0 = time.perf_counter()
             self._draft_batch(batch)
+            self.busy_s += time.perf_counter() - t0
 
     def _draft_batch(self, batch: list) -> None:
         """Draft every message of the batch in one DraftServer call per model id (a bad

@@ -277,3 +277,26 @@ def test_bad_placement_configs_name_the_field(ckpt):
     with pytest.raises(ValueError, match="draft_address"):
         LLM(ckpt, speculative_config={"method": "eagle", "draft_placement": "replica",
                                       "draft_address": "nowhere"}, **ENGINE)
+
+
+def test_the_draft_autoscaling_policy_follows_the_replicas_busy_time():
+    """cluster/autoscaling.DraftLoadPolicy on Serve's context fields: enough replicas for the
+    summed busy fraction at target_busy (Serve applies the delays and bounds around it)."""
+    from types import SimpleNamespace
+
+    from mxserve.cluster.autoscaling import DraftLoadPolicy
+
+    policy = DraftLoadPolicy(target_busy=0.5)
+
+    def ask(busy: list[float]) -> int:
+        ctx = SimpleNamespace(aggregated_metrics={"draft_busy": dict(enumerate(busy))})
+        return policy(ctx)[0]
+
+    assert ask([0.4]) == 1
+    assert ask([0.9]) == 2
+    assert ask([0.9, 0.8]) == 4
+    assert ask([0.5, 0.5]) == 2
+    assert ask([0.1, 0.1, 0.0, 0.0]) == 1
+    assert ask([]) == 1  # no reports yet
+    with pytest.raises(ValueError, match="target_busy"):
+        DraftLoadPolicy(target_busy=0)

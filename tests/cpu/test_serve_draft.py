@@ -120,3 +120,35 @@ def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(
     finally:
         serve.delete(app.app_name)
         served.cluster.remove_node(node)
+
+
+def test_draft_replicas_autoscale_on_their_own_load(served, random_eagle_head):
+    """Workers' drafting keeps the Draft replica busy past target_busy: Serve adds one (the
+    traffic never passes through a Serve handle, so only the replicas' own report can say so);
+    idle again, it goes back to one."""
+    from ray import serve
+
+    head = random_eagle_head(served.config.model, seed=6)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3,
+            "draft_placement": "replica"}
+    app = served.deploy(
+        app_name="spec-scale", num_workers=1,
+        engine={**served.config.engine, "speculative_config": spec},
+        worker_resources=Resources(num_cpus=0.25, resources={"spare": 1}),
+        drafts=dict(resources=dict(num_cpus=0.25, resources={"spare": 1}), num_kv_blocks=256,
+                    autoscaling=dict(min_replicas=1, max_replicas=2, target_busy=0.02,
+                                     upscale_delay_s=0, downscale_delay_s=2,
+                                     metrics_interval_s=0.5)))
+    try:
+        assert len(_replicas(app.app_name, "Draft")) == 1
+        prompts = [[(5 * i + j) % 200 + 3 for j in range(12)] for i in range(8)]
+        deadline = time.monotonic() + 90
+        while len(_replicas(app.app_name, "Draft")) < 2:
+            assert time.monotonic() < deadline, "no second draft replica under load"
+            _answers(served, app.app_name, prompts, 48)
+        deadline = time.monotonic() + 90
+        while len(_replicas(app.app_name, "Draft")) > 1:
+            assert time.monotonic() < deadline, "the second draft replica stayed while idle"
+            time.sleep(0.5)
+    finally:
+        serve.delete(app.app_name)

@@ -1,0 +1,28 @@
+"""Autoscaling of the draft replicas on their own load. Workers reach a draft replica over
+worker/draft_channel.py, not through Serve, so Serve's default policy (ongoing handle requests)
+sees none of that traffic. Each draft replica reports the fraction of time its drafting thread
+was busy (`DraftDeployment.record_autoscaling_stats`, metric `draft_busy`), and this policy asks
+for enough replicas to keep that fraction near `target_busy`:
+
+    desired = ceil(sum of the replicas' busy fractions / target_busy), at least 1
+
+Serve applies the autoscaling config around it (upscale / downscale delays, min / max
+replicas). No Ray imports: Serve calls it with its AutoscalingContext, and it reads only the
+fields named here."""
+
+from __future__ import annotations
+
+import math
+
+BUSY_METRIC = "draft_busy"
+
+
+class DraftLoadPolicy:
+    def __init__(self, target_busy: float = 0.6) -> None:
+        if not 0 < target_busy <= 1:
+            raise ValueError(f"target_busy must be in (0, 1], got {target_busy}")
+        self.target_busy = target_busy
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        busy = sum(((ctx.aggregated_metrics or {}).get(BUSY_METRIC) or {}).values())
+        return max(1, math.ceil(busy / self.target_busy - 1e-9)), {"busy": busy}
