@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     _client_parser(sub)
     _quantize_parser(sub)
     _train_draft_parser(sub)
+    _draft_server_parser(sub)
     return parser
 
 
@@ -139,6 +140,12 @@ def _serve_parser(sub) -> None:
                         "(rediss:// for TLS); default: start a local redis-server")
     p.add_argument("--ask", default=None, metavar="QUESTION",
                    help="once serving, ask this over gRPC, print the answer and shut down")
+    p.add_argument("--draft-replicas", type=int, default=None,
+                   help="draft replicas (with speculative_config draft_placement 'replica'; "
+                        "default 1)")
+    p.add_argument("--draft-cpus", type=float, default=None, help="CPUs per draft replica")
+    p.add_argument("--draft-gpus", type=float, default=None,
+                   help="GPUs per draft replica (a fraction shares a GPU; default 0)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")
@@ -150,7 +157,7 @@ def _serve_parser(sub) -> None:
         p.add_argument(f"--{name}", type=kind, default=None, help="engine option")
 
 
-def _client_parser(sub) -> None:
+def _draft_server_parser(sub) -> None:
     p = sub.add_parser("draft-server", help="serve a model's EAGLE head for workers whose "
                        "speculative_config has draft_placement 'replica' (Ctrl-C to stop)")
     _engine_args(p)
@@ -158,6 +165,9 @@ def _client_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="default: a free port (printed)")
     p.add_argument("--num-blocks", type=int, default=4096,
                    help="the head's KV pool, in blocks of the target's block size")
+
+
+def _client_parser(sub) -> None:
     p = sub.add_parser("client", help="send one prompt to an mxserve server and stream the answer")
     p.add_argument("prompt")
     p.add_argument("--endpoint", default="127.0.0.1:9000", help="host:port (default %(default)s)")
@@ -317,8 +327,15 @@ def cmd_serve(args) -> int:
     routing = config.routing.model_dump()
     if args.routing:
         routing["policy"] = args.routing
+    drafts = config.drafts.model_dump()
+    if args.draft_replicas is not None:
+        drafts["num_replicas"] = args.draft_replicas
+    for flag, key in ((args.draft_cpus, "num_cpus"), (args.draft_gpus, "num_gpus")):
+        if flag is not None:
+            drafts["resources"][key] = flag
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
-                            "worker_resources": Resources(**resources), "routing": routing})
+                            "worker_resources": Resources(**resources), "routing": routing,
+                            "drafts": drafts})
     return serve_until_stopped(config, args.address, ask=args.ask)
 
 
