@@ -102,6 +102,34 @@ class Served:
         wait_for_grpc(config)
         return config
 
+    def wait_indexed(self, prefix: list[int], config=None, timeout_s: float = 20.0
+                     ) -> dict[str, int]:
+        """Until some worker holds all of `prefix`'s full blocks in the Redis index (its KV
+        events arrive asynchronously): then the leading blocks each worker holds. config: the
+        app's ServeConfig (default the main app's)."""
+        import asyncio
+
+        from mxserve.api.block_hash import block_hashes
+        from mxserve.api.prefix_index import PrefixIndex
+        from mxserve.worker.model.loader import open_checkpoint
+
+        config = config or self.config
+        model_id = open_checkpoint(config.model).config.model_id
+        hashes = block_hashes(prefix, 16, model_id)
+
+        async def held() -> dict[str, int]:
+            index = PrefixIndex.from_url(config.redis_url, config.index_namespace)
+            try:
+                return await index.lookup(hashes)
+            finally:
+                await index.close()
+
+        deadline = time.monotonic() + timeout_s
+        while max((got := asyncio.run(held())).values(), default=0) < len(hashes):
+            assert time.monotonic() < deadline, "the prefix never reached the index"
+            time.sleep(0.05)
+        return got
+
     def requests_per_worker(self, app: str | None = None) -> dict[str, int]:
         return {w.worker_id: w.num_requests_total for w in self.wait_idle(app)}
 
@@ -124,6 +152,24 @@ def monkeypatch_env():
         yield mp
 
 
+def _start_head(cluster_class, head_args: dict, attempts: int = 2):
+    """A ray.cluster_utils.Cluster with its head node. Ray gives a starting raylet a fixed 30 s
+    to register with the GCS; a busy 2-core CI machine once missed it and every served test
+    errored. A miss is retried once, after `ray stop --force` clears the half-started node's
+    processes (the session's only Ray: one per test session)."""
+    for attempt in range(attempts):
+        cluster = cluster_class(initialize_head=False)
+        try:
+            cluster.add_node(**head_args)
+            return cluster
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts - 1:
+                raise
+            cluster.shutdown()
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                           capture_output=True, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def served(tiny_checkpoint, monkeypatch_env, redis_server):
     """A local multi-node Ray cluster serving a tiny Llama over gRPC, with prefix-aware
@@ -140,7 +186,7 @@ def served(tiny_checkpoint, monkeypatch_env, redis_server):
     for key, value in SERVE_ENV.items():  # as `mxserve serve` starts Ray
         monkeypatch_env.setenv(key, value)
     model = str(tiny_checkpoint("llama"))
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
+    cluster = _start_head(Cluster, dict(
         num_cpus=4, resources={"router_node": 4, "spare": 4}, include_dashboard=False,
         object_store_memory=512 * MB, _system_config={"metrics_report_interval_ms": 1000}))
     for _ in range(2):

@@ -277,29 +277,6 @@ def _prefix(seed: int, num_tokens: int = 160) -> list[int]:
     return [rng.randrange(3, 256) for _ in range(num_tokens)]
 
 
-def _wait_indexed(served, prefix: list[int], timeout_s: float = 10.0) -> None:
-    """Until some worker holds all of `prefix`'s full blocks in the Redis index (its KV events
-    arrive asynchronously; a fixed 0.1 s pause was sometimes too short in CI)."""
-    import asyncio
-
-    from mxserve.api.block_hash import block_hashes
-    from mxserve.api.prefix_index import PrefixIndex
-
-    hashes = block_hashes(prefix, 16, served.llm.engine.model_config.model_id)
-
-    async def held() -> int:
-        index = PrefixIndex.from_url(served.config.redis_url, served.config.index_namespace)
-        try:
-            return max((await index.lookup(hashes)).values(), default=0)
-        finally:
-            await index.close()
-
-    deadline = time.monotonic() + timeout_s
-    while asyncio.run(held()) < len(hashes):
-        assert time.monotonic() < deadline, "the prefix never reached the index"
-        time.sleep(0.05)
-
-
 def _repeat_prefix(served, prefix: list[int], n: int) -> tuple[list[int], dict[str, int]]:
     """n requests sharing `prefix`, one after another: (cached tokens each, requests each
     worker got)."""
@@ -309,7 +286,7 @@ def _repeat_prefix(served, prefix: list[int], n: int) -> tuple[list[int], dict[s
         for i in range(n):
             done = client.generate(prefix + [3 + i, 4 + i], max_tokens=2, ignore_eos=True)
             cached.append(done.cached_tokens)
-            _wait_indexed(served, prefix)  # the worker's KV events reach the index
+            served.wait_indexed(prefix)  # the worker's KV events reach the index
     after = served.requests_per_worker()
     return cached, {w: after[w] - before[w] for w in after}
 
