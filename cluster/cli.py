@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from mxserve.api.errors import InvalidRequestError, MxserveError
-from mxserve.worker.config import MX_QUANTIZATIONS
+from mxserve.worker.config import KV_EVICTION_POLICIES, MX_QUANTIZATIONS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,6 +30,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "eagle", '
                         '"num_speculative_tokens": 3}\' or {"method": "ngram"}')
+    p.add_argument("--kv-eviction", default=None, choices=KV_EVICTION_POLICIES,
+                   help="drop KV past --kv-budget: heavy hitters + recent + sinks (h2o) or "
+                        "recent + sinks (streaming)")
+    p.add_argument("--kv-budget", type=_budget, default=None, metavar="N|F",
+                   help="KV tokens a request keeps: a count, or a fraction (0 < F < 1) of its "
+                        "length")
+    p.add_argument("--h2o-recent", type=int, default=None,
+                   help="newest tokens always kept (default: half the budget)")
+    p.add_argument("--h2o-sinks", type=int, default=None,
+                   help="first tokens always kept (default 4)")
+
+
+def _budget(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 # Sampling flags: unset ones take the model's defaults (docs/sampling.md), as in the API.
@@ -153,8 +170,11 @@ def _serve_parser(sub) -> None:
                        ("max-num-seqs", int), ("max-num-batched-tokens", int),
                        ("num-kv-blocks", int), ("kv-cache-memory-gb", float),
                        ("num-threads", int), ("tensor-parallel-size", int),
-                       ("speculative-config", _json_object)):
+                       ("speculative-config", _json_object), ("kv-budget", _budget),
+                       ("h2o-recent", int), ("h2o-sinks", int)):
         p.add_argument(f"--{name}", type=kind, default=None, help="engine option")
+    p.add_argument("--kv-eviction", default=None, choices=KV_EVICTION_POLICIES,
+                   help="engine option: KV eviction past --kv-budget")
 
 
 def _draft_server_parser(sub) -> None:
@@ -226,7 +246,8 @@ def _llm(args):
                max_model_len=args.max_model_len, quantization=args.quantization,
                quantize_lm_head=args.quantize_lm_head,
                tensor_parallel_size=args.tensor_parallel_size,
-               speculative_config=args.speculative_config)
+               speculative_config=args.speculative_config,
+               **{k: getattr(args, k) for k in _EVICTION_FLAGS if getattr(args, k) is not None})
 
 
 def cmd_draft_server(args) -> int:
@@ -302,9 +323,10 @@ def _print_stream(texts) -> str:
     return answer
 
 
+_EVICTION_FLAGS = ("kv_eviction", "kv_budget", "h2o_recent", "h2o_sinks")
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "num_kv_blocks", "kv_cache_memory_gb", "num_threads", "tensor_parallel_size",
-                 "speculative_config")
+                 "speculative_config", *_EVICTION_FLAGS)
 
 
 def cmd_serve(args) -> int:

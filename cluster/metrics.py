@@ -77,6 +77,9 @@ class WorkerMetricsExporter:
                     "Steps decoded without drafts because no draft replica answered"))
         self.round_trip = gauge("mxserve_draft_replica_round_trip_seconds",
                                 "Median draft round trip over the latest messages")
+        self.evicted = counter("mxserve_kv_evicted_tokens_total",
+                               "Cached tokens dropped by KV eviction (kv_eviction)")
+        self._last_evicted = 0
         self._last = (0, 0, 0)
         self._last_spec = (0, 0, 0)
         self._last_remote = (0, 0, 0)
@@ -112,6 +115,10 @@ class WorkerMetricsExporter:
             if now > before:
                 counter.inc(now - before)
         self._last_spec = spec
+        evicted = w.num_evicted_tokens
+        if evicted > self._last_evicted:
+            self.evicted.inc(evicted - self._last_evicted)
+        self._last_evicted = evicted
         stats = w.draft_stats()
         if stats:
             remote = (stats["num_rounds"], stats["num_failures"], stats["num_fallback_steps"])

@@ -139,6 +139,12 @@ class Worker:
                     num_prefill_tokens_pending=self.num_prefill_tokens_pending,
                     reported_at=time.time())
 
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Cached tokens KV eviction has dropped (0 with it off)."""
+        evictor = self.engine.evictor
+        return evictor.num_evicted_tokens if evictor is not None else 0
+
     def draft_stats(self) -> dict | None:
         """The draft replica channel's counters (worker/draft_channel.RemoteDrafter), or None
         when this engine drafts locally or not at all."""

@@ -13,6 +13,10 @@ time, all its KV heads per block:
         acc[g] += p[g, t] * v[t]
     out[g] = acc[g] / den[g]                            # fp32 state, one rounding at the end
 
+Attention mass (H2O), when asked: each chunk's scores are stored as they are computed, and at
+the end turned in place into probabilities, exp(s - m - log den): mass [B, Hq, width] fp32, one
+row per query head (the caller sums them). No second pass over K.
+
 float32 and bfloat16 caches; with AVX512-BF16, bf16 runs q k and p v on vdpbf16ps (p rounded to
 bf16 first, as GPU flash attention does). The shape (KV heads, GROUP, head_dim, a multiple of 16)
 is compiled in, one library per model shape. Callers check `available()` and otherwise use the
@@ -217,7 +221,7 @@ static inline void unpermute(vf *acc) {
 static void attend(const char *q, const char *kc, const char *vc, const int32_t *table,
                    int64_t seq_len, char *out, int64_t h0, int64_t h1, int64_t block_size,
                    int64_t sqh, int64_t soh, int64_t cb, int64_t cs, int64_t ch, int64_t esize,
-                   int is_bf16, float scale) {
+                   int is_bf16, float scale, float *mass, int64_t mass_width) {
     int fast = FAST_BF16 && is_bf16;
     vf qv[KV_HEADS][GROUP][NV], acc[KV_HEADS][GROUP][NV], part[CHUNK], s[GROUP];
     float m[KV_HEADS][GROUP], den[KV_HEADS][GROUP];
@@ -265,6 +269,9 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
                     s[g] = reduce16(part);
                 }
                 s[g] = (vf)(((vi)s[g] & keep) | ((vi)((vf){} - INFINITY) & ~keep));
+                if (mass)  /* the raw scores, made probabilities at the end */
+                    for (int64_t t = 0; t < n; t++)
+                        mass[(h * GROUP + g) * mass_width + pos + t] = s[g][t];
             }
             for (int g = 0; g < GROUP; g++) {
                 float mx = hmax(s[g]);
@@ -294,6 +301,17 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
             float inv = den[h][g] > 0.0f ? 1.0f / den[h][g] : 0.0f;  /* seq_len 0: zeros */
             for (int c = 0; c < NV; c++) acc[h][g][c] *= inv;
             store_vecs(acc[h][g], is_bf16, out + (h * GROUP + g) * soh * esize);
+            if (mass && seq_len > 0) {  /* p = exp(s - lse), lse = m + log(den) */
+                float *row = mass + (h * GROUP + g) * mass_width;
+                float lse = m[h][g] + logf(den[h][g]);
+                for (int64_t pos = 0; pos < seq_len; pos += 16) {
+                    int64_t n = seq_len - pos < 16 ? seq_len - pos : 16;
+                    vf x = (vf){} - INFINITY;
+                    memcpy(&x, row + pos, n * sizeof(float));
+                    x = exp_nonpos(x - lse);
+                    memcpy(row + pos, &x, n * sizeof(float));
+                }
+            }
         }
 }
 
@@ -303,14 +321,15 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   void *out, int64_t num_seqs, int64_t block_size, int64_t sq, int64_t sqh,
                   int64_t so, int64_t soh, int64_t cb, int64_t cs, int64_t ch, int is_bf16,
-                  float scale, int64_t heads_per_task) {
+                  float scale, int64_t heads_per_task, float *mass, int64_t mass_width) {
     int64_t esize = is_bf16 ? 2 : 4, parts = KV_HEADS / heads_per_task;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * parts; task++) {
         int64_t r = task / parts, h0 = task % parts * heads_per_task;
         attend((const char *)q + r * sq * esize, (const char *)k_cache, (const char *)v_cache,
                block_tables + r * table_stride, seq_lens[r], (char *)out + r * so * esize, h0,
-               h0 + heads_per_task, block_size, sqh, soh, cb, cs, ch, esize, is_bf16, scale);
+               h0 + heads_per_task, block_size, sqh, soh, cb, cs, ch, esize, is_bf16, scale,
+               mass ? mass + r * KV_HEADS * GROUP * mass_width : 0, mass_width);
     }
 }
 """
@@ -324,7 +343,7 @@ def _library(num_kv_heads: int, group: int, head_dim: int) -> ctypes.CDLL | None
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.paged_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, *[i64] * 9, ctypes.c_int,
-                                     ctypes.c_float, i64]
+                                     ctypes.c_float, i64, ptr, i64]
         lib.paged_decode.restype = None
     return lib
 
@@ -343,9 +362,12 @@ def available(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: i
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float | None = None, *,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None,
+                               mass: torch.Tensor | None = None) -> torch.Tensor:
     """out [B, Hq, D]: request b's query q[b] attends to its cached positions 0 .. seq_lens[b] - 1
-    (as paged_decode_attention, without the attention mass). CPU tensors; q and the caches one
+    (as paged_decode_attention). mass: a zeroed fp32 [B, Hq, width >= max seq_len] tensor that
+    gets each query head's softmax probabilities (the attention mass of H2O; positions past
+    seq_len are left alone). CPU tensors; q and the caches one
     dtype of float32/bfloat16, last dims contiguous; block_tables [B, >= max blocks] and seq_lens
     [B] int32, their values the caller's contract (unchecked). ValueError otherwise, or when the
     kernel is unavailable (check `available()` first)."""
@@ -362,14 +384,20 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             f"heads per KV head, head_dim <= {MAX_HEAD_DIM}, block_size <= {MAX_BLOCK_SIZE} and "
             f"the compiled kernel; got {q.device} {q.dtype}, {num_heads // num_kv_heads}, "
             f"{head_dim}, {block_size}")
+    if mass is not None and (mass.dtype != torch.float32 or not mass.is_contiguous()
+                             or mass.shape[:2] != q.shape[:2]
+                             or (num_seqs and mass.shape[2] < int(seq_lens.max()))):
+        raise ValueError(f"paged_decode_attention_cpu: mass must be a contiguous float32 [B, Hq, "
+                         f">= max seq_len] tensor; got {mass.dtype} {tuple(mass.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     scale = head_dim ** -0.5 if scale is None else scale
-    paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out, scale)
+    paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+                                         mass)
     return out
 
 
 def paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out,
-                                         scale: float) -> None:
+                                         scale: float, mass: torch.Tensor | None = None) -> None:
     """paged_decode_attention_cpu into `out` without its checks: for a caller that validated the
     shapes once (CPUAttention, chosen by the runner after `available`) and calls every layer."""
     (num_seqs, num_heads, head_dim), (_, block_size, num_kv_heads, _) = q.shape, k_cache.shape
@@ -379,4 +407,5 @@ def paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-        int(q.dtype == torch.bfloat16), scale, heads_per_task)
+        int(q.dtype == torch.bfloat16), scale, heads_per_task,
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.shape[2])

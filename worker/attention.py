@@ -9,6 +9,12 @@ A step's tokens are laid out decodes first (one query token per request), then p
 
     tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]      num_decode_tokens = 3
     context: each request sees slots of positions 0 .. start + query_len - 1
+
+Attention mass (KV eviction, worker/kv_eviction.py), when the batch asks for it
+(`mass_window` > 0): each request's cached positions get the softmax probability they receive,
+summed over query heads and layers, in `metadata.mass` [requests, longest context] fp32. A
+decode's one query counts; a prefill chunk's last `mass_window` queries count (an observation
+window, as SnapKV's: a long prompt costs no full extra pass).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class AttentionBatch:
     num_decodes: int  # the first num_decodes requests are single-token decodes
     block_size: int
     device: torch.device
+    mass_window: int = 0  # > 0: accumulate attention mass, a prefill chunk's last this many
 
 
 class AttentionBackend(ABC):
@@ -94,6 +101,10 @@ class TorchAttentionMetadata:
     # (first token, query_len, context blocks [ceil(end / block_size)], end, mask [query_len,
     # end] or None when the chunk starts the request: plain causal) per prefill chunk
     prefill_spans: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]
+    # Attention mass [num_requests, longest context] fp32, summed over heads and layers, when the
+    # batch asked for it (AttentionBatch.mass_window); else None.
+    mass: torch.Tensor | None = None
+    mass_window: int = 0
 
 
 # Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
@@ -179,9 +190,13 @@ class TorchAttention(AttentionBackend):
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
             spans.append((first, qlen, tables[i, :-(-end // bs)], end, mask))
             first += qlen
+        mass = None
+        if batch.mass_window > 0:
+            mass = torch.zeros(len(ends), max(ends), dtype=torch.float32, device=dev)
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
                                       decode_groups=groups, decode_index=index,
-                                      prefill_spans=spans)
+                                      prefill_spans=spans, mass=mass,
+                                      mass_window=batch.mass_window)
 
     @staticmethod
     def _decode_group(tables: torch.Tensor, ends: list[int], rows: list[int], block_size: int,
@@ -215,9 +230,14 @@ class TorchAttention(AttentionBackend):
         # q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D], this step's K/V written
         out = torch.empty_like(q)
         self._decodes(q, k_cache, v_cache, meta, out)
-        for first, qlen, blocks, end, mask in meta.prefill_spans:
+        nd = meta.num_decode_tokens
+        for i, (first, qlen, blocks, end, mask) in enumerate(meta.prefill_spans):
             keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
             out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)
+            if meta.mass is not None:
+                window = min(qlen, meta.mass_window)
+                meta.mass[nd + i, :end] += _window_mass(q[first + qlen - window:first + qlen],
+                                                        keys, end - window)
         return out.flatten(1)
 
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,7 +245,11 @@ class TorchAttention(AttentionBackend):
         """out[:num_decode_tokens] = the decodes' attention, group by group."""
         for g in meta.decode_groups:
             keys, values = g.context(k_cache), g.context(v_cache)  # [n, width, Hkv, D]
-            if g.row_range:
+            if meta.mass is not None:
+                o, p = _decode_with_mass(q.index_select(0, g.rows), keys, values, g.mask)
+                out.index_copy_(0, g.rows, o)
+                meta.mass[g.rows, :g.width] += p
+            elif g.row_range:
                 first, end = g.row_range
                 out[first:end] = _decode(q[first:end], keys, values, g.mask)
             else:
@@ -245,8 +269,14 @@ class CPUAttention(TorchAttention):
     def _decodes(self, q, k_cache, v_cache, meta, out) -> None:
         if meta.num_decode_tokens:  # shapes and dtypes were checked when the runner chose us
             nd = meta.num_decode_tokens
+            mass = None
+            if meta.mass is not None:
+                mass = torch.zeros(nd, q.shape[1], meta.mass.shape[1], dtype=torch.float32)
             cpu_attention.paged_decode_attention_cpu_unchecked(
-                q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd], q.shape[-1] ** -0.5)
+                q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd], q.shape[-1] ** -0.5,
+                mass)
+            if mass is not None:
+                meta.mass[:nd] += mass.sum(1)
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -259,6 +289,34 @@ def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask)  # [B, Hkv, G, D]
     return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def _decode_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_decode's output and the softmax probabilities summed over query heads [B, L] fp32, from
+    one explicit softmax (SDPA does not return its weights)."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    qg = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    s = qg @ keys.transpose(1, 2).float().transpose(-1, -2) * head_dim ** -0.5  # [B, Hkv, G, L]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = (p @ values.transpose(1, 2).float()).to(q.dtype)  # [B, Hkv, G, D]
+    return out.reshape(num_reqs, num_heads, head_dim), p.sum((1, 2))
+
+
+def _window_mass(q: torch.Tensor, keys: torch.Tensor, first: int) -> torch.Tensor:
+    """Softmax probabilities of queries q [n, Hq, D] at positions first .. first + n - 1
+    (causal) over keys [L, Hkv, D], summed over queries and heads: [L] fp32."""
+    n, num_heads, head_dim = q.shape
+    length, num_kv_heads = keys.shape[0], keys.shape[1]
+    k = keys.float().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, Hq, D]
+    s = torch.einsum("nhd,lhd->hnl", q.float(), k) * head_dim ** -0.5
+    q_pos = torch.arange(first, first + n, device=q.device)
+    s = s.masked_fill(torch.arange(length, device=q.device)[None, :] > q_pos[:, None],
+                      float("-inf"))
+    return torch.softmax(s, dim=-1).sum((0, 1))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

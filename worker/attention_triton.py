@@ -3,6 +3,10 @@ of worker/attention.py (same step layout: decodes first, then prefill chunks).
 
 Metadata is built once per step from host lists, so forward never syncs with the device: int32
 block tables, lengths and query offsets per group, with host-side maxima for the launch grids.
+
+Attention mass (KV eviction, AttentionBatch.mass_window): decodes take it from the decode
+kernel's mass pass; prefill chunks from a second, small call over each chunk's last
+`mass_window` queries only (their attention recomputed, the mass of those queries alone).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class TritonAttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens tokens are one-token decodes
     decode: PagedGroup | None  # None when the step has no decodes
     prefill: PagedGroup | None  # None when the step has no prefill chunks
+    # KV eviction: mass [num_requests, longest context] fp32 summed over heads and layers, and
+    # the prefill chunks' observation windows as a group of their own (None: no mass asked)
+    mass: torch.Tensor | None = None
+    window: PagedGroup | None = None
+    window_rows: torch.Tensor | None = None  # those queries' rows among the prefill tokens
 
 
 def _group(batch: AttentionBatch, lo: int, hi: int) -> PagedGroup | None:
@@ -97,10 +106,23 @@ class TritonAttention(AttentionBackend):
         for qlen, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + qlen))
         nd = batch.num_decodes
+        mass, window, rows = None, None, None
+        if batch.mass_window > 0:
+            ends = [s + n for s, n in zip(batch.start_positions, batch.query_lens)]
+            mass = torch.zeros(len(ends), max(ends), dtype=torch.float32, device=batch.device)
+            qlens = batch.query_lens[nd:]
+            lens = [min(n, batch.mass_window) for n in qlens]
+            window = _group(AttentionBatch(
+                lens, [e - n for e, n in zip(ends[nd:], lens)], batch.block_tables[nd:], 0,
+                bs, batch.device), 0, len(lens))
+            if window is not None:
+                rows = to_device([r for end, n in zip(accumulate(qlens), lens)
+                                  for r in range(end - n, end)], torch.long, batch.device)
         return TritonAttentionMetadata(
             slot_mapping=to_device(slots, torch.long, batch.device),
             num_decode_tokens=nd, decode=_group(batch, 0, nd),
-            prefill=_group(batch, nd, len(batch.query_lens)))
+            prefill=_group(batch, nd, len(batch.query_lens)), mass=mass, window=window,
+            window_rows=rows)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TritonAttentionMetadata) -> None:
@@ -112,8 +134,14 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         nd, dec, pre = meta.num_decode_tokens, meta.decode, meta.prefill
         if dec is not None:
-            paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables, dec.seq_lens,
-                                   out=out[:nd], max_seq_len=dec.max_seq_len, backend="triton")
+            got = paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables,
+                                         dec.seq_lens, out=out[:nd], max_seq_len=dec.max_seq_len,
+                                         return_attn_mass=meta.mass is not None,
+                                         backend="triton")
+            if meta.mass is not None:
+                meta.mass[:nd, :dec.max_seq_len] += got[1]
+        if meta.window is not None:
+            self._window_mass(q[nd:], k_cache, v_cache, meta)
         if pre is not None:
             paged_prefill_attention(q[nd:], k_cache, v_cache, pre.block_tables,
                                     pre.query_start_loc, pre.seq_lens, pre.context_lens,
@@ -121,4 +149,15 @@ class TritonAttention(AttentionBackend):
                                     max_seq_len=pre.max_seq_len, num_splits=pre.num_splits,
                                     backend="triton")
         return out.flatten(1)
+
+    @staticmethod
+    def _window_mass(q, k_cache, v_cache, meta: TritonAttentionMetadata) -> None:
+        """Each prefill chunk's last queries (meta.window) attend again, for their mass."""
+        win, nd = meta.window, meta.num_decode_tokens
+        _, mass = paged_prefill_attention(q.index_select(0, meta.window_rows), k_cache, v_cache,
+                                          win.block_tables, win.query_start_loc, win.seq_lens,
+                                          win.context_lens, return_attn_mass=True,
+                                          max_query_len=win.max_query_len,
+                                          max_seq_len=win.max_seq_len, backend="triton")
+        meta.mass[nd:, :win.max_seq_len] += mass
 

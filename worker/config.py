@@ -20,6 +20,7 @@ _DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 # `quantization` values -> the OCP MX element format of the decoder linears' weights.
 MX_QUANTIZATIONS = {"mxfp4": "e2m1", "mxfp6": "e2m3", "mxfp6_e3m2": "e3m2"}
 LOAD_FORMATS = ("auto", "dummy")
+KV_EVICTION_POLICIES = ("h2o", "streaming")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,17 @@ class EngineConfig:
     # the EAGLE head's directory, "num_speculative_tokens": k}; a mapping is read as
     # SpeculativeConfig's fields (worker/spec_config.py). None: off.
     speculative_config: SpeculativeConfig | None = None
+    # KV eviction (worker/kv_eviction.py): a request whose cached tokens pass its budget keeps
+    # h2o_sinks first tokens, the h2o_recent newest and, with "h2o", the tokens that received the
+    # most attention (heavy hitters), and drops the rest; "streaming" keeps sinks and the newest
+    # only (StreamingLLM). kv_budget: tokens (an int) or a fraction of the request's length so far
+    # (a float in (0, 1)). h2o_recent None: half the budget. h2o_window: a prefill chunk's last
+    # queries whose attention scores the prompt. None: off (every token stays).
+    kv_eviction: str | None = None
+    kv_budget: int | float | None = None
+    h2o_recent: int | None = None
+    h2o_sinks: int = 4
+    h2o_window: int = 32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
@@ -124,6 +136,32 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        self._check_kv_eviction()
+
+    def _check_kv_eviction(self) -> None:
+        if self.kv_eviction is None:
+            if self.kv_budget is not None:
+                raise ValueError("kv_budget needs kv_eviction ('h2o' or 'streaming')")
+            return
+        if self.kv_eviction not in KV_EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction must be None or one of {KV_EVICTION_POLICIES}, "
+                             f"got {self.kv_eviction!r}")
+        budget = self.kv_budget
+        is_tokens = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+        if not (is_tokens or (isinstance(budget, float) and 0 < budget < 1)):
+            raise ValueError(f"kv_budget must be a token count (int >= 1) or a fraction of the "
+                             f"request's length (float in (0, 1)), got {budget!r}")
+        if not isinstance(self.h2o_sinks, int) or self.h2o_sinks < 0:
+            raise ValueError(f"h2o_sinks must be an integer >= 0, got {self.h2o_sinks!r}")
+        if self.h2o_recent is not None and (not isinstance(self.h2o_recent, int)
+                                            or self.h2o_recent < 1):
+            raise ValueError(f"h2o_recent must be None or an integer >= 1, "
+                             f"got {self.h2o_recent!r}")
+        if not isinstance(self.h2o_window, int) or self.h2o_window < 1:
+            raise ValueError(f"h2o_window must be an integer >= 1, got {self.h2o_window!r}")
+        if is_tokens and self.h2o_sinks + (self.h2o_recent or budget // 2) > budget:
+            raise ValueError(f"kv_budget {budget} is smaller than h2o_sinks + h2o_recent "
+                             f"({self.h2o_sinks} + {self.h2o_recent or budget // 2})")
 
     @property
     def torch_device(self) -> torch.device:

@@ -237,7 +237,7 @@ class RemoteDrafter:
         rounds, keys = [], []
         for s, n in kept:
             key = f"{self.target_id}/{s.request.request_id}"
-            start = s.start_position
+            start = s.start_position + s.position_offset  # the replica keeps every position
             r = {"key": key, "start": start, "n": num_drafts.get(s.request, 0),
                  "tokens": s.request.all_token_ids[start:start + n + 1]}
             if key not in self._known and start:

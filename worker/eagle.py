@@ -187,6 +187,7 @@ class EagleDrafter:
                  cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = (torch.zeros(shape, dtype=runner.dtype, device=runner.device),
                          torch.zeros(shape, dtype=runner.dtype, device=runner.device))
+        runner.extra_kv_caches.append(self.kv_cache)  # KV eviction moves it with the target's
         self.attn = runner.attn
 
     def release(self, request: Request) -> None:
@@ -197,9 +198,10 @@ class EagleDrafter:
         if not kept:
             return
         drafts = draft_round(self.head, self.kv_cache, self.attn, self.runner.config.block_size,
-                             [Span(s.start_position, n, s.block_table) for s, n in kept],
-                             [t for s, n in kept for t in _next_tokens(s.request,
-                                                                       s.start_position, n)],
+                             [Span(s.start_position, n, s.block_table, s.position_offset)
+                              for s, n in kept],
+                             [t for s, n in kept for t in _next_tokens(
+                                 s.request, s.start_position + s.position_offset, n)],
                              torch.cat([hidden[off:off + n] for (s, n), off
                                         in zip(kept, kept_offsets(plan, kept))]),
                              [num_drafts.get(s.request, 0) for s, _ in kept])
@@ -210,10 +212,11 @@ class EagleDrafter:
 
 def kept_spans(plan) -> list[tuple]:
     """(scheduled request, positions it kept) of each request of the finished plan that still
-    runs and kept some: the positions start_position .. + kept - 1 the head catches up on."""
+    runs and kept some: the positions start_position .. + kept - 1 the head catches up on (in
+    the request's held tokens: KV eviction's compaction comes only before the next step)."""
     out = []
     for s in plan.scheduled:
-        kept = s.request.num_computed_tokens - s.start_position
+        kept = s.request.num_computed_tokens - s.request.num_evicted - s.start_position
         if s.request.status is RequestStatus.RUNNING and kept > 0:
             out.append((s, kept))
     return out
@@ -236,11 +239,13 @@ def _next_tokens(request: Request, start: int, length: int) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class Span:
     """Positions start .. start + length - 1 of a request for the head to run over, its KV
-    going to the block table's slots."""
+    going to the block table's slots; their RoPE positions are offset further by the tokens
+    KV eviction dropped before them."""
 
     start: int
     length: int
     block_table: list[int]
+    offset: int = 0
 
 
 def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
@@ -277,7 +282,8 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
         keep = [n for n, i in enumerate(chain) if num_drafts[i] > j + 1]
         if not keep:
             break
-        steps = [Span(positions[chain[n]] + j, 1, spans[chain[n]].block_table) for n in keep]
+        steps = [Span(positions[chain[n]] + j, 1, spans[chain[n]].block_table,
+                      spans[chain[n]].offset) for n in keep]
         g = _run(head, kv_cache, attn, block_size, steps, [ids[n] for n in keep], g[keep])
         chain = [chain[n] for n in keep]
     return drafts
@@ -293,7 +299,8 @@ def _run(head: EagleHead, kv_cache, attn, block_size: int, spans: list[Span],
         block_tables=[sp.block_table for sp in spans],
         num_decodes=sum(sp.length == 1 for sp in spans), block_size=block_size, device=device))
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
-    positions = torch.tensor([p for sp in spans for p in range(sp.start, sp.start + sp.length)],
+    positions = torch.tensor([p for sp in spans for p in range(sp.start + sp.offset,
+                                                                 sp.start + sp.offset + sp.length)],
                              dtype=torch.long, device=device)
     return head(ids, features, positions, kv_cache, attn, meta)
 

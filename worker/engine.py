@@ -43,6 +43,7 @@ from mxserve.api.tokenizer import Tokenizer
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.drafters import Drafter, build_drafter
 from mxserve.worker.kv_cache import KVCacheManager
+from mxserve.worker.kv_eviction import EvictionPolicy, KVEvictor
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tp import TPGroup, check_tensor_parallel
 from mxserve.worker.request import FinishReason, Request, RequestStatus
@@ -93,12 +94,27 @@ class Engine:
         if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none.
             # Speculation decides where the next step starts only once this one completes.
             self.async_scheduling = runner.device.type == "cuda" and drafter is None
+        self.evictor = self._evictor(config, runner)  # KV eviction (kv_eviction.py); None: off
+        self._kv_moves: list[tuple[list[int], list[int]]] = []  # for the next step to make
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
         # The last few finished requests, for tests and debugging (bounded).
         self.finished_requests: collections.deque[Request] = collections.deque(maxlen=256)
+
+    @staticmethod
+    def _evictor(config: EngineConfig, runner: ModelRunner) -> KVEvictor | None:
+        policy = EvictionPolicy.from_config(config)
+        if policy is None:
+            return None
+        if policy.needs_scores and type(runner.attn).__name__ not in ("TorchAttention",
+                                                                       "CPUAttention",
+                                                                       "TritonAttention"):
+            raise ValueError(f"kv_eviction {policy.policy!r} needs attention mass, which the "
+                             f"{type(runner.attn).__name__} backend does not report yet; use "
+                             f"attention_backend 'cpu' or 'torch', or kv_eviction 'streaming'")
+        return KVEvictor(policy, runner.device)
 
     def _max_model_len(self, config: EngineConfig, model_config: ModelConfig) -> int:
         """The context limit, capped so one request always fits the KV pool alone (else a
@@ -181,8 +197,12 @@ class Engine:
         """Schedule and launch a step; return the outputs of the step completed in this call
         (this one, or with async scheduling the previous one)."""
         previous, self._inflight = self._inflight, None
+        if self.evictor is not None:
+            self._evict()
         plan = self.scheduler.schedule()
         plan.keep_hidden = self.drafter is not None and self.drafter.needs_hidden
+        if self.evictor is not None:
+            self._with_eviction(plan)
         result = None if plan.is_empty else self._run_model(plan, previous)
         outputs = [] if previous is None else self._complete(previous)
         if result is None:
@@ -205,7 +225,40 @@ class Engine:
                 s.inflight_row = previous.rows[request]
                 plan.inflight_tokens = previous.samples.token_ids
             request.num_computed_tokens += s.num_new_tokens
-        return self.runner.execute(plan)
+        result = self.runner.execute(plan)
+        if result.attn_mass is not None:
+            self.evictor.observe([s.request.request_id for s in plan.scheduled],
+                                 [s.start_position + s.num_new_tokens for s in plan.scheduled],
+                                 result.attn_mass)
+        return result
+
+    def _evict(self) -> None:
+        """Every running request past its KV budget keeps what the policy chooses, compacted
+        into fewer blocks; the KV moves go with the next step the runner makes."""
+        for request in self.scheduler.running:
+            num_held = request.num_computed_tokens - request.num_evicted
+            keep = self.evictor.select(request.request_id, num_held,
+                                       request.num_computed_tokens)
+            if keep is None:
+                continue
+            moves = self.kv.compact(request.request_id, keep)
+            if moves is None:  # no block to move into: try again after the next step
+                continue
+            self._kv_moves.append(moves)
+            request.num_evicted += num_held - len(keep)
+            self.evictor.compacted(request.request_id, keep)
+            self.evictor.num_evicted_tokens += num_held - len(keep)
+            self.evictor.num_compactions += 1
+
+    def _with_eviction(self, plan: StepPlan) -> None:
+        """Hand the plan the pending KV moves and the request for attention mass; forget the
+        scores of requests preempted (they recompute from scratch)."""
+        for request in plan.preempted:
+            self.evictor.forget(request.request_id)
+        plan.mass_window = self.evictor.mass_window
+        plan.kv_moves, self._kv_moves = self._kv_moves, []
+        if plan.is_empty and plan.kv_moves:  # nothing to run: make the moves alone
+            self.runner.execute(plan)
 
     def _sample(self, plan: StepPlan, result: StepResult) -> LaunchedStep:
         """Queue the sampling of the plan's logits and the copy of the tokens to the host."""
@@ -263,8 +316,8 @@ class Engine:
         request.num_accepted_tokens += num_kept
         request.num_drafts += 1
         request.num_computed_tokens -= s.num_draft_tokens - num_kept
-        self.kv.trim(request.request_id,
-                     self.scheduler.with_lookahead(request.num_computed_tokens))
+        self.kv.trim(request.request_id, self.scheduler.with_lookahead(
+            request.num_computed_tokens - request.num_evicted))
         emitted = 0
         for i, token in enumerate(tokens):
             request.append_output(token, logprobs[i] if logprobs else None)
@@ -301,14 +354,16 @@ class Engine:
     def _cache_blocks(self, request: Request, end: int) -> None:
         """Hash and register the full blocks of the first `end` tokens, after a step that filled
         one (none of a request preempted since: it holds no blocks)."""
-        if request.status is not RequestStatus.RUNNING:
-            return
+        if request.status is not RequestStatus.RUNNING or request.num_evicted:
+            return  # (a compacted request's KV no longer matches its tokens' hashes)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
                             self.model_config.model_id)
         self.kv.cache_blocks(request.request_id, request.block_hashes, end)
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
+        if self.evictor is not None:
+            self.evictor.forget(request.request_id)
         if self.drafter is not None:
             self.drafter.release(request)
         self.finished_requests.append(request)

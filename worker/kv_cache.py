@@ -72,6 +72,9 @@ class KVCacheManager:
         self._version_ids = itertools.count(1)
         # request id -> how many leading blocks cache_blocks has already dealt with
         self._num_cached: dict[str, int] = {}
+        # requests whose blocks were compacted (KV eviction): their KV no longer matches their
+        # tokens' hashes, so cache_blocks registers nothing more of theirs
+        self._compacted: set[str] = set()
         self._events: list[KVEvent] = []
         # Only whoever calls take_events (the index publisher) turns this on.
         self.record_events = record_events
@@ -167,7 +170,7 @@ class KVCacheManager:
         registered already. If that hash already names another block (computed twice at once), the
         other mapping stays and this block stays unregistered. No-op with prefix caching off.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request_id in self._compacted:
             return
         table = self._tables.get(request_id, [])
         num_full = num_computed_tokens // self.block_size
@@ -209,6 +212,63 @@ class KVCacheManager:
             self._versions[request_id] = next(self._version_ids)
         else:
             self._forget(request_id)
+
+    def compact(self, request_id: str, keep: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        """Keep only the request's tokens at table positions `keep` (ascending), moved to
+        positions 0 .. len(keep) - 1 in as few blocks as they need; release the other blocks.
+
+        Returns the (source slots, destination slots) the KV must move by (gather all sources,
+        then write: they may overlap), or None, changing nothing, when there is no block to move
+        into. Leading blocks kept whole stay where they are. Shared blocks (another request or
+        the prefix cache's LRU holds them) are never written: the survivors go to the request's
+        own unhashed blocks first, then to free blocks, then to its own cached blocks, which
+        lose their hash (BlockRemoved). Blocks released keep their hash and content, so the
+        prefix cache still serves them. The request's KV no longer matches its tokens' hashes:
+        none of its blocks is registered again (cache_blocks) until it is freed.
+        """
+        table = self._tables.get(request_id)
+        keep = list(keep)
+        if table is None or not keep or keep[-1] >= len(table) * self.block_size \
+                or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] < 0:
+            raise ValueError(f"{request_id}: cannot keep positions {keep[:4]}... of "
+                             f"{len(table or ())} blocks")
+        bs = self.block_size
+        num_whole = 0  # leading blocks whose tokens all stay in place
+        while (num_whole + 1) * bs <= len(keep) and keep[(num_whole + 1) * bs - 1] == \
+                (num_whole + 1) * bs - 1:
+            num_whole += 1
+        num_dst = self._blocks_for(len(keep)) - num_whole
+        rest = table[num_whole:]
+        own = [b for b in rest if self._ref_counts[b] == 1 and b not in self._block_to_hash]
+        own_cached = [b for b in rest if self._ref_counts[b] == 1 and b in self._block_to_hash]
+        num_fresh = min(max(0, num_dst - len(own)), len(self._free))
+        if len(own) + num_fresh + len(own_cached) < num_dst:
+            return None
+        dst_blocks = own[:num_dst]
+        fresh = [self._free.popleft() for _ in range(num_fresh)]
+        for block_id in fresh:
+            self._ref_counts[block_id] = 1
+        dst_blocks += fresh
+        for block_id in own_cached[:num_dst - len(dst_blocks)]:
+            self._unregister(block_id)
+            dst_blocks.append(block_id)
+        new_table = table[:num_whole] + dst_blocks
+        src, dst = [], []
+        for j in range(num_whole * bs, len(keep)):
+            s = table[keep[j] // bs] * bs + keep[j] % bs
+            d = new_table[j // bs] * bs + j % bs
+            if s != d:
+                src.append(s)
+                dst.append(d)
+        kept = set(new_table)
+        for block_id in reversed(table):
+            if block_id not in kept:
+                self._release(block_id)
+        self._tables[request_id] = new_table
+        self._num_cached[request_id] = min(self._num_cached[request_id], num_whole)
+        self._versions[request_id] = next(self._version_ids)
+        self._compacted.add(request_id)
+        return src, dst
 
     def free(self, request_id: str) -> None:
         """Release all the request's blocks, last first; a no-op for an unknown request."""
@@ -285,6 +345,7 @@ class KVCacheManager:
 
     def _forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
+        self._compacted.discard(request_id)
         self._num_cached.pop(request_id, None)
         self._versions.pop(request_id, None)
 
@@ -308,6 +369,7 @@ class KVCacheManager:
         assert len(free) + len(evictable) + len(table_counts) == self.num_blocks, "counts differ"
         self._check_hash_maps(free, evictable)
         assert self._num_cached.keys() == self._tables.keys(), "cache cursors for unknown requests"
+        assert self._compacted <= self._tables.keys(), "compacted requests that hold nothing"
         for request_id, table in self._tables.items():
             assert table, f"{request_id}: empty block table kept"
             assert len(set(table)) == len(table), f"{request_id}: block twice in its table"

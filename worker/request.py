@@ -39,6 +39,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # KV eviction (kv_eviction.py): how many of the computed tokens no longer have KV. The
+    # request holds num_computed_tokens - num_evicted tokens' KV; positions stay logical.
+    num_evicted: int = 0
     # Tokens sampled by a launched step that the host has not seen yet (async scheduling: 0 or 1).
     # They count as known for scheduling: the next step computes the newest one, taking its id
     # from the device (engine.py).

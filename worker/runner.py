@@ -57,6 +57,8 @@ class StepResult:
     # every row samples, else a copy), for the sampler's own graphs of it (sampler_graphs.py:
     # SampleGraph, ArgmaxGraph); None for an eager step.
     static_logits: torch.Tensor | None = None
+    # KV eviction: attention mass [num_scheduled, longest context] fp32 (plan.mass_window).
+    attn_mass: torch.Tensor | None = None
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> int:
@@ -131,6 +133,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.graphs = None  # DecodeGraphs once captured (capture_cuda_graphs)
         self.verify_graphs = None  # VerifyGraphs, likewise, when the engine speculates
+        # KV caches laid out as the model's and indexed by the same slots (an EAGLE head's):
+        # KV eviction's moves apply to them too.
+        self.extra_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Rank 0 of a tensor-parallel group: the other ranks, sent each step's plan
         # (tp_executor.RankGroup); None on one rank and on the other ranks themselves.
         self.followers: Followers | None = None
@@ -171,8 +176,8 @@ class ModelRunner:
         nothing. Call once, after the weights are loaded:
         the graphs hold the addresses of the weights and the KV caches."""
         if self.config.enforce_eager or self.device.type != "cuda" \
-                or type(self.attn).__name__ != "TritonAttention":
-            return
+                or type(self.attn).__name__ != "TritonAttention" or self.config.kv_eviction:
+            return  # (the graphs neither return attention mass nor offset positions yet)
         from mxserve.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 
         self.graphs = DecodeGraphs(self, max_model_len)
@@ -226,16 +231,36 @@ class ModelRunner:
                 return StepResult(logits=logits,
                                   hidden_states=hidden if plan.keep_hidden else None)
             self.verify_graphs.last_size = None
+        for src, dst in plan.kv_moves:
+            self.move_kv(src, dst)
+        if not plan.scheduled:
+            return StepResult(logits=torch.empty(0, 0))
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         meta = self.attn.build_metadata(AttentionBatch(
             query_lens=[s.num_new_tokens for s in plan.scheduled],
             start_positions=[s.start_position for s in plan.scheduled],
             block_tables=[s.block_table for s in plan.scheduled],
-            num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device))
+            num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device,
+            mass_window=plan.mass_window))
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn, meta)  # [T, hidden]
         # logits only for the rows that pick a next token
         logits = self.model.compute_logits(hidden[sample_rows])
-        return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None)
+        mass = None
+        if plan.mass_window:  # each rank saw its own heads: the group sums them
+            mass = self.tp.all_reduce(meta.mass) if self.tp.size > 1 else meta.mass
+        return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None,
+                          attn_mass=mass)
+
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of flat slots `src` to slots `dst` in every layer (all sources are read
+        before any is written): KV eviction's compaction."""
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in (c for pair in self.kv_caches + self.extra_kv_caches for c in pair):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
@@ -247,7 +272,8 @@ class ModelRunner:
             if s.inflight_row >= 0:
                 inflight.append((len(ids), s.inflight_row))
                 ids.append(0)  # filled on the device below
-            positions.extend(range(s.start_position, s.start_position + s.num_new_tokens))
+            first = s.start_position + s.position_offset
+            positions.extend(range(first, first + s.num_new_tokens))
             if s.samples:  # the last position, and each draft's
                 sample_rows.extend(range(len(ids) - 1 - s.num_draft_tokens, len(ids)))
         input_ids = to_device(ids, torch.long, self.device)

@@ -11,6 +11,8 @@ back what it rejects. With a drafter that keeps KV of its own in the same blocks
 request also holds `num_lookahead_tokens` slots past what it computes.
 With async scheduling a request's newest token may still be on the device (`num_inflight`): it
 is scheduled like a known one, and the runner takes its id from the previous step's samples.
+With KV eviction a request holds fewer tokens' KV than it has computed (`num_evicted`): its
+blocks and the attention context count held tokens, its positions stay logical.
 
 Order: running requests first (decodes before unfinished prefills), then waiting requests in
 arrival order while the budget, `max_num_seqs` and free KV blocks allow. When a running request
@@ -38,7 +40,9 @@ if TYPE_CHECKING:
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
-    start_position: int  # = request.num_computed_tokens when scheduled
+    # Where they go in the request's cache: its held tokens when scheduled (num_computed_tokens
+    # - num_evicted); their positions (RoPE) are start_position + position_offset onwards.
+    start_position: int
     token_ids: list[int]  # the tokens to compute: all_token_ids[start : start + num_new_tokens]
     block_table: list[int]  # the request's blocks, covering start + num_new_tokens tokens
     # KVCacheManager.table_version of that table: equal versions, equal tables up to the
@@ -52,6 +56,7 @@ class ScheduledRequest:
     # Drafts verified this step: the last num_draft_tokens of token_ids; logits come back for
     # each of the 1 + num_draft_tokens last positions.
     num_draft_tokens: int = 0
+    position_offset: int = 0  # request.num_evicted when scheduled
 
 
 @dataclass
@@ -65,6 +70,11 @@ class StepPlan:
     inflight_tokens: torch.Tensor | None = None
     # The runner returns every token's final hidden state (a drafter reads them), not only logits.
     keep_hidden: bool = False
+    # KV eviction: moves within the KV pool to make before this step runs, in order, each a
+    # (source slots, destination slots) pair (KVCacheManager.compact); and > 0 when the runner
+    # returns attention mass (AttentionBatch.mass_window).
+    kv_moves: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    mass_window: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +171,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Make room for `num_new` more tokens, preempting later requests; False if `request`
         itself had to be preempted."""
-        total = self.with_lookahead(request.num_computed_tokens + num_new)
+        total = self.with_lookahead(request.num_computed_tokens - request.num_evicted + num_new)
         while not self.kv.allocate(request.request_id, total):
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -179,6 +189,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_evicted = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -192,7 +203,8 @@ class Scheduler:
         token_ids = request.all_token_ids[start:end]
         if drafts:
             token_ids += drafts
-        return ScheduledRequest(request, num_new + len(drafts), start, token_ids,
-                                self.kv.get_block_ids(rid), self.kv.table_version(rid),
+        return ScheduledRequest(request, num_new + len(drafts), start - request.num_evicted,
+                                token_ids, self.kv.get_block_ids(rid), self.kv.table_version(rid),
                                 end == len(request.all_token_ids) + request.num_inflight,
-                                num_draft_tokens=len(drafts))
+                                num_draft_tokens=len(drafts),
+                                position_offset=request.num_evicted)

@@ -102,15 +102,17 @@ def test_a_plan_crosses_to_the_other_ranks_intact():
     from mxserve.worker.scheduler import ScheduledRequest, StepPlan
     from mxserve.worker.tp_wire import decode_plan, encode_plan
 
-    plan = StepPlan(num_decodes=2, inflight_tokens=torch.tensor([7, 8, 9]))
+    plan = StepPlan(num_decodes=2, inflight_tokens=torch.tensor([7, 8, 9]), mass_window=32,
+                    kv_moves=[([33, 34, 90], [16, 17, 18]), ([5], [2])])
     plan.scheduled = [ScheduledRequest(None, 1, 40, [5], [3, 4, 9], 17, True, -1),
-                      ScheduledRequest(None, 1, 12, [], [1], 18, True, 2),
+                      ScheduledRequest(None, 1, 12, [], [1], 18, True, 2, position_offset=70),
                       ScheduledRequest(None, 4, 20, [7, 8, 9, 6], [1, 5], 20, True, -1, 3),
                       ScheduledRequest(None, 30, 0, list(range(30)), [2, 6], 19, False, -1)]
     got, num_inflight = decode_plan(encode_plan(plan))
     assert num_inflight == 3 and got.num_decodes == 2
+    assert got.mass_window == 32 and got.kv_moves == plan.kv_moves
     fields = ("num_new_tokens", "start_position", "token_ids", "block_table", "table_version",
-              "samples", "inflight_row", "num_draft_tokens")
+              "samples", "inflight_row", "num_draft_tokens", "position_offset")
     assert [[getattr(s, f) for f in fields] for s in got.scheduled] == \
         [[getattr(s, f) for f in fields] for s in plan.scheduled]
 
