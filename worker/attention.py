@@ -105,6 +105,7 @@ class TorchAttentionMetadata:
     # batch asked for it (AttentionBatch.mass_window); else None.
     mass: torch.Tensor | None = None
     mass_window: int = 0
+    decode_mass: torch.Tensor | None = None  # CPUAttention's per-head buffer, made once a step
 
 
 # Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
@@ -234,10 +235,14 @@ class TorchAttention(AttentionBackend):
         for i, (first, qlen, blocks, end, mask) in enumerate(meta.prefill_spans):
             keys, values = _gather(k_cache, blocks)[:end], _gather(v_cache, blocks)[:end]
             out[first:first + qlen] = _prefill(q[first:first + qlen], keys, values, mask)
-            if meta.mass is not None:
-                window = min(qlen, meta.mass_window)
-                meta.mass[nd + i, :end] += _window_mass(q[first + qlen - window:first + qlen],
-                                                        keys, end - window)
+            if meta.mass is not None:  # the chunk's last mass_window queries, as the reference
+                from mxserve.kernels.paged_attention import paged_prefill_attention_torch
+
+                n = min(qlen, meta.mass_window)
+                meta.mass[nd + i, :end] += paged_prefill_attention_torch(
+                    q[first + qlen - n:first + qlen], k_cache, v_cache, blocks[None],
+                    torch.tensor([0, n]), torch.tensor([end]), torch.tensor([end - n]),
+                    return_attn_mass=True, max_seq_len=end)[1][0]
         return out.flatten(1)
 
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -269,14 +274,15 @@ class CPUAttention(TorchAttention):
     def _decodes(self, q, k_cache, v_cache, meta, out) -> None:
         if meta.num_decode_tokens:  # shapes and dtypes were checked when the runner chose us
             nd = meta.num_decode_tokens
-            mass = None
-            if meta.mass is not None:
-                mass = torch.zeros(nd, q.shape[1], meta.mass.shape[1], dtype=torch.float32)
+            if meta.mass is not None and meta.decode_mass is None:
+                # one buffer for every layer: each overwrites positions < seq_len, the rest
+                # stay 0
+                meta.decode_mass = torch.zeros(nd, q.shape[1], meta.mass.shape[1])
             cpu_attention.paged_decode_attention_cpu_unchecked(
                 q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd], q.shape[-1] ** -0.5,
-                mass)
-            if mass is not None:
-                meta.mass[:nd] += mass.sum(1)
+                meta.decode_mass)
+            if meta.decode_mass is not None:
+                meta.mass[:nd] += meta.decode_mass.sum(1)
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -304,19 +310,6 @@ def _decode_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     p = torch.softmax(s, dim=-1)
     out = (p @ values.transpose(1, 2).float()).to(q.dtype)  # [B, Hkv, G, D]
     return out.reshape(num_reqs, num_heads, head_dim), p.sum((1, 2))
-
-
-def _window_mass(q: torch.Tensor, keys: torch.Tensor, first: int) -> torch.Tensor:
-    """Softmax probabilities of queries q [n, Hq, D] at positions first .. first + n - 1
-    (causal) over keys [L, Hkv, D], summed over queries and heads: [L] fp32."""
-    n, num_heads, head_dim = q.shape
-    length, num_kv_heads = keys.shape[0], keys.shape[1]
-    k = keys.float().repeat_interleave(num_heads // num_kv_heads, 1)  # [L, Hq, D]
-    s = torch.einsum("nhd,lhd->hnl", q.float(), k) * head_dim ** -0.5
-    q_pos = torch.arange(first, first + n, device=q.device)
-    s = s.masked_fill(torch.arange(length, device=q.device)[None, :] > q_pos[:, None],
-                      float("-inf"))
-    return torch.softmax(s, dim=-1).sum((0, 1))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

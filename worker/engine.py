@@ -94,7 +94,8 @@ class Engine:
         if self.async_scheduling is None:  # the host overlaps a device; on CPU there is none.
             # Speculation decides where the next step starts only once this one completes.
             self.async_scheduling = runner.device.type == "cuda" and drafter is None
-        self.evictor = self._evictor(config, runner)  # KV eviction (kv_eviction.py); None: off
+        policy = EvictionPolicy.from_config(config)  # KV eviction (kv_eviction.py); None: off
+        self.evictor = KVEvictor(policy, runner.device) if policy else None
         self._kv_moves: list[tuple[list[int], list[int]]] = []  # for the next step to make
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
@@ -102,19 +103,6 @@ class Engine:
         self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
         # The last few finished requests, for tests and debugging (bounded).
         self.finished_requests: collections.deque[Request] = collections.deque(maxlen=256)
-
-    @staticmethod
-    def _evictor(config: EngineConfig, runner: ModelRunner) -> KVEvictor | None:
-        policy = EvictionPolicy.from_config(config)
-        if policy is None:
-            return None
-        if policy.needs_scores and type(runner.attn).__name__ not in ("TorchAttention",
-                                                                       "CPUAttention",
-                                                                       "TritonAttention"):
-            raise ValueError(f"kv_eviction {policy.policy!r} needs attention mass, which the "
-                             f"{type(runner.attn).__name__} backend does not report yet; use "
-                             f"attention_backend 'cpu' or 'torch', or kv_eviction 'streaming'")
-        return KVEvictor(policy, runner.device)
 
     def _max_model_len(self, config: EngineConfig, model_config: ModelConfig) -> int:
         """The context limit, capped so one request always fits the KV pool alone (else a
@@ -246,9 +234,7 @@ class Engine:
                 continue
             self._kv_moves.append(moves)
             request.num_evicted += num_held - len(keep)
-            self.evictor.compacted(request.request_id, keep)
-            self.evictor.num_evicted_tokens += num_held - len(keep)
-            self.evictor.num_compactions += 1
+            self.evictor.compacted(request.request_id, keep, num_held)
 
     def _with_eviction(self, plan: StepPlan) -> None:
         """Hand the plan the pending KV moves and the request for attention mass; forget the

@@ -84,7 +84,6 @@ class KVEvictor:
         self.device = device
         self.scores: dict[str, torch.Tensor] = {}  # request id -> [>= held] fp32
         self.num_evicted_tokens = 0  # over the engine's life (metrics)
-        self.num_compactions = 0
 
     @property
     def mass_window(self) -> int:
@@ -115,8 +114,10 @@ class KVEvictor:
                 scores = torch.cat([scores, scores.new_zeros(num_held - scores.numel())])
         return self.policy.keep(num_held, num_tokens, scores)
 
-    def compacted(self, request_id: str, keep: list[int]) -> None:
-        """The request now holds only `keep` (in that order): its scores follow."""
+    def compacted(self, request_id: str, keep: list[int], num_held: int) -> None:
+        """The request, which held num_held tokens, now holds only `keep` (in that order): its
+        scores follow."""
+        self.num_evicted_tokens += num_held - len(keep)
         scores = self.scores.get(request_id)
         if scores is None or not keep:
             return
