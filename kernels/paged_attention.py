@@ -12,9 +12,14 @@ tl.dot with fp32 accumulation, p rounded to the cache dtype for the second (as f
   Default splits (_decode_splits): none when the batch fills two programs an SM, else four an
   SM, at least MIN_SPLIT_TOKENS tokens a split.
 - prefill/extend: varlen chunks, causal over the cached context plus the chunk (K/V written first).
-- attention mass (H2O), on request: the kernels keep each row's log-sum-exp, then
-  _attn_mass_kernel recomputes the scores per (request, BLOCK_N positions) and sums exp(s - lse)
-  over heads and queries: one more pass over K, only when asked.
+- attention mass (H2O), on request, added into a caller's fp32 [R, width] buffer:
+  decode (folded): the attention kernel also stores every score it computes (s, fp32, base 2) in
+  [B, Hq, width]; once the splits are merged, _decode_mass_kernel sums exp2(s - lse) over the
+  heads with the final log-sum-exp. It reads 4 bytes a (position, query head) instead of K again.
+  prefill windows (second pass): the kernels keep each row's log-sum-exp, then _attn_mass_kernel
+  recomputes the scores per (request, BLOCK_N positions) and sums exp2(s - lse) over heads and
+  queries: one more pass over K, cheaper than storing a score per (query, head, position) for
+  a window of many queries.
 Index values (block ids, lengths) are the caller's contract and go unchecked: no host syncs.
 """
 
@@ -60,7 +65,8 @@ def _kv_offsets(bt_row_ptr, pos, valid, kv_head, offs_d, stride_cb, stride_cs, s
 
 @triton.jit
 def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16: tl.constexpr):
-    """One online-softmax step over a gathered K/V tile; keep [M, N] marks attended pairs."""
+    """One online-softmax step over a gathered K/V tile; keep [M, N] marks attended pairs.
+    Returns the new (max, sum, accumulator) and the tile's scores s [M, N] (base 2)."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # issued with k: a short decode split is one
     s = tl.where(keep, _qk(q, k, INTERP_BF16) * qk_scale, float("-inf"))  # tile, all latency
@@ -73,7 +79,7 @@ def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16
         acc = tl.dot(round_bf16(p), to_f32(v, INTERP_BF16), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    return m_new, den, acc
+    return m_new, den, acc, s
 
 
 @triton.jit
@@ -110,19 +116,20 @@ def _tile_rows(q0, kv_head, q_len, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 def _paged_attention_kernel(
     # pointers: q [T, Hq, D]; caches [num_blocks, PAGE_SIZE, Hkv, D]; block_tables [R, max_blocks];
     # query_start_loc [R + 1] and context_lens [R] (unless IS_DECODE); seq_lens [R];
-    # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE)
+    # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE);
+    # scores [T, Hq, width] fp32 (if STORE_SCORES): every attended (row, position)'s s
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
-    lse_ptr,
+    lse_ptr, scores_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh,
+    stride_os, stride_lt, stride_lh, stride_st, stride_sh,
     # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
@@ -147,8 +154,11 @@ def _paged_attention_kernel(
                            stride_cs, stride_ch, PAGE_SIZE)
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         keep = valid[None, :] & (pos[None, :] <= (ctx + qi)[:, None])
-        m, den, acc = _attend(q, k_cache_ptr + offs, v_cache_ptr + offs, kv_mask, keep, m, den,
-                              acc, qk_scale, INTERP_BF16)
+        m, den, acc, s = _attend(q, k_cache_ptr + offs, v_cache_ptr + offs, kv_mask, keep, m,
+                                 den, acc, qk_scale, INTERP_BF16)
+        if STORE_SCORES:  # the mass's numerators, normalised once the splits are merged
+            tl.store(scores_ptr + (q_start + qi)[:, None] * stride_st
+                     + heads[:, None] * stride_sh + pos[None, :], s, mask=row_ok[:, None] & keep)
     o, lse = _finish(m, den, acc)
     out = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
            + split * stride_os + offs_d[None, :])
@@ -193,8 +203,41 @@ def _merge_splits_kernel(
 
 
 @triton.jit
+def _decode_mass_kernel(
+    # pointers: scores [B, Hq, width] fp32 (written up to seq_len); lse [B, Hq] (base 2, merged);
+    # seq_lens [B]; mass [B, >= width] fp32, added into
+    scores_ptr, lse_ptr, seq_lens_ptr, mass_ptr,
+    # scalars
+    width,
+    # strides
+    stride_st, stride_sh, stride_lt, stride_mr,
+    # shapes and tiling
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
+    if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
+        gdc_launch_dependents()
+    b, pid_p = tl.program_id(0), tl.program_id(1)
+    end = tl.minimum(tl.load(seq_lens_ptr + b), width)
+    if pid_p * BLOCK_P >= end:
+        return
+    pos, offs_h = pid_p * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_H)
+    valid = pos < end
+    mass = tl.zeros((BLOCK_P,), tl.float32)
+    for h0 in range(0, NUM_HEADS, BLOCK_H):
+        heads = h0 + offs_h
+        lse = tl.load(lse_ptr + b * stride_lt + heads, mask=heads < NUM_HEADS, other=0.0)
+        mask = (heads < NUM_HEADS)[:, None] & valid[None, :]
+        s = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
+                    mask=mask, other=float("-inf"))  # [BLOCK_H, BLOCK_P]
+        mass += tl.sum(tl.exp2(s - lse[:, None]), axis=0)
+    row = mass_ptr + b * stride_mr + pos
+    tl.store(row, tl.load(row, mask=valid, other=0.0) + mass, mask=valid)
+
+
+@triton.jit
 def _attn_mass_kernel(
-    # pointers: as _paged_attention_kernel; lse [T, Hq] (base 2); mass [R, width]
+    # pointers: as _paged_attention_kernel; lse [T, Hq] (base 2); mass [R, >= width], added into
     q_ptr, k_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, lse_ptr, mass_ptr,
     # scalars
     qk_scale, width,
@@ -208,9 +251,11 @@ def _attn_mass_kernel(
 ):
     r, pid_n = tl.program_id(0), tl.program_id(1)
     q_start, q_len, ctx, seq_len = _request(r, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, IS_DECODE)
-    q_len = tl.where(pid_n * BLOCK_N < seq_len, q_len, 0)  # past the context: store zeros
+    end = tl.minimum(seq_len, width)
+    if pid_n * BLOCK_N >= end:
+        return
     pos, offs_d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-    valid = pos < seq_len
+    valid = pos < end
     kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     mass = tl.zeros((BLOCK_N,), tl.float32)
     for kv_head in range(NUM_KV_HEADS):
@@ -226,7 +271,8 @@ def _attn_mass_kernel(
             s = _qk(q, k, INTERP_BF16) * qk_scale  # [BLOCK_M, BLOCK_N]
             keep = row_ok[:, None] & valid[None, :] & (pos[None, :] <= (ctx + qi)[:, None])
             mass += tl.sum(tl.where(keep, tl.exp2(s - lse[:, None]), 0.0), axis=0)
-    tl.store(mass_ptr + r * stride_mr + pos, mass, mask=pos < width)
+    row = mass_ptr + r * stride_mr + pos
+    tl.store(row, tl.load(row, mask=valid, other=0.0) + mass, mask=valid)
 
 
 @triton.jit
@@ -309,9 +355,11 @@ def check_attention_args(fn: str, q, k_cache, v_cache, out, **index) -> None:
 
 
 def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_splits,
-            max_query_len, return_mass):
+            max_query_len, mass, fold_mass):
     """Attention (+ split merge, + mass) kernels; index: block_tables, query_start_loc,
-    context_lens, seq_lens (the middle two unread when is_decode)."""
+    context_lens, seq_lens (the middle two unread when is_decode). mass: None, or fp32
+    [R, >= width] to add the attention mass into; fold_mass: take it from the scores the
+    attention kernel stores (decode) rather than from a second pass over K."""
     (total_q, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
     block_tables, seq_lens = index[0], index[3]
     num_seqs, group = seq_lens.shape[0], num_heads // num_kv_heads
@@ -320,9 +368,11 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     num_splits = triton.cdiv(max(width, 1), tokens_per_split)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse = torch.empty(total_q, num_heads, num_splits, **f32) \
-        if num_splits > 1 or return_mass else None  # [T, Hq, S], base 2
+        if num_splits > 1 or mass is not None else None  # [T, Hq, S], base 2
     part = out if num_splits == 1 else torch.empty(total_q, num_heads, num_splits, head_dim, **f32)
     lse_arg = part if lse is None else lse
+    fold = mass is not None and fold_mass and width > 0
+    scores = torch.empty(total_q, num_heads, width, **f32) if fold else lse_arg  # [T, Hq, width]
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], IS_DECODE=is_decode,
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
@@ -330,11 +380,11 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, scale * LOG2E, tokens_per_split,
+            q, k_cache, v_cache, *index, part, lse_arg, scores, scale * LOG2E, tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
-            lse_arg.stride(0), lse_arg.stride(1), NUM_SPLITS=num_splits,
-            STORE_LSE=lse is not None, **meta)
+            lse_arg.stride(0), lse_arg.stride(1), scores.stride(0), scores.stride(1),
+            NUM_SPLITS=num_splits, STORE_LSE=lse is not None, STORE_SCORES=fold, **meta)
     if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
         _merge_splits_kernel[(total_q, num_heads)](
@@ -343,29 +393,49 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"],
             TRIGGER=pdl_supported(q), INTERP_BF16=meta["INTERP_BF16"])
         lse = final
-    if not return_mass:
+    if mass is None or not (total_q and num_seqs and width):
         return out
-    mass = torch.zeros(num_seqs, width, **f32)
-    if total_q and num_seqs and width:
+    if fold:
+        block_p = 256 if q.is_cuda else 16
+        _decode_mass_kernel[(num_seqs, triton.cdiv(width, block_p))](
+            scores, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),
+            lse.stride(0), mass.stride(0), NUM_HEADS=num_heads,
+            BLOCK_H=min(16, triton.next_power_of_2(num_heads)), BLOCK_P=block_p,
+            TRIGGER=pdl_supported(q), **({"num_warps": 4} if q.is_cuda else {}))
+    else:
         _attn_mass_kernel[(num_seqs, triton.cdiv(width, block_n))](
             q, k_cache, block_tables, index[1], index[2], seq_lens, lse, mass, scale * LOG2E,
             width, q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             lse.stride(0), mass.stride(0), NUM_KV_HEADS=num_kv_heads, **meta)
-    return out, mass
+    return out
+
+
+def _mass_buffer(fn: str, mass, num_seqs: int, width: int, q) -> torch.Tensor:
+    """The caller's mass buffer, checked, or a new zeroed one [R, width] fp32."""
+    if mass is None:
+        return torch.zeros(num_seqs, width, dtype=torch.float32, device=q.device)
+    if mass.dtype != torch.float32 or mass.dim() != 2 or mass.shape[0] != num_seqs \
+            or mass.shape[1] < width or mass.stride(-1) != 1 or mass.device != q.device:
+        raise ValueError(f"{fn}: mass must be float32 [{num_seqs}, >= {width}] on {q.device} "
+                         f"with a unit last stride; got {mass.dtype} {tuple(mass.shape)}")
+    return mass
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float | None = None, *, num_splits: int | None = None,
                            return_attn_mass: bool = False, out: torch.Tensor | None = None,
-                           max_seq_len: int | None = None, backend: str = "auto"):
+                           mass: torch.Tensor | None = None, max_seq_len: int | None = None,
+                           backend: str = "auto"):
     """out [B, Hq, D]: request b's one query q[b] attends to its cached positions
     0 .. seq_lens[b] - 1 (its own K/V written first); query head h reads KV head h // (Hq // Hkv).
 
     scale: default head_dim ** -0.5. num_splits: None = _decode_splits. max_seq_len: a host bound
     on seq_lens (default block_tables.shape[1] * block_size): the mass width and the basis of the
     splits. return_attn_mass: also mass [B, max_seq_len] fp32, each position's softmax probability
-    summed over query heads (0 beyond seq_len). seq_lens[b] == 0 gives zeros. backend: "auto"
+    summed over query heads (0 beyond seq_len); with `mass` (fp32 [B, >= max_seq_len], unit last
+    stride) it is added into mass[:, :max_seq_len] instead, and mass returned (one buffer summed
+    over layers, as a CUDA graph needs). seq_lens[b] == 0 gives zeros. backend: "auto"
     (Triton on CUDA), "triton" or "torch". ValueError unless q and the caches share a dtype of
     fp32/bf16/fp16, head_dim >= 16, last dims contiguous, index tensors int32 of matching shape."""
     num_seqs = q.shape[0] if q.dim() == 3 else -1
@@ -373,31 +443,41 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            block_tables=(block_tables, (num_seqs, None)), seq_lens=(seq_lens, (num_seqs,)))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    if mass is not None and not return_attn_mass:
+        raise ValueError("paged_decode_attention: mass is given but return_attn_mass is False")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     width = block_tables.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if return_attn_mass:
+        mass = _mass_buffer("paged_decode_attention", mass, q.shape[0], width, q)
     if not _use_triton(backend, q):
         ref = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                            return_attn_mass=True, max_seq_len=width)
-        return (out.copy_(ref[0]), ref[1]) if return_attn_mass else out.copy_(ref[0])
+        out.copy_(ref[0])
+        if return_attn_mass:
+            mass[:, :width] += ref[1]
+        return (out, mass) if return_attn_mass else out
     splits = num_splits or _decode_splits(q.shape[0], k_cache.shape[2], width, q.device)
-    return _launch(q, k_cache, v_cache, (block_tables, seq_lens, seq_lens, seq_lens), out, scale,
-                   width, is_decode=True, num_splits=splits, max_query_len=1,
-                   return_mass=return_attn_mass)
+    _launch(q, k_cache, v_cache, (block_tables, seq_lens, seq_lens, seq_lens), out, scale, width,
+            is_decode=True, num_splits=splits, max_query_len=1, mass=mass, fold_mass=True)
+    return (out, mass) if return_attn_mass else out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, context_lens: torch.Tensor,
                             scale: float | None = None, *, return_attn_mass: bool = False,
-                            out: torch.Tensor | None = None, max_query_len: int | None = None,
+                            out: torch.Tensor | None = None, mass: torch.Tensor | None = None,
+                            max_query_len: int | None = None,
                             max_seq_len: int | None = None, num_splits: int | None = 1,
                             backend: str = "auto"):
     """out [total_q, Hq, D]: request i's queries q[query_start_loc[i]:query_start_loc[i + 1]], at
     positions context_lens[i] .. seq_lens[i] - 1, attend causally to positions 0 .. their own (all
     K/V already in the caches). max_query_len: a host bound on the chunk lengths (default total_q).
     return_attn_mass: also mass [R, max_seq_len] fp32, each position's softmax probability summed
-    over query heads and the request's queries. num_splits: context splits, as decode's (None: the
+    over query heads and the request's queries (by a second pass over K: a score stored per
+    query, head and position would cost more for a chunk of many queries); `mass` as
+    paged_decode_attention's. num_splits: context splits, as decode's (None: the
     decode rule, for short query runs such as a speculative verify's k + 1 tokens; long chunks
     fill the device with query tiles and take 1). A request whose seq_len is 0 gives zeros.
     Otherwise as paged_decode_attention."""
@@ -406,22 +486,29 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
            block_tables=(block_tables, (num_seqs, None)),
            query_start_loc=(query_start_loc, (num_seqs + 1,)), seq_lens=(seq_lens, (num_seqs,)),
            context_lens=(context_lens, (num_seqs,)))
+    if mass is not None and not return_attn_mass:
+        raise ValueError("paged_prefill_attention: mass is given but return_attn_mass is False")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     width = block_tables.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if return_attn_mass:
+        mass = _mass_buffer("paged_prefill_attention", mass, num_seqs, width, q)
     index = (block_tables, query_start_loc, context_lens, seq_lens)
     if not _use_triton(backend, q):
         ref = paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc,
                                             seq_lens, context_lens, scale,
                                             return_attn_mass=True, max_seq_len=width)
-        return (out.copy_(ref[0]), ref[1]) if return_attn_mass else out.copy_(ref[0])
+        out.copy_(ref[0])
+        if return_attn_mass:
+            mass[:, :width] += ref[1]
+        return (out, mass) if return_attn_mass else out
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"paged_prefill_attention: num_splits must be >= 1, got {num_splits}")
     splits = num_splits or _decode_splits(num_seqs, k_cache.shape[2], width, q.device)
-    return _launch(q, k_cache, v_cache, index, out, scale, width, is_decode=False,
-                   num_splits=splits,
-                   max_query_len=q.shape[0] if max_query_len is None else max_query_len,
-                   return_mass=return_attn_mass)
+    _launch(q, k_cache, v_cache, index, out, scale, width, is_decode=False, num_splits=splits,
+            max_query_len=q.shape[0] if max_query_len is None else max_query_len, mass=mass,
+            fold_mass=False)
+    return (out, mass) if return_attn_mass else out
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -4,9 +4,11 @@ of worker/attention.py (same step layout: decodes first, then prefill chunks).
 Metadata is built once per step from host lists, so forward never syncs with the device: int32
 block tables, lengths and query offsets per group, with host-side maxima for the launch grids.
 
-Attention mass (KV eviction, AttentionBatch.mass_window): decodes take it from the decode
-kernel's mass pass; prefill chunks from a second, small call over each chunk's last
-`mass_window` queries only (their attention recomputed, the mass of those queries alone).
+Attention mass (KV eviction, AttentionBatch.mass_window), added into one fp32 buffer over the
+layers: decodes take it from the scores the decode kernel stores as it attends (normalised once
+its splits are merged, no second pass over K), so a captured decode graph returns it too
+(static_decode_metadata's `mass`); prefill chunks from a second, small call over each chunk's
+last `mass_window` queries only (their attention recomputed, the mass of those queries alone).
 """
 
 from __future__ import annotations
@@ -69,16 +71,20 @@ def _group(batch: AttentionBatch, lo: int, hi: int) -> PagedGroup | None:
 
 
 def static_decode_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int) -> TritonAttentionMetadata:
+                           seq_lens: torch.Tensor, max_seq_len: int,
+                           mass: torch.Tensor | None = None) -> TritonAttentionMetadata:
     """Metadata of an all-decode step over buffers a CUDA graph reads (cuda_graphs.py): slots
     [B] int64 (-1: padding, nothing written), block tables [B, max_blocks] and seq_lens [B] int32
-    (0: padding, nothing attended). max_seq_len bounds every seq_len; it fixes the launch grids."""
+    (0: padding, nothing attended). max_seq_len bounds every seq_len; it fixes the launch grids.
+    mass: fp32 [B, >= max_seq_len] the layers add their attention mass into (the caller zeroes
+    it first), or None."""
     num = seq_lens.shape[0]
     starts = torch.arange(num + 1, dtype=torch.int32, device=seq_lens.device)  # unread by decode
     return TritonAttentionMetadata(
         slot_mapping=slot_mapping, num_decode_tokens=num, prefill=None,
         decode=PagedGroup(block_tables=block_tables, query_start_loc=starts, seq_lens=seq_lens,
-                          context_lens=seq_lens, max_query_len=1, max_seq_len=max_seq_len))
+                          context_lens=seq_lens, max_query_len=1, max_seq_len=max_seq_len),
+        mass=mass)
 
 
 def static_verify_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -134,12 +140,11 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         nd, dec, pre = meta.num_decode_tokens, meta.decode, meta.prefill
         if dec is not None:
-            got = paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables,
-                                         dec.seq_lens, out=out[:nd], max_seq_len=dec.max_seq_len,
-                                         return_attn_mass=meta.mass is not None,
-                                         backend="triton")
-            if meta.mass is not None:
-                meta.mass[:nd, :dec.max_seq_len] += got[1]
+            paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables, dec.seq_lens,
+                                   out=out[:nd], max_seq_len=dec.max_seq_len,
+                                   return_attn_mass=meta.mass is not None,
+                                   mass=None if meta.mass is None else meta.mass[:nd],
+                                   backend="triton")
         if meta.window is not None:
             self._window_mass(q[nd:], k_cache, v_cache, meta)
         if pre is not None:
@@ -154,10 +159,9 @@ class TritonAttention(AttentionBackend):
     def _window_mass(q, k_cache, v_cache, meta: TritonAttentionMetadata) -> None:
         """Each prefill chunk's last queries (meta.window) attend again, for their mass."""
         win, nd = meta.window, meta.num_decode_tokens
-        _, mass = paged_prefill_attention(q.index_select(0, meta.window_rows), k_cache, v_cache,
-                                          win.block_tables, win.query_start_loc, win.seq_lens,
-                                          win.context_lens, return_attn_mass=True,
-                                          max_query_len=win.max_query_len,
-                                          max_seq_len=win.max_seq_len, backend="triton")
-        meta.mass[nd:, :win.max_seq_len] += mass
+        paged_prefill_attention(q.index_select(0, meta.window_rows), k_cache, v_cache,
+                                win.block_tables, win.query_start_loc, win.seq_lens,
+                                win.context_lens, return_attn_mass=True, mass=meta.mass[nd:],
+                                max_query_len=win.max_query_len, max_seq_len=win.max_seq_len,
+                                backend="triton")
 

@@ -21,6 +21,11 @@ from that step's samples.
 A graph fixes every launch grid, so the decode attention's context split is chosen for
 `max_model_len` rather than for the step's longest context; the kernel's last split takes
 whatever remains, so any length is computed exactly.
+
+KV eviction: a token's RoPE position is its slot's position plus the request's
+`position_offset` (tokens evicted before it). With H2O the graphs also return attention mass:
+each replay zeroes a static buffer [size, max_model_len] and every layer's decode attention adds
+into it (`mass`). A step's KV moves run eagerly before its replay (runner.py).
 """
 
 from __future__ import annotations
@@ -52,13 +57,14 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [size, vocab] float32, written by each replay
     hidden: torch.Tensor  # [size, hidden]
+    mass: torch.Tensor | None = None  # [size, max_model_len] fp32 attention mass (H2O)
 
 
 class DecodeGraphs:
     """The captured decode graphs of one ModelRunner and the static buffers they read."""
 
     def __init__(self, runner, max_model_len: int, tokens_per_row: int = 1,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, with_mass: bool = False) -> None:
         self.runner = runner
         self.q = tokens_per_row  # tokens a request computes (VerifyGraphs: k + 1)
         self.block_size = runner.config.block_size
@@ -72,6 +78,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, _Graph] = {}
+        # KV eviction (H2O): the attention mass every replay returns, summed over layers
+        self.mass = torch.zeros(n, max_model_len, dtype=torch.float32, device=dev) \
+            if with_mass else None  # [n, max_model_len]
         # Pinned staging of the inputs, two sets used in turn: (tokens [3 * n * q] int64,
         # lengths [2 * n] int32 (seq_lens, then VerifyGraphs' context_lens), block tables
         # [n * max_blocks] int32), and an event after each set's copies.
@@ -105,8 +114,10 @@ class DecodeGraphs:
         return self._tokens[:3 * size * self.q].view(3, size * self.q)
 
     def can_run(self, plan: StepPlan) -> bool:
-        """Every scheduled request decodes one token and the batch fits the captured sizes."""
+        """Every scheduled request decodes one token, the batch fits the captured sizes, and the
+        plan asks for attention mass exactly when the graphs compute it."""
         return (bool(self.graphs) and plan.num_decodes == len(plan.scheduled) <= self.sizes[-1]
+                and (plan.mass_window > 0) == (self.mass is not None)
                 and max(len(s.block_table) for s in plan.scheduled) <= self.max_blocks)
 
     @torch.inference_mode()
@@ -137,21 +148,24 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden, logits = self._forward(size)
-            self.graphs[size] = _Graph(graph, logits, hidden)
+            self.graphs[size] = _Graph(graph, logits, hidden,
+                                       None if self.mass is None else self.mass[:size])
         torch.cuda.synchronize()
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
         tokens = self.tokens(size)
+        mass = None if self.mass is None else self.mass[:size].zero_()
         meta = static_decode_metadata(tokens[2], self.block_tables[:size], self.seq_lens[:size],
-                                      self.max_model_len)
+                                      self.max_model_len, mass)
         hidden = model(tokens[0], tokens[1], self.runner.kv_caches,
                        self.runner.attn, meta)  # [size, hidden]
         return hidden, model.compute_logits(hidden)
 
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of the plan's rows that sample, hidden states of all its rows), as the eager
-        path returns them; views of the graph's outputs, valid until the next replay."""
+        path returns them; views of the graph's outputs, valid until the next replay (as is
+        the attention mass, `last_mass`)."""
         batch = len(plan.scheduled)
         size = next(s for s in self.sizes if s >= batch)
         self._copy_inputs(plan, size)
@@ -164,6 +178,11 @@ class DecodeGraphs:
         if len(rows) == batch:
             return logits, hidden
         return logits.index_select(0, index_on(rows, logits)), hidden  # a 1-token chunk
+
+    def last_mass(self, batch: int) -> torch.Tensor | None:
+        """The latest replay's attention mass of its first `batch` rows [batch, max_model_len],
+        a view valid until the next replay; None without H2O."""
+        return None if self.mass is None else self.mass[:batch]
 
     def _update_tables(self, sched) -> int:
         """Bring rows 0..len(sched)-1 of the kept block tables up to the plan's; returns the
@@ -187,10 +206,11 @@ class DecodeGraphs:
         tokens_h, seq_lens_h, tables_h = self._staging[turn]
         tokens = tokens_h[:3 * size].view(3, size).numpy()  # padding: id 0, position 0, slot -1
         width = self._update_tables(sched)
-        positions = np.fromiter((s.start_position for s in sched), np.int64, batch)
+        positions = np.fromiter((s.start_position for s in sched), np.int64, batch)  # slots
         tokens[0, :batch] = [s.token_ids[0] if s.token_ids else 0 for s in sched]
         tokens[0, batch:] = 0
-        tokens[1, :batch] = positions
+        tokens[1, :batch] = positions + np.fromiter((s.position_offset for s in sched), np.int64,
+                                                    batch)  # RoPE: evicted tokens counted
         tokens[1, batch:] = 0
         tokens[2, :batch] = self._tables[np.arange(batch), positions // bs] * bs + positions % bs
         tokens[2, batch:] = -1

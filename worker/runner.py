@@ -176,14 +176,17 @@ class ModelRunner:
         nothing. Call once, after the weights are loaded:
         the graphs hold the addresses of the weights and the KV caches."""
         if self.config.enforce_eager or self.device.type != "cuda" \
-                or type(self.attn).__name__ != "TritonAttention" or self.config.kv_eviction:
-            return  # (the graphs neither return attention mass nor offset positions yet)
+                or type(self.attn).__name__ != "TritonAttention":
+            return
         from mxserve.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 
-        self.graphs = DecodeGraphs(self, max_model_len)
+        # H2O: the decode graphs return attention mass. Verify graphs neither do nor offset
+        # positions, so a speculating engine with eviction verifies eagerly.
+        self.graphs = DecodeGraphs(self, max_model_len,
+                                   with_mass=self.config.kv_eviction == "h2o")
         self.graphs.capture()
         spec = self.config.speculative_config
-        if spec is not None:
+        if spec is not None and not self.config.kv_eviction:
             self.verify_graphs = VerifyGraphs(self, max_model_len,
                                               spec.num_speculative_tokens + 1)
             self.verify_graphs.capture()
@@ -218,12 +221,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
+        for src, dst in plan.kv_moves:  # KV eviction's compaction, before any step reads the KV
+            self.move_kv(src, dst)
         if self.graphs is not None:
             if self.graphs.can_run(plan):
                 logits, hidden = self.graphs.run(plan)
+                mass = self.graphs.last_mass(len(plan.scheduled))
                 return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden
                                   else None,
-                                  static_logits=self.graphs.graphs[self.graphs.last_size].logits)
+                                  static_logits=self.graphs.graphs[self.graphs.last_size].logits,
+                                  attn_mass=None if mass is None else self.tp.all_reduce(mass))
             self.graphs.last_size = None
         if self.verify_graphs is not None:
             if self.verify_graphs.can_run(plan):
@@ -231,8 +238,6 @@ class ModelRunner:
                 return StepResult(logits=logits,
                                   hidden_states=hidden if plan.keep_hidden else None)
             self.verify_graphs.last_size = None
-        for src, dst in plan.kv_moves:
-            self.move_kv(src, dst)
         if not plan.scheduled:
             return StepResult(logits=torch.empty(0, 0))
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
@@ -247,7 +252,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         mass = None
         if plan.mass_window:  # each rank saw its own heads: the group sums them
-            mass = self.tp.all_reduce(meta.mass) if self.tp.size > 1 else meta.mass
+            mass = self.tp.all_reduce(meta.mass)
         return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None,
                           attn_mass=mass)
 

@@ -168,3 +168,56 @@ def test_verify_graph_inputs_give_the_eager_verify_step(tiny_checkpoint):
     # a prefill chunk or a plan without drafts is not a verify graph's
     assert not graphs.fits(StepPlan([fewer(a, 0)], num_decodes=1))
     assert not graphs.can_run(plan)  # nothing captured on a CPU
+
+
+def test_decode_graph_inputs_under_h2o_give_the_eager_step_and_its_mass(tiny_checkpoint):
+    """An H2O engine's decode graphs, their forward run eagerly on the CPU (Triton interpreter;
+    the captured replays: tests/gpu): after compactions, each row's RoPE position counts the
+    evicted tokens while its slot and length count the held ones, and the forward gives the
+    eager step's logits and its attention mass (zeroed first, summed over layers; the padding
+    row and the positions past each context hold none)."""
+    import os
+
+    import torch
+
+    from mxserve import SamplingParams
+    from mxserve.worker.cuda_graphs import DecodeGraphs
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    llm = LLM(model=str(tiny_checkpoint("llama")), device="cpu", load_progress=False,
+              dtype="float32", max_num_seqs=4, attention_backend="triton", max_model_len=128,
+              kv_eviction="h2o", kv_budget=24, async_scheduling=False)
+    engine = llm.engine
+    for n in (30, 45, 9):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=60,
+                                                                 ignore_eos=True))
+    graphs = DecodeGraphs(engine.runner, engine.max_model_len, with_mass=True)
+    seen = {}
+    execute = engine.runner.execute
+
+    def execute_and_forward(plan):  # the eager step, then the graph's forward on its inputs
+        result = execute(plan)
+        if not seen and plan.num_decodes == len(plan.scheduled) == 3 and plan.kv_moves \
+                and any(s.position_offset for s in plan.scheduled):
+            assert not graphs.can_run(plan)  # nothing captured on a CPU
+            graphs.mass.fill_(float("nan"))  # the forward zeroes it
+            graphs._copy_inputs(plan, 4)
+            seen.update(plan=plan, eager=result, out=graphs._forward(4))
+        return result
+
+    engine.runner.execute = execute_and_forward
+    for _ in range(60):
+        engine.step()
+    assert seen, "no all-decode step with compactions"
+    plan, eager, (_, logits) = seen["plan"], seen["eager"], seen["out"]
+    torch.testing.assert_close(logits[:3], eager.logits, rtol=1e-4, atol=1e-4)
+    width = eager.attn_mass.shape[1]
+    torch.testing.assert_close(graphs.mass[:3, :width], eager.attn_mass, rtol=1e-4, atol=1e-5)
+    assert graphs.mass[:3, width:].eq(0).all() and graphs.mass[3].eq(0).all()
+    for i, s in enumerate(plan.scheduled):
+        p, bs = s.start_position, engine.kv.block_size
+        assert graphs.tokens(4)[:, i].tolist() == [s.token_ids[0], p + s.position_offset,
+                                                   s.block_table[p // bs] * bs + p % bs]
+        assert int(graphs.seq_lens[i]) == p + 1
+        units = engine.model_config.num_hidden_layers * engine.model_config.num_attention_heads
+        assert abs(graphs.mass[i, :p + 1].sum().item() - units) <= 1e-4 * units

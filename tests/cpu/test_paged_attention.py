@@ -195,6 +195,49 @@ def test_prefill_fixed_query_runs_with_padding_rows(num_splits):
             assert got[i * q_len:(i + 1) * q_len].eq(0).all()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mass_adds_into_the_callers_buffer(num_splits):
+    """mass=buf: decode (scores stored by the attention kernel, normalised after the split
+    merge) and prefill (second pass) add their mass into buf[:, :max_seq_len], a strided
+    slice of a wider buffer holding earlier sums, and leave every other element as it was;
+    a padding request (seq_len 0) adds nothing."""
+    gen = seeded("accumulate", num_splits)
+    seq_lens = [37, 0, 12, 50]
+    k_cache, v_cache, tables, _ = make_paged([max(n, 1) for n in seq_lens], 2, 16, 8,
+                                             torch.float32, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(4, 8, 16, generator=gen)
+    width = 56
+    wide = torch.rand(4, width + 9, generator=gen)
+    before = wide.clone()
+    buf = wide[:, 3:]  # row stride width + 9, columns 3 .. width + 8
+    _, got = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
+                                    return_attn_mass=True, mass=buf, max_seq_len=width,
+                                    backend="triton")
+    assert got.data_ptr() == buf.data_ptr()
+    _, ref = paged_decode_attention_torch(q, k_cache, v_cache, tables, lens,
+                                          return_attn_mass=True, max_seq_len=width)
+    want = before.clone()
+    want[:, 3:3 + width] += ref
+    torch.testing.assert_close(wide, want, atol=1e-5, rtol=1e-4)
+    assert wide[1].equal(before[1]) and wide[:, :3].equal(before[:, :3])
+    assert wide[:, 3 + width:].equal(before[:, 3 + width:])
+    qsl = torch.tensor([0, 3, 3, 5, 9], dtype=torch.int32)  # 3, 0, 2, 4 queries
+    ctx = (lens - torch.tensor([3, 0, 2, 4])).to(torch.int32)
+    qp = torch.randn(9, 8, 16, generator=gen)
+    before = wide.clone()
+    paged_prefill_attention(qp, k_cache, v_cache, tables, qsl, lens, ctx, return_attn_mass=True,
+                            mass=buf, max_seq_len=width, max_query_len=4, backend="triton")
+    _, ref = paged_prefill_attention_torch(qp, k_cache, v_cache, tables, qsl, lens, ctx,
+                                           return_attn_mass=True, max_seq_len=width)
+    want = before.clone()
+    want[:, 3:3 + width] += ref
+    torch.testing.assert_close(wide, want, atol=1e-5, rtol=1e-4)
+    assert wide[:, 3 + width:].equal(before[:, 3 + width:])
+    with pytest.raises(ValueError, match="mass"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, mass=buf, backend="triton")
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_empty_context_gives_zeros(num_splits):
     """seq_len 0 (e.g. padding rows of a captured batch): zeros, never NaN."""
