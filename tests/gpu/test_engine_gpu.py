@@ -68,3 +68,53 @@ def test_gpu_mx_engine_matches_the_measured_mx_reference(setup, quantization, he
     assert (gpu.engine.runner.model.lm_head.mx is not None) == head
     assert [o.token_ids for o in gpu.generate(prompts, GREEDY)] == expected
 
+
+
+def test_h2o_engine_with_decode_graphs_gives_the_eager_tokens_and_mass(setup):
+    """kv_eviction="h2o" with a small budget: the engine replaying decode graphs (mass from the
+    decode kernel's stored scores, position offsets in the graph's inputs, KV moves made before
+    the replay) gives the greedy tokens and keeps the tokens that the same engine run eagerly
+    does; each replayed step's mass equals the torch backend's on that step's inputs."""
+    import dataclasses
+
+    from mxserve.worker.attention import TorchAttention
+
+    path, prompts, _ = setup
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=path, device="cuda", dtype="float32", load_progress=False,
+                  enforce_eager=eager, kv_eviction="h2o", kv_budget=40, max_num_seqs=8)
+        engine, kept, checked = llm.engine, [], []
+        compact = engine.kv.compact
+        engine.kv.compact = lambda rid, keep, compact=compact, kept=kept: (
+            kept.append(list(keep)), compact(rid, keep))[1]
+        runner, execute = engine.runner, engine.runner.execute
+
+        def check_mass(plan, runner=runner, execute=execute, checked=checked):
+            result = execute(plan)
+            graphs = runner.graphs
+            if graphs is not None and graphs.last_size is not None and len(checked) < 6:
+                got = result.attn_mass.clone()
+                runner.graphs, attn = None, runner.attn
+                runner.attn = TorchAttention()  # the reference, on this step's inputs
+                try:
+                    want = execute(dataclasses.replace(plan, kv_moves=[])).attn_mass
+                finally:
+                    runner.graphs, runner.attn = graphs, attn
+                torch.testing.assert_close(got[:, :want.shape[1]], want, atol=1e-5, rtol=1e-4)
+                assert got[:, want.shape[1]:].eq(0).all()
+                checked.append(len(plan.scheduled))
+            return result
+
+        runner.execute = check_mass
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs = engine.runner.graphs
+        assert (graphs is None) == eager
+        if not eager:
+            assert graphs.num_replays > 0 and len(checked) == 6
+        assert engine.evictor.num_evicted_tokens > 0
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        runs[eager] = tokens, kept
+    assert runs[False] == runs[True]

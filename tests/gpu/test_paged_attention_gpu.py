@@ -110,6 +110,72 @@ def test_prefill_at_scale(dtype):
     check_mass(mass, ref_mass, query_lens * HQ)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "second_pass"])
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_decode_mass_adds_into_a_buffer_both_ways(num_splits, fold):
+    """The decode mass, folded into the attention kernel (the public path) and by the second
+    pass over K (kept for prefill windows; bench/h2o_gpu.py times the two), added into a
+    buffer holding earlier sums: the reference's mass plus what was there; a padding row (seq_len
+    0) and the columns past max_seq_len untouched."""
+    from mxserve.kernels.paged_attention import _decode_splits, _launch
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    seq_lens = [4096, 0, 1, 2049, 300, 4000]
+    k_cache, v_cache, tables = make_cache([max(n, 1) for n in seq_lens], torch.bfloat16, gen)
+    q = torch.randn(len(seq_lens), HQ, D, generator=gen, device=DEV).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    width = 4100
+    before = torch.rand(len(seq_lens), width + 5, generator=gen, device=DEV)
+    mass = before.clone()
+    out = torch.full_like(q, math.nan)
+    splits = num_splits or _decode_splits(len(seq_lens), HKV, width, q.device)
+    _launch(q, k_cache, v_cache, (tables, lens, lens, lens), out, D ** -0.5, width,
+            is_decode=True, num_splits=splits, max_query_len=1, mass=mass, fold_mass=fold)
+    ref, ref_mass = paged_decode_attention_torch(q, k_cache, v_cache, tables, lens,
+                                                 return_attn_mass=True, max_seq_len=width)
+    check(out, ref, paged_decode_attention_torch(q, k_cache, v_cache.abs(), tables, lens),
+          torch.bfloat16)
+    check_mass(mass[:, :width] - before[:, :width], ref_mass,
+               torch.tensor([HQ if n else 0 for n in seq_lens], device=DEV))
+    assert mass[1].equal(before[1]) and mass[:, width:].equal(before[:, width:])
+
+
+def test_decode_mass_in_a_cuda_graph():
+    """Captured once over static buffers (zeroed inside the graph, as DecodeGraphs does), then
+    replayed with other queries, lengths and tables: each replay gives that input's mass."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    k_cache, v_cache, tables = make_cache([3000, 1500, 4096, 20], torch.bfloat16, gen)
+    q = torch.zeros(4, HQ, D, device=DEV, dtype=torch.bfloat16)
+    lens = torch.zeros(4, dtype=torch.int32, device=DEV)
+    table = torch.zeros_like(tables)
+    mass = torch.full((4, 4096), math.nan, device=DEV)
+    out = torch.empty_like(q)
+
+    def step():
+        mass.zero_()
+        paged_decode_attention(q, k_cache, v_cache, table, lens, out=out, return_attn_mass=True,
+                               mass=mass, max_seq_len=4096)
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        step()
+    for order, new_lens in (([0, 1, 2, 3], [3000, 1500, 4096, 20]),
+                            ([2, 3, 0, 1], [777, 20, 1, 0])):
+        q.copy_(torch.randn(4, HQ, D, generator=gen, device=DEV))
+        table.copy_(tables[order])
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        ref, ref_mass = paged_decode_attention_torch(q, k_cache, v_cache, table, lens,
+                                                     return_attn_mass=True, max_seq_len=4096)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        check_mass(mass, ref_mass, torch.tensor([HQ if n else 0 for n in new_lens], device=DEV))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_kv_cache_bit_exact(dtype):
     gen = torch.Generator(device=DEV).manual_seed(2)
