@@ -157,16 +157,22 @@ def _graph_median_ms(fn, reps: int = 100) -> float:
     return replay_ms(graph, reps)
 
 
+def _max_len(args) -> int:
+    """Prompt + the tokens a request decodes: while the batch's later prompts prefill (8192
+    tokens a step), the timed steps and a margin."""
+    return args.context + -(-max(args.batches) * args.context // 8192) + args.steps + 32
+
+
 def engine_section(args, name: str, options: dict) -> list[dict]:
     llm = LLM(model=SHAPE, load_format="dummy", dtype="bfloat16", load_progress=False,
-              max_model_len=args.context + args.steps + 64, max_num_seqs=max(args.batches),
+              max_model_len=_max_len(args), max_num_seqs=max(args.batches),
               max_num_batched_tokens=8192, kv_cache_memory_gb=args.kv_gb, **options)
     engine, rng, rows = llm.engine, np.random.default_rng(1), []
     vocab = engine.model_config.vocab_size
     for b in args.batches:
         ids = [engine.add_request(rng.integers(10, vocab - 10, args.context).tolist(),
                                   SamplingParams(temperature=0, ignore_eos=True,
-                                                 max_tokens=args.steps + 16))
+                                                 max_tokens=_max_len(args) - args.context))
                for _ in range(b)]
         while engine.scheduler.waiting or any(engine.requests[i].num_output_tokens < 3
                                               for i in ids):
@@ -270,7 +276,7 @@ def main() -> None:
     result.update(context=args.context, batches=args.batches, steps=args.steps)
     result["bound"] = bound(args.context, args.batches, copy_tbps())
     print(result["bound"], flush=True)
-    width = args.context + args.steps + 64
+    width = _max_len(args)  # the engine's decode graphs' mass width
     result["kernel"] = kernel_section(args.context, width, args.batches)
     result["engine"] = []
     for name, options in (("plain", {}),
