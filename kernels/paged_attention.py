@@ -396,18 +396,27 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if mass is None or not (total_q and num_seqs and width):
         return out
     if fold:
-        block_p = 256 if q.is_cuda else 16
+        block_p, block_h = _mass_tiles(num_seqs, num_heads, width, q.device)
         _decode_mass_kernel[(num_seqs, triton.cdiv(width, block_p))](
             scores, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),
-            lse.stride(0), mass.stride(0), NUM_HEADS=num_heads,
-            BLOCK_H=min(16, triton.next_power_of_2(num_heads)), BLOCK_P=block_p,
-            TRIGGER=pdl_supported(q), **({"num_warps": 4} if q.is_cuda else {}))
+            lse.stride(0), mass.stride(0), NUM_HEADS=num_heads, BLOCK_H=block_h,
+            BLOCK_P=block_p, TRIGGER=pdl_supported(q), **({"num_warps": 4} if q.is_cuda else {}))
     else:
         _attn_mass_kernel[(num_seqs, triton.cdiv(width, block_n))](
             q, k_cache, block_tables, index[1], index[2], seq_lens, lse, mass, scale * LOG2E,
             width, q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             lse.stride(0), mass.stride(0), NUM_KV_HEADS=num_kv_heads, **meta)
     return out
+
+
+def _mass_tiles(num_seqs: int, num_heads: int, width: int, device) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_H) of _decode_mass_kernel: 4096 scores a load; long rows of positions
+    once the batch fills two programs an SM, else all heads at once over short rows (swept on
+    the H200: bench/tune/h2o_fold_probe.py, results/h2o_fold_probe.json)."""
+    if device.type != "cuda":
+        return 16, min(4, triton.next_power_of_2(num_heads))
+    block_p = 512 if num_seqs * triton.cdiv(width, 512) >= 2 * _num_sms(device) else 128
+    return block_p, min(triton.next_power_of_2(num_heads), 4096 // block_p)
 
 
 def _mass_buffer(fn: str, mass, num_seqs: int, width: int, q) -> torch.Tensor:

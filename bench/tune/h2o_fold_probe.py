@@ -6,7 +6,11 @@ graph medians:
   (patched out); folded: both (the shipped path);
 - the mass kernel alone over the same scores, for a grid of BLOCK_P, BLOCK_H and warps (the
   bytes it must move: the scores read, the mass row read and written), each checked against
-  the shipped configuration's output.
+  the shipped configuration's output;
+- "compact": a variant of the kernel module (patched source, in a temporary file) whose decode
+  stores only the tile's real rows: the [BLOCK_M, BLOCK_N] scores reshaped to
+  [queries, BLOCK_G, BLOCK_N] and the first query's [BLOCK_G, BLOCK_N] stored (its own layout),
+  checked against the shipped mass.
 
     python bench/tune/h2o_fold_probe.py --out $OUT/h2o_fold_probe.json
 """
@@ -36,6 +40,36 @@ class _Skip:
         return lambda *args, **kwargs: None
 
 
+COMPACT = """        if STORE_SCORES:  # decode: the tile's first BLOCK_G rows are its query's heads
+            s_g = tl.sum(tl.reshape(tl.where((qi == 0)[:, None], s, 0.0),
+                                    [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
+            g = tl.arange(0, BLOCK_G)
+            tl.store(scores_ptr + q_start * stride_st + (kv_head * GROUP + g)[:, None] * stride_sh
+                     + pos[None, :], s_g, mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
+"""
+
+
+def compact_module():
+    """kernels/paged_attention.py with the compact scores store, imported from a temp file."""
+    import importlib.util
+    import inspect
+    import re
+    import tempfile
+
+    src = inspect.getsource(pa)
+    src = src.replace("from .triton_compat import", "from mxserve.kernels.triton_compat import")
+    src, n = re.subn(r"        if STORE_SCORES:.*?mask=row_ok\[:, None\] & keep\)\n", COMPACT, src,
+                     flags=re.S)
+    assert n == 1
+    path = os.path.join(tempfile.mkdtemp(), "pa_compact.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("pa_compact", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def probe(b: int, context: int, width: int, rows: list) -> None:
     gen = torch.Generator(device="cuda").manual_seed(b)
     nblk = b * -(-width // BS)
@@ -47,14 +81,21 @@ def probe(b: int, context: int, width: int, rows: list) -> None:
     q = torch.randn(b, HQ, D, generator=gen, device="cuda").bfloat16()
     out, mass = torch.empty_like(q), torch.zeros(b, width, device="cuda")
 
-    def step(with_mass: bool):
+    def step(with_mass: bool, mod=pa):
         mass.zero_()
         for kc, vc in caches:
-            pa.paged_decode_attention(q, kc, vc, tables, lens, out=out, max_seq_len=width,
-                                      return_attn_mass=with_mass, mass=mass if with_mass else None)
+            mod.paged_decode_attention(q, kc, vc, tables, lens, out=out, max_seq_len=width,
+                                       return_attn_mass=with_mass,
+                                       mass=mass if with_mass else None)
 
     row = {"batch": b, "none_us": graph_median_us(lambda: step(False), rep=200),
            "folded_us": graph_median_us(lambda: step(True), rep=200)}
+    compact = compact_module()
+    step(True)
+    want = mass.clone()
+    step(True, compact)
+    row["compact_rel_err"] = float((mass - want).abs().max() / want.abs().max())
+    row["compact_folded_us"] = graph_median_us(lambda: step(True, compact), rep=200)
     real = pa._decode_mass_kernel
     pa._decode_mass_kernel = _Skip()
     try:
