@@ -7,10 +7,11 @@ graph medians:
 - the mass kernel alone over the same scores, for a grid of BLOCK_P, BLOCK_H and warps (the
   bytes it must move: the scores read, the mass row read and written), each checked against
   the shipped configuration's output;
-- "compact": a variant of the kernel module (patched source, in a temporary file) whose decode
-  stores only the tile's real rows: the [BLOCK_M, BLOCK_N] scores reshaped to
-  [queries, BLOCK_G, BLOCK_N] and the first query's [BLOCK_G, BLOCK_N] stored (its own layout),
-  checked against the shipped mass.
+- a variant of the kernel module (patched source, in a temporary file) with the other scores
+  store, checked against the shipped mass. results/h2o_fold_probe.json (commit daedd82, rows
+  "compact_*"): the variant stored only the tile's real rows ([BLOCK_M, BLOCK_N] reshaped to
+  [queries, BLOCK_G, BLOCK_N], the first query's taken), faster than the masked whole tile
+  then shipped, so it became _store_scores; the variant is now the whole tile ("whole_*").
 
     python bench/tune/h2o_fold_probe.py --out $OUT/h2o_fold_probe.json
 """
@@ -40,17 +41,14 @@ class _Skip:
         return lambda *args, **kwargs: None
 
 
-COMPACT = """        if STORE_SCORES:  # decode: the tile's first BLOCK_G rows are its query's heads
-            s_g = tl.sum(tl.reshape(tl.where((qi == 0)[:, None], s, 0.0),
-                                    [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
-            g = tl.arange(0, BLOCK_G)
-            tl.store(scores_ptr + q_start * stride_st + (kv_head * GROUP + g)[:, None] * stride_sh
-                     + pos[None, :], s_g, mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
+WHOLE = """        if STORE_SCORES:
+            tl.store(scores_ptr + (q_start + qi)[:, None] * stride_st
+                     + heads[:, None] * stride_sh + pos[None, :], s, mask=row_ok[:, None] & keep)
 """
 
 
-def compact_module():
-    """kernels/paged_attention.py with the compact scores store, imported from a temp file."""
+def variant_module():
+    """kernels/paged_attention.py with the whole-tile scores store, from a temp file."""
     import importlib.util
     import inspect
     import re
@@ -58,13 +56,13 @@ def compact_module():
 
     src = inspect.getsource(pa)
     src = src.replace("from .triton_compat import", "from mxserve.kernels.triton_compat import")
-    src, n = re.subn(r"        if STORE_SCORES:.*?mask=row_ok\[:, None\] & keep\)\n", COMPACT, src,
+    src, n = re.subn(r"        if STORE_SCORES:.*?GROUP, BLOCK_G, BLOCK_M, BLOCK_N\)\n", WHOLE, src,
                      flags=re.S)
     assert n == 1
-    path = os.path.join(tempfile.mkdtemp(), "pa_compact.py")
+    path = os.path.join(tempfile.mkdtemp(), "pa_variant.py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("pa_compact", path)
+    spec = importlib.util.spec_from_file_location("pa_variant", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -90,12 +88,12 @@ def probe(b: int, context: int, width: int, rows: list) -> None:
 
     row = {"batch": b, "none_us": graph_median_us(lambda: step(False), rep=200),
            "folded_us": graph_median_us(lambda: step(True), rep=200)}
-    compact = compact_module()
+    variant = variant_module()
     step(True)
     want = mass.clone()
-    step(True, compact)
-    row["compact_rel_err"] = float((mass - want).abs().max() / want.abs().max())
-    row["compact_folded_us"] = graph_median_us(lambda: step(True, compact), rep=200)
+    step(True, variant)
+    row["whole_rel_err"] = float((mass - want).abs().max() / want.abs().max())
+    row["whole_folded_us"] = graph_median_us(lambda: step(True, variant), rep=200)
     real = pa._decode_mass_kernel
     pa._decode_mass_kernel = _Skip()
     try:
@@ -133,7 +131,8 @@ def probe(b: int, context: int, width: int, rows: list) -> None:
     best = min((r for r in rows if r.get("mass_kernel") and r["batch"] == b),
                key=lambda r: r["us"])
     print("best mass kernel", best, flush=True)
-    print("shipped", next(r for r in rows if r.get("mass_kernel") == [256, 16, 4]
+    tiles = list(pa._mass_tiles(b, HQ, width, q.device)) + [4]
+    print("shipped", next(r for r in rows if r.get("mass_kernel") == tiles
                           and r["batch"] == b), flush=True)
 
 
