@@ -50,6 +50,8 @@ class Worker:
         self.num_output_tokens = 0
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation
         self._froze_gc = False  # start(freeze_gc=True) froze the heap; shutdown thaws it
+        # Prefix pull from peers (cluster/kv_service.KVPuller), when KV transfer is on.
+        self.kv_puller = None
 
     def start(self, freeze_gc: bool = False) -> None:
         """Start the engine loop. freeze_gc (a process serving this one engine, as a Serve
@@ -72,9 +74,13 @@ class Worker:
             self._froze_gc = False
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StepOutput]:
+                       request_id: str, kv_source: dict | None = None
+                       ) -> AsyncIterator[StepOutput]:
         """Stream the request's engine outputs. Closing the stream (or cancelling the task
         iterating it) aborts the request in the engine, which frees its KV blocks.
+
+        kv_source: a peer holding the prompt's leading blocks ({"address", "num_blocks"}, from
+        routing): they are pulled first when that beats computing them (`kv_puller`).
 
         Raises ServeError: INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full)."""
         if self.num_in_flight >= self.capacity:
@@ -85,6 +91,8 @@ class Worker:
             request = self.engine.make_request(prompt_token_ids, params, request_id)
         except InvalidRequestError as e:
             raise ServeError.invalid(e) from None
+        if kv_source and self.kv_puller is not None:
+            await self.kv_puller.maybe_pull(request.block_hashes, request.num_tokens, kv_source)
         pending = len(prompt_token_ids) - self.engine.num_prefix_hit_tokens(request)
         self.num_in_flight += 1
         self.num_requests_total += 1

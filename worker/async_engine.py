@@ -13,6 +13,7 @@ what the consumer can take, not the engine's step rate, and no token is delayed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,8 @@ from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.engine import Engine
 from mxserve.worker.kv_cache import KVEvent
 from mxserve.worker.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """Run fn(engine) on the loop thread between two steps; its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        return await future
+
+    def submit(self, fn: Callable[[Engine], object]) -> None:
+        """Run fn(engine) on the loop thread between two steps, not waiting for it (a failure
+        is logged)."""
+        self._commands.put(("call", (fn, None, None)))
+
     def watch_kv_events(self, sink: KVSink) -> None:
         """Turn on the KV cache's events. The loop thread calls `sink` (quickly; it must not
         block) with each batch of events in the order the cache changed, and with a `KVSnapshot`
@@ -153,6 +168,8 @@ class AsyncEngine:
                 out = self.engine.abort(arg)
                 if out is not None:
                     self._deliver(arg, out)
+            elif kind == "call":
+                self._call(*arg)
             elif kind == "watch":
                 self.engine.kv.record_events = True
             elif kind == "snapshot" and self._kv_sink is not None:
@@ -162,6 +179,17 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _call(self, fn: Callable[[Engine], object], loop: asyncio.AbstractEventLoop | None,
+              future: asyncio.Future | None) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+            if future is None:
+                logger.exception("engine call %r failed", fn)
+        if future is not None:
+            loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _flush_kv_events(self) -> None:
         if self._kv_sink is not None:
@@ -199,6 +227,15 @@ class AsyncEngine:
             self.engine.abort(rid)
             self._deliver(rid, UnavailableError(self.fatal) if self.fatal else
                           RuntimeError(f"engine step failed: {error!r}"))
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # its caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

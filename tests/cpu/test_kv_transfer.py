@@ -1,0 +1,308 @@
+"""KV blocks between workers (worker/kv_transfer.py, cluster/kv_service.py): the block moves
+themselves, then real gRPC over loopback between two workers in this process, with faults.
+The two-node Ray cluster's prefix pull is in test_serve_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+
+from mxserve import LLM, SamplingParams
+from mxserve.cluster.kv_service import SECRET_KEY, KVNode, TransferOptions, layout_to_pb
+from mxserve.cluster.worker import Worker
+from mxserve.proto import kv_transfer_pb2 as pb
+from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
+from mxserve.worker.kv_transfer import (
+    BlockIO,
+    Exporter,
+    Importer,
+    KVLayout,
+    KVPort,
+    PullPolicy,
+    TransferError,
+    engine_layout,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SECRET = "s3cret"
+ENGINE = dict(dtype="float32", num_kv_blocks=64, load_progress=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PREFIX = _ids(96, 1)  # 6 blocks
+PROMPTS = [PREFIX + _ids(9, s) for s in (2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """Each prompt's greedy tokens, computed alone with no cache."""
+    llm = LLM(model=ckpt, enable_prefix_caching=False, **ENGINE)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _parts(llm: LLM):
+    engine = llm.engine
+    caches = [c for pair in engine.runner.kv_caches for c in pair]
+    return KVPort(engine.kv), BlockIO(caches), engine_layout(engine.model_config.model_id, caches)
+
+
+def _no_transfer_entries(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert not any(e.startswith("kv-transfer") for e in kv._tables), "a transfer held blocks"
+
+
+def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(ckpt, reference):
+    holder, receiver = LLM(model=ckpt, **ENGINE), LLM(model=ckpt, **ENGINE)
+    holder.generate(PROMPTS[:1], GREEDY)
+    h_port, h_io, layout = _parts(holder)
+    r_port, r_io, r_layout = _parts(receiver)
+    assert layout == r_layout and layout.num_layers == 2
+    request = receiver.engine.make_request(PROMPTS[1], GREEDY)
+    hashes = request.block_hashes[:6]
+    pinned = h_port.pin(hashes)
+    assert len(pinned.block_ids) == 6
+    reservation = r_port.reserve(hashes, 6)
+    importer = Importer(r_io, r_layout, reservation)
+    importer.accept(layout, 6, layout.bytes_per_block)
+    exporter = Exporter(h_io, layout, pinned, chunk_bytes=2 * layout.bytes_per_block + 1)
+    for chunk in exporter.chunks():
+        importer.add(*chunk)
+    importer.finish()
+    h_port.release(pinned)
+    r_port.commit(reservation, importer.close())
+    _no_transfer_entries(holder)
+    _no_transfer_entries(receiver)
+    out = receiver.generate(PROMPTS[1:], GREEDY)
+    assert [o.token_ids for o in out] == reference[1:]
+    assert [o.num_cached_tokens for o in out] == [96, 96]
+    receiver.engine.kv.check_integrity()
+
+
+def test_importer_checks_layout_order_size_and_checksum(ckpt):
+    llm = LLM(model=ckpt, **ENGINE)
+    port, io, layout = _parts(llm)
+    hashes = llm.engine.make_request(PROMPTS[0]).block_hashes[:4]
+    reservation = port.reserve(hashes, 4)
+    importer = Importer(io, layout, reservation)
+    other = KVLayout(**{**layout.__dict__, "block_size": 32})
+    with pytest.raises(TransferError, match="block_size") as e:
+        importer.accept(other, 4, layout.bytes_per_block)
+    assert e.value.reason == "layout"
+    with pytest.raises(TransferError) as e:
+        importer.accept(layout, 5, layout.bytes_per_block)
+    assert e.value.reason == "order"
+    importer.accept(layout, 4, layout.bytes_per_block)
+    payload = bytes(2 * layout.bytes_per_block)
+    with pytest.raises(TransferError) as e:
+        importer.add(1, 2, payload, 0)  # not the next block
+    assert e.value.reason == "order"
+    with pytest.raises(TransferError) as e:
+        importer.add(0, 2, payload[:-1], 0)
+    assert e.value.reason == "truncated"
+    with pytest.raises(TransferError) as e:
+        importer.add(0, 2, payload, 12345)
+    assert e.value.reason == "checksum"
+    with pytest.raises(TransferError) as e:
+        importer.finish()
+    assert e.value.reason == "truncated" and importer.num_verified == 0
+    port.commit(reservation, importer.close())
+    _no_transfer_entries(llm)
+    assert not llm.engine.kv.cached_block_hashes(), "an unverified block was registered"
+
+
+def test_pull_policy_compares_link_time_with_prefill_time():
+    layout = KVLayout("m", "float32", 16, 30, 3, 64)  # 737,280 bytes a block
+    policy = PullPolicy(prefill_tokens_per_s=1000.0)
+    policy.observe_link("peer", 10 * layout.bytes_per_block, 0.01)  # 1 ms a block
+    assert policy.should_pull("peer", 8, layout)  # 10 ms vs 128 ms
+    assert not policy.should_pull("peer", 1, layout)  # under min_blocks
+    policy.observe_link("slow", layout.bytes_per_block, 0.5)  # 0.5 s a block vs 16 ms
+    assert not policy.should_pull("slow", 8, layout)
+    policy.observe_link("peer", layout.bytes_per_block, 1.0)  # the link got slower
+    pull_s, compute_s = policy.estimate("peer", 8, layout)
+    assert pull_s > 2.0 and compute_s == pytest.approx(0.128)
+
+
+# ---- two workers over real gRPC on loopback --------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _workers(ckpt, **options):
+    """Two started Workers (holder, receiver), each serving its blocks on 127.0.0.1."""
+    opts = TransferOptions(secret=SECRET, chunk_bytes=20_000, **options)
+    llms = [LLM(model=ckpt, **ENGINE) for _ in range(2)]
+    workers = [Worker(llm.engine, max_queued_requests=8, worker_id=f"w{i}")
+               for i, llm in enumerate(llms)]
+    nodes = []
+    try:
+        for w in workers:
+            w.start()
+            # a slow prefill rate: every pull of 2 or more blocks beats computing them
+            nodes.append(await KVNode.start(w, opts, "127.0.0.1", prefill_tokens_per_s=10.0))
+        yield workers, nodes
+    finally:
+        for node in nodes:
+            await node.stop()
+        for w in workers:
+            w.shutdown()
+
+
+async def _generate(worker: Worker, prompt: list[int], source=None) -> tuple[list[int], int]:
+    tokens, cached = [], 0
+    async for out in worker.generate(prompt, GREEDY, f"r{id(prompt)}-{len(tokens)}", source):
+        tokens += out.new_token_ids
+        cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def _source(node: KVNode) -> dict:
+    return {"address": node.address, "num_blocks": 6}
+
+
+def _check_pools(workers) -> None:
+    for w in workers:
+        kv = w.engine.kv
+        kv.check_integrity()
+        assert not kv._tables, f"{w.worker_id} still holds blocks: {list(kv._tables)}"
+
+
+def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it(ckpt, reference):
+    async def main():
+        async with _workers(ckpt) as ((holder, receiver), (h_node, r_node)):
+            assert (await _generate(holder, PROMPTS[0]))[0] == reference[0]
+            got = await _generate(receiver, PROMPTS[1], _source(h_node))
+            assert got == (reference[1], 96)
+            assert r_node.puller.counts["ok"] == 1 and r_node.puller.counts["blocks"] == 6
+            assert h_node.service.counts["served"] == 1
+            assert r_node.puller.policy.links[h_node.address] > 0  # probed, then measured
+            # the pulled blocks serve this worker's later requests without another pull
+            assert await _generate(receiver, PROMPTS[2]) == (reference[2], 96)
+            # a source naming this very worker, or holding nothing new, pulls nothing
+            assert await _generate(receiver, PROMPTS[2], _source(r_node)) == (reference[2], 96)
+            assert r_node.puller.counts["ok"] == 1
+            await asyncio.sleep(0.05)  # the holder's unpin is queued to its engine thread
+            _check_pools((holder, receiver))
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+@pytest.mark.parametrize("fault, reason", [({"corrupt_chunk": 1}, "checksum"),
+                                           ({"truncate_after": 0}, "truncated"),
+                                           ({"delay_s": 0.3}, "peer")])
+def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, reference, fault,
+                                                                     reason):
+    async def main():
+        async with _workers(ckpt) as ((holder, receiver), (h_node, r_node)):
+            await _generate(holder, PROMPTS[0])
+            h_node.service.faults = fault
+            if "delay_s" in fault:  # the holder goes away after its first chunk
+                async def kill():
+                    await asyncio.sleep(0.15)
+                    await h_node.server.stop(grace=None)
+                killer = asyncio.create_task(kill())
+            got = await _generate(receiver, PROMPTS[1], _source(h_node))
+            assert got[0] == reference[1]
+            counts = r_node.puller.counts
+            assert counts[reason] == 1 and counts["ok"] == 0, dict(counts)
+            # what arrived verified before the failure is kept: whole chunks (2 blocks) only
+            assert got[1] == 16 * counts["blocks"] and counts["blocks"] in (0, 2)
+            if "delay_s" in fault:
+                await killer
+            await asyncio.sleep(0.05)
+            _check_pools((holder, receiver))
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_transfer_port_refuses_bad_calls_with_a_clear_status(ckpt):
+    async def call(node: KVNode, request: pb.PullRequest, secret: str | None = SECRET):
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            metadata = ((SECRET_KEY, secret),) if secret is not None else None
+            stream = pb_grpc.KVTransferStub(channel).Pull(request, metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stream:
+                    pass
+            return e.value.code(), e.value.details()
+
+    async def main():
+        async with _workers(ckpt, max_blocks=16) as ((holder, _), (h_node, _)):
+            await _generate(holder, PROMPTS[0])
+            layout = h_node.service.layout
+            hashes = [h.to_bytes(16, "big") for h in
+                      holder.engine.make_request(PROMPTS[0]).block_hashes]
+            good = pb.PullRequest(layout=layout_to_pb(layout), block_hashes=hashes)
+            code, details = await call(h_node, good, secret=None)
+            assert code == grpc.StatusCode.UNAUTHENTICATED and SECRET_KEY in details
+            assert (await call(h_node, good, secret="wrong"))[0] == \
+                grpc.StatusCode.UNAUTHENTICATED
+            for field, value in (("model_id", "other"), ("block_size", 32), ("dtype", "float16"),
+                                 ("version", 9)):
+                bad = pb.PullRequest(block_hashes=hashes)
+                bad.layout.CopyFrom(layout_to_pb(layout))
+                setattr(bad.layout, field, value)
+                code, details = await call(h_node, bad)
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and field in details
+            code, details = await call(h_node, pb.PullRequest(
+                layout=layout_to_pb(layout), block_hashes=hashes * 3))  # 18 > 16
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "block_hashes" in details
+            code, details = await call(h_node, pb.PullRequest(
+                layout=layout_to_pb(layout), block_hashes=[b"short"]))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "block_hashes" in details
+            huge = pb.PullRequest(layout=layout_to_pb(layout), block_hashes=[bytes(16)] * 9)
+            huge.layout.model_id = "x" * (2 << 20)  # past the port's message cap
+            assert (await call(h_node, huge))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert h_node.service.counts["served"] == 0
+            await asyncio.sleep(0.05)
+            holder.engine.kv.check_integrity()
+            assert not holder.engine.kv._tables
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_receiver_with_another_layout_imports_nothing(ckpt, tiny_checkpoint, reference):
+    other = str(tiny_checkpoint("llama", num_hidden_layers=3))
+
+    async def main():
+        opts = TransferOptions(secret=SECRET)
+        holder = Worker(LLM(model=ckpt, **ENGINE).engine, 8, "holder")
+        receiver = Worker(LLM(model=other, **ENGINE).engine, 8, "receiver")
+        nodes = []
+        try:
+            for w in (holder, receiver):
+                w.start()
+                nodes.append(await KVNode.start(w, opts, "127.0.0.1", 10.0))
+            await _generate(holder, PROMPTS[0])
+            # same prompt, another model: its hashes differ, so look the holder's up by hand
+            source = {"address": nodes[0].address, "num_blocks": 6}
+            await _generate(receiver, PROMPTS[1], source)
+            counts = nodes[1].puller.counts
+            assert counts["layout"] == 1 and counts["blocks"] == 0, dict(counts)
+            assert receiver.engine.kv.num_free_blocks == receiver.engine.kv.num_blocks
+        finally:
+            for node in nodes:
+                await node.stop()
+            for w in (holder, receiver):
+                w.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_worker_without_transfer_ignores_a_source(ckpt, reference):
+    async def main():
+        worker = Worker(LLM(model=ckpt, **ENGINE).engine, 8, "alone")
+        worker.start()
+        try:
+            got = await _generate(worker, PROMPTS[1], {"address": "127.0.0.1:1", "num_blocks": 6})
+            assert got == (reference[1], 0)
+        finally:
+            worker.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -1,0 +1,318 @@
+"""KV blocks between workers: the engine's side of a transfer, free of gRPC (the service and
+its client are cluster/kv_service.py; the wire format is proto/kv_transfer.proto).
+
+    holder                                      receiver
+    KVPort.pin(hashes) (engine thread)          KVPort.reserve(hashes) (engine thread)
+    Exporter.chunks(): gather -> bytes + CRC    Importer.accept(header), .add(chunk): CRC,
+                         ----gRPC stream---->           layout and order checked, scatter
+    KVPort.release(pin)                         KVPort.commit(reservation, blocks verified):
+                                                  registered in the prefix cache (BlockStored
+                                                  reaches the index), or released on failure
+
+Blocks are pinned for an export by a transfer's own entry in the block manager (a table that
+shares them, `allocate(prefix_block_ids=...)`), so nothing evicts or overwrites them while they
+are read; an import's blocks are fresh ones held the same way, written while no request can
+see them and registered only once their bytes are verified. The gathers and scatters touch only
+those blocks, so they run off the engine's thread while it steps.
+
+A failed transfer (checksum, truncation, timeout, the peer gone, a layout that differs) keeps
+the blocks verified before the failure and releases the rest: the request computes what is
+missing, so a transfer can cost time but never change an output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mxserve.worker.kv_cache import KVCacheManager
+
+WIRE_VERSION = 1
+_IDS = itertools.count()
+
+
+class TransferError(Exception):
+    """A transfer that cannot go on. `reason` names it for metrics: "checksum", "truncated",
+    "layout", "order", "refused", "timeout", "peer"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a worker's cache is laid out: a block's canonical bytes are, for each layer, K then
+    V, each [block_size, num_kv_heads, head_dim] in `dtype`."""
+
+    model_id: str
+    dtype: str  # "float32", "bfloat16", "float16"
+    block_size: int
+    num_layers: int  # the model's layers, then a local EAGLE head's
+    num_kv_heads: int
+    head_dim: int
+    version: int = WIRE_VERSION
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """The first field on which the two differ (None: compatible)."""
+        for name in ("version", "model_id", "dtype", "block_size", "num_layers", "num_kv_heads",
+                     "head_dim"):
+            if getattr(self, name) != getattr(other, name):
+                return name
+        return None
+
+
+def checksum(payload: bytes) -> int:
+    return zlib.crc32(payload)
+
+
+class BlockIO:
+    """Reads and writes whole blocks of a pool in the canonical layout. caches: every layer's K
+    and V, in order, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+        self.caches = list(caches)
+        self.device = self.caches[0].device
+        self.block_shape = self.caches[0].shape[1:]  # [block_size, num_kv_heads, head_dim]
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            data = torch.stack([c.index_select(0, ids) for c in self.caches], dim=1)
+        # [n, 2 * layers, block_size, num_kv_heads, head_dim]
+        return data.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def write(self, block_ids: Sequence[int], payload: bytes) -> None:
+        n = len(block_ids)
+        cache = self.caches[0]
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = raw.view(cache.dtype).view(n, len(self.caches), *self.block_shape)
+        data = data.to(self.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for i, c in enumerate(self.caches):
+                c.index_copy_(0, ids, data[:, i])
+        if self.device.type == "cuda":  # written before a step may read them
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+@dataclass
+class Pinned:
+    """Blocks held for an export: `block_ids` are the leading run of the asked hashes."""
+
+    entry: str  # the transfer's entry in the block manager
+    block_ids: list[int]
+
+
+@dataclass
+class Reservation:
+    """Fresh blocks held for an import: blocks [num_local, num_local + len(block_ids)) of the
+    prefix `block_hashes`, the first num_local being hits in the receiver's own cache."""
+
+    entry: str
+    block_hashes: list[int]
+    num_local: int
+    block_ids: list[int]
+
+
+class KVPort:
+    """The block manager's side of transfers. Every method runs on the engine's thread."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+
+    def pin(self, block_hashes: Sequence[int]) -> Pinned | None:
+        """Hold the leading run of `block_hashes` this cache has (None: not even the first)."""
+        block_ids = self.kv.lookup_prefix(list(block_hashes))
+        if not block_ids:
+            return None
+        entry = f"kv-transfer:{next(_IDS)}"
+        self.kv.allocate(entry, len(block_ids) * self.kv.block_size, block_ids)
+        return Pinned(entry, block_ids)
+
+    def reserve(self, block_hashes: Sequence[int], max_blocks: int) -> Reservation | None:
+        """Fresh blocks for up to `max_blocks` of the prefix's blocks after those this cache
+        already has (which are held too, so the prefix stays whole). None: nothing to fetch, or
+        no block free."""
+        block_hashes = list(block_hashes)
+        local = self.kv.lookup_prefix(block_hashes)
+        num_new = min(max_blocks, len(block_hashes) - len(local))
+        while num_new > 0:
+            entry = f"kv-transfer:{next(_IDS)}"
+            if self.kv.allocate(entry, (len(local) + num_new) * self.kv.block_size, local):
+                block_ids = self.kv.get_block_ids(entry)[len(local):]
+                return Reservation(entry, block_hashes[:len(local) + num_new], len(local),
+                                   block_ids)
+            num_new //= 2  # short of blocks: fetch less
+        return None
+
+    def commit(self, reservation: Reservation, num_verified: int) -> None:
+        """Register the first num_verified imported blocks in the prefix cache (the index hears
+        BlockStored) and release the entry: they stay cached, the rest go back to the pool."""
+        bs = self.kv.block_size
+        num_tokens = (reservation.num_local + num_verified) * bs
+        if num_verified < len(reservation.block_ids):
+            self.kv.trim(reservation.entry, num_tokens)
+        if num_tokens:
+            self.kv.cache_blocks(reservation.entry, reservation.block_hashes, num_tokens)
+        self.kv.free(reservation.entry)
+
+    def release(self, held: Pinned | Reservation) -> None:
+        self.kv.free(held.entry)
+
+
+class Exporter:
+    """The holder's stream: the pinned blocks in chunks of about `chunk_bytes`, each with its
+    CRC-32. `faults` is a test hook: {"corrupt_chunk": i} flips a byte of chunk i after its
+    checksum is taken, {"truncate_after": i} stops after chunk i."""
+
+    def __init__(self, io: BlockIO, layout: KVLayout, pinned: Pinned, chunk_bytes: int,
+                 faults: dict | None = None) -> None:
+        self.io, self.layout, self.pinned = io, layout, pinned
+        self.blocks_per_chunk = max(1, chunk_bytes // layout.bytes_per_block)
+        self.faults = faults or {}
+
+    def chunks(self) -> Iterator[tuple[int, int, bytes, int]]:
+        """(first block, number of blocks, payload, crc32) per chunk, gathered as they go."""
+        ids = self.pinned.block_ids
+        for i, first in enumerate(range(0, len(ids), self.blocks_per_chunk)):
+            if i > self.faults.get("truncate_after", len(ids)):
+                return
+            block_ids = ids[first:first + self.blocks_per_chunk]
+            payload = self.io.read(block_ids)
+            crc = checksum(payload)
+            if self.faults.get("corrupt_chunk") == i:
+                payload = bytes([payload[0] ^ 0x01]) + payload[1:]
+            yield first, len(block_ids), payload, crc
+
+
+@dataclass
+class Importer:
+    """The receiver's side of one pull: checks the header against its layout, then each chunk
+    (order, size, CRC) before writing it into the reserved blocks. `num_verified` counts the
+    blocks written so far, from the first: what `KVPort.commit` may keep."""
+
+    io: BlockIO
+    layout: KVLayout
+    reservation: Reservation
+    num_blocks: int = 0  # what the sender will send (its header)
+    num_verified: int = 0
+    num_bytes: int = 0
+    # close() waits for a write in progress and refuses later ones: the blocks are committed
+    # or released only after that, whatever thread a stale write runs on
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _closed: bool = False
+
+    def accept(self, layout: KVLayout, num_blocks: int, bytes_per_block: int) -> None:
+        name = self.layout.mismatch(layout)
+        if name is not None:
+            raise TransferError("layout", f"the peer's {name} is {getattr(layout, name)!r}, "
+                                          f"ours {getattr(self.layout, name)!r}")
+        if bytes_per_block != self.layout.bytes_per_block:
+            raise TransferError("layout", f"the peer sends {bytes_per_block} bytes a block, "
+                                          f"ours are {self.layout.bytes_per_block}")
+        if not 0 <= num_blocks <= len(self.reservation.block_ids):
+            raise TransferError("order", f"the peer sends {num_blocks} blocks, "
+                                         f"{len(self.reservation.block_ids)} were asked")
+        self.num_blocks = num_blocks
+
+    def add(self, first: int, num_blocks: int, payload: bytes, crc: int) -> None:
+        if first != self.num_verified or num_blocks <= 0 \
+                or first + num_blocks > self.num_blocks:
+            raise TransferError("order", f"chunk of blocks {first}..{first + num_blocks} "
+                                         f"after {self.num_verified} of {self.num_blocks}")
+        if len(payload) != num_blocks * self.layout.bytes_per_block:
+            raise TransferError("truncated", f"chunk of {num_blocks} blocks has "
+                                             f"{len(payload)} bytes")
+        if checksum(payload) != crc:
+            raise TransferError("checksum", f"blocks {first}..{first + num_blocks}: CRC-32 "
+                                            "mismatch")
+        with self._lock:
+            if self._closed:
+                raise TransferError("timeout", "the pull ended before this chunk was written")
+            self.io.write(self.reservation.block_ids[first:first + num_blocks], payload)
+            self.num_verified += num_blocks
+            self.num_bytes += len(payload)
+
+    def close(self) -> int:
+        """No more writes; returns the blocks verified and written."""
+        with self._lock:
+            self._closed = True
+            return self.num_verified
+
+    def finish(self) -> None:
+        if self.num_verified != self.num_blocks:
+            raise TransferError("truncated", f"the stream ended after {self.num_verified} of "
+                                             f"{self.num_blocks} blocks")
+
+
+@dataclass
+class PullPolicy:
+    """Pull a prefix's blocks from a peer only when that beats computing them:
+
+        pull_s = latency_s + bytes / link_bytes_per_s   <   tokens / prefill_tokens_per_s
+
+    The prefill rate is measured at start-up (`measure_prefill_rate`); each peer's link is
+    probed at first contact and kept current from every pull (an exponential average)."""
+
+    prefill_tokens_per_s: float
+    min_blocks: int = 2  # fewer blocks are never worth a round trip
+    latency_s: float = 0.002
+    smoothing: float = 0.3
+    # peer -> seconds a byte (averaged as time, not rate, so one slow pull counts fully)
+    links: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, peer: str, num_blocks: int, layout: KVLayout) -> tuple[float, float]:
+        """(seconds to pull, seconds to compute) for num_blocks blocks."""
+        pull = self.latency_s + num_blocks * layout.bytes_per_block * self.links[peer]
+        return pull, num_blocks * layout.block_size / self.prefill_tokens_per_s
+
+    def should_pull(self, peer: str, num_blocks: int, layout: KVLayout) -> bool:
+        if num_blocks < self.min_blocks:
+            return False
+        pull_s, compute_s = self.estimate(peer, num_blocks, layout)
+        return pull_s < compute_s
+
+    def observe_link(self, peer: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        cost = seconds / num_bytes
+        old = self.links.get(peer)
+        self.links[peer] = cost if old is None else old + self.smoothing * (cost - old)
+
+
+def engine_layout(model_id: str, caches: Sequence[torch.Tensor]) -> KVLayout:
+    block_size, num_kv_heads, head_dim = caches[0].shape[1:]
+    return KVLayout(model_id, str(caches[0].dtype).removeprefix("torch."), block_size,
+                    len(caches) // 2, num_kv_heads, head_dim)
+
+
+def measure_prefill_rate(engine, num_tokens: int = 512) -> float:
+    """Prompt tokens per second of this engine's prefill, timed on a throwaway prompt before the
+    engine serves (a short one first warms it up); the prefix cache is emptied after."""
+    from mxserve.api.sampling_params import SamplingParams
+
+    num_tokens = max(16, min(num_tokens, engine.max_model_len - 2))
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    rate = 0.0
+    for n in (16, num_tokens):
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        rate = n / (time.perf_counter() - start)
+    engine.kv.reset_prefix_cache()
+    return rate
