@@ -163,6 +163,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--draft-cpus", type=float, default=None, help="CPUs per draft replica")
     p.add_argument("--draft-gpus", type=float, default=None,
                    help="GPUs per draft replica (a fraction shares a GPU; default 0)")
+    p.add_argument("--kv-transfer", action="store_true", default=None,
+                   help="workers pull cached prefixes from each other over gRPC when that "
+                        "beats computing them (kv_transfer in the config file for its options)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")
@@ -349,6 +352,9 @@ def cmd_serve(args) -> int:
     routing = config.routing.model_dump()
     if args.routing:
         routing["policy"] = args.routing
+    kv_transfer = config.kv_transfer.model_dump()
+    if args.kv_transfer:
+        kv_transfer["enabled"] = True
     drafts = config.drafts.model_dump()
     if args.draft_replicas is not None:
         drafts["num_replicas"] = args.draft_replicas
@@ -357,7 +363,7 @@ def cmd_serve(args) -> int:
             drafts["resources"][key] = flag
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
                             "worker_resources": Resources(**resources), "routing": routing,
-                            "drafts": drafts})
+                            "drafts": drafts, "kv_transfer": kv_transfer})
     return serve_until_stopped(config, args.address, ask=args.ask)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -108,6 +109,39 @@ class Routing(BaseModel):
         return self.model_dump(include={"heartbeat_s", "heartbeat_ttl_s"})
 
 
+class KVTransfer(BaseModel):
+    """KV blocks between workers over gRPC (cluster/kv_service.py): a worker that routing
+    chose for load pulls a prompt's cached prefix from the worker holding it when that is
+    faster than computing it. Each worker serves its blocks on a port of its own; only callers
+    with the app's shared secret get in (drawn for each deployment unless given), over TLS
+    when tls_cert and tls_key are given (tls_ca: mutual TLS, every worker's certificate signed
+    by it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    secret: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    chunk_bytes: int = Field(2 << 20, ge=4096, le=8 << 20)  # payload per message
+    max_blocks: int = Field(8192, ge=1)  # blocks one pull may ask for
+    min_pull_blocks: int = Field(2, ge=1)  # fewer missing blocks are computed, not pulled
+    timeout_s: float = Field(30.0, gt=0)  # the longest a pull may take
+    calibration_tokens: int = Field(512, ge=16)  # the start-up prefill the cost model times
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTransfer:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("kv_transfer: give tls_cert and tls_key together")
+        return self
+
+    def worker_options(self) -> dict:
+        """What each worker replica gets: the secret drawn now when none is set."""
+        options = self.model_dump(exclude={"enabled"})
+        options["secret"] = self.secret or secrets.token_hex(16)
+        return options
+
+
 class ServeConfig(BaseModel):
     """One served model: a router ingress deployment in front of `num_workers` worker replicas."""
 
@@ -137,13 +171,16 @@ class ServeConfig(BaseModel):
     redis_url: str | None = None
     routing: Routing = Field(default_factory=Routing)
     drafts: Drafts = Field(default_factory=Drafts)  # used with draft_placement "replica"
+    kv_transfer: KVTransfer = Field(default_factory=KVTransfer)
     app_name: str = "mxserve"
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
-        self.engine_config()  # raises ValueError on a bad engine option
+        engine = self.engine_config()  # raises ValueError on a bad engine option
+        if self.kv_transfer.enabled and engine.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer: tensor-parallel workers cannot transfer KV yet")
         return self
 
     @classmethod

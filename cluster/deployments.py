@@ -48,12 +48,15 @@ class WorkerDeployment:
 
     async def __init__(self, engine_options: dict, max_queued_requests: int,
                        index: dict | None = None, rank_options: dict | None = None,
-                       drafts: DeploymentHandle | None = None) -> None:
+                       drafts: DeploymentHandle | None = None,
+                       kv_transfer: dict | None = None) -> None:
+        from mxserve.cluster.kv_service import KVNode, TransferOptions
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
         from mxserve.worker.config import EngineConfig
         from mxserve.worker.engine import build_engine
         from mxserve.worker.kv_events import KVEventPublisher, PublisherConfig
+        from mxserve.worker.kv_transfer import measure_prefill_rate
 
         setup_process()
         replica_id = serve.get_replica_context().replica_id.unique_id
@@ -75,9 +78,20 @@ class WorkerDeployment:
                     time.monotonic() - start, engine.runner.device,
                     str(engine.runner.dtype).removeprefix("torch."), engine.kv.num_blocks,
                     engine.kv.block_size)
+        prefill_rate = None
+        if kv_transfer is not None:  # the pull cost model's prefill rate, before serving
+            kv_transfer = dict(kv_transfer)
+            prefill_rate = await asyncio.to_thread(measure_prefill_rate, engine,
+                                                   kv_transfer.pop("calibration_tokens"))
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id())
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
+        self.kv_node = None
+        if kv_transfer is not None:
+            self.kv_node = await KVNode.start(self.worker, TransferOptions(**kv_transfer),
+                                              ray.util.get_node_ip_address(), prefill_rate)
+            logger.info("worker %s: KV transfer on %s (prefill %.0f tokens/s)", replica_id,
+                        self.kv_node.address, prefill_rate)
         self.publisher = None
         if index is not None:  # publish this engine's prefix cache to the global index
             self.publisher = KVEventPublisher(
@@ -87,8 +101,10 @@ class WorkerDeployment:
         self._metrics = asyncio.create_task(WorkerMetricsExporter(self.worker).run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StepOutput]:
-        async for out in self.worker.generate(prompt_token_ids, params, request_id):
+                       request_id: str, kv_source: dict | None = None
+                       ) -> AsyncIterator[StepOutput]:
+        """kv_source: set by the request router (a peer holding the prompt's prefix)."""
+        async for out in self.worker.generate(prompt_token_ids, params, request_id, kv_source):
             yield out
 
     def check_health(self) -> None:
@@ -109,9 +125,27 @@ class WorkerDeployment:
         return self.worker.draft_stats()
 
     def record_replica_metadata(self) -> dict:
-        """Read once by the request routers: how this worker hashes prompt blocks."""
+        """Read once by the request routers: how this worker hashes prompt blocks, and where
+        its peers pull its KV blocks from (None: KV transfer off)."""
         engine = self.worker.engine
-        return {"model_id": engine.model_config.model_id, "block_size": engine.kv.block_size}
+        return {"model_id": engine.model_config.model_id, "block_size": engine.kv.block_size,
+                "kv_address": self.kv_node.address if self.kv_node else None}
+
+    def kv_transfer_stats(self) -> dict | None:
+        """Pulls made (by outcome, blocks, bytes) and served; None with KV transfer off."""
+        if self.kv_node is None:
+            return None
+        return {"worker_id": self.worker.worker_id, "address": self.kv_node.address,
+                "pulls": dict(self.kv_node.puller.counts),
+                "served": dict(self.kv_node.service.counts)}
+
+    def set_kv_faults(self, worker_id: str, faults: dict) -> bool:
+        """Test hook: make worker_id's transfer service misbehave (kv_transfer.Exporter's
+        faults); False when this replica is another worker (a handle reaches any one)."""
+        if worker_id != self.worker.worker_id:
+            return False
+        self.kv_node.service.faults = dict(faults)
+        return True
 
     async def __del__(self) -> None:  # Serve calls this when the replica stops
         if hasattr(self, "worker"):
@@ -120,6 +154,8 @@ class WorkerDeployment:
                 self._draft_refresh.cancel()
             if self.publisher is not None:
                 await self.publisher.close()
+            if self.kv_node is not None:
+                await self.kv_node.stop()
             self.worker.shutdown()
 
 
@@ -341,8 +377,9 @@ def build_app(config: ServeConfig) -> serve.Application:
             ray_actor_options=d.resources.ray_actor_options(),
             health_check_period_s=config.health_check_period_s, **scale,
         ).bind(engine_options, d.num_kv_blocks)
+    kv_transfer = config.kv_transfer.worker_options() if config.kv_transfer.enabled else None
     workers = WorkerDeployment.options(**worker_options).bind(
-        engine_options, config.max_queued_requests, index, rank_options, drafts)
+        engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),

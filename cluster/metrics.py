@@ -80,6 +80,13 @@ class WorkerMetricsExporter:
         self.evicted = counter("mxserve_kv_evicted_tokens_total",
                                "Cached tokens dropped by KV eviction (kv_eviction)")
         self._last_evicted = 0
+        self.kv_pulls = counter("mxserve_kv_pulls_total",
+                                "Prefix pulls from peers by outcome: ok, skipped (computing was "
+                                "cheaper), checksum, truncated, timeout, peer, layout, refused, "
+                                "no_blocks", tag_keys=("outcome",))
+        self.kv_pulled = (counter("mxserve_kv_pulled_blocks_total", "KV blocks pulled from peers"),
+                          counter("mxserve_kv_pulled_bytes_total", "KV bytes pulled from peers"))
+        self._last_pulls: dict[str, int] = {}
         self._last = (0, 0, 0)
         self._last_spec = (0, 0, 0)
         self._last_remote = (0, 0, 0)
@@ -119,6 +126,7 @@ class WorkerMetricsExporter:
         if evicted > self._last_evicted:
             self.evicted.inc(evicted - self._last_evicted)
         self._last_evicted = evicted
+        self._export_pulls()
         stats = w.draft_stats()
         if stats:
             remote = (stats["num_rounds"], stats["num_failures"], stats["num_fallback_steps"])
@@ -128,3 +136,20 @@ class WorkerMetricsExporter:
             self._last_remote = remote
             if stats["round_trip_p50_ms"] is not None:
                 self.round_trip.set(stats["round_trip_p50_ms"] / 1e3)
+
+    def _export_pulls(self) -> None:
+        puller = self.worker.kv_puller
+        if puller is None:
+            return
+        counts = dict(puller.counts)
+        for key, now in counts.items():
+            delta = now - self._last_pulls.get(key, 0)
+            if delta <= 0:
+                continue
+            if key == "blocks":
+                self.kv_pulled[0].inc(delta)
+            elif key == "bytes":
+                self.kv_pulled[1].inc(delta)
+            else:
+                self.kv_pulls.inc(delta, tags={"outcome": key})
+        self._last_pulls = counts

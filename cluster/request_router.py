@@ -77,7 +77,23 @@ class PrefixAwareRequestRouter(RequestRouter):
             while len(self._prompts) > policy.dispatched.max_entries:
                 del self._prompts[next(iter(self._prompts))]  # never dispatched
             self._record(request_id, decision.order[0])
+            source = self._kv_source(by_id, decision.held_tokens, block_size)
+            if source is not None:
+                pending_request.kwargs["kv_source"] = source
         return [[by_id[replica_id]] for replica_id in decision.order]
+
+    @staticmethod
+    def _kv_source(by_id: dict[str, RunningReplica], held_tokens: dict[str, int],
+                   block_size: int) -> dict | None:
+        """The worker holding most of the prompt's prefix, for whichever worker takes the
+        request to pull from (cluster/kv_service.py; the holder itself ignores it). None when
+        no candidate holds any or KV transfer is off."""
+        holder = max(held_tokens, key=held_tokens.get, default=None)
+        replica = by_id.get(holder)
+        meta = replica.replica_metadata if replica is not None else None
+        if not meta or not meta.get("kv_address") or not block_size:
+            return None
+        return {"address": meta["kv_address"], "num_blocks": held_tokens[holder] // block_size}
 
     def _record(self, request_id: str, replica_id: str) -> None:
         prompt_len, held = self._prompts.get(request_id, (0, {}))

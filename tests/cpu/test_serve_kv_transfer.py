@@ -1,0 +1,109 @@
+"""KV transfer served (cluster/kv_service.py), on the session's multi-node cluster
+(tests/cpu/conftest.py `served`) with two more nodes, one worker replica each: a worker chosen
+for load pulls the prompt's cached prefix from the worker on the other node over gRPC, answers
+exactly as the offline engine does, counts the pulled tokens as cached, and serves it to later
+requests; a corrupted transfer is caught and the answer is unchanged."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from mxserve import SamplingParams
+from mxserve.cluster.config import Resources
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+MB = 2**20
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _kv_stats(app: str) -> dict[str, dict]:
+    """Each worker's transfer counters, by worker id (handle calls until both answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Worker", app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(200):
+        stats = handle.kv_transfer_stats.remote().result(timeout_s=30)
+        seen[stats["worker_id"]] = stats
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {sorted(seen)} answered")
+
+
+def _set_faults(app: str, worker_id: str, faults: dict) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Worker", app_name=app)
+    for _ in range(200):
+        if handle.set_kv_faults.remote(worker_id, faults).result(timeout_s=30):
+            return
+    raise AssertionError(f"{worker_id} never answered")
+
+
+def _generate(served, app: str, prompt: list[int]):
+    with served.client(app) as client:
+        return client.generate(prompt, temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
+    from ray import serve
+
+    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
+                                     object_store_memory=128 * MB) for _ in range(2)]
+    served.cluster.wait_for_nodes()
+    # prefix_weight 0: routing by load and cache size alone, so the second request goes to
+    # the worker that does not hold the prefix (which then pulls it)
+    app = served.deploy(app_name="xfer", num_workers=2, engine=dict(served.config.engine),
+                        worker_resources=Resources(num_cpus=0.5, resources={"xfer_node": 1}),
+                        routing=dict(prefix_weight=0.0, retry_after_s=0.5, lookup_timeout_s=2.0,
+                                     stats_period_s=0.25),
+                        kv_transfer=dict(enabled=True, chunk_bytes=16384,
+                                         calibration_tokens=64))
+    try:
+        rng = random.Random(3)
+        prefixes = [[rng.randrange(3, 256) for _ in range(96)] for _ in range(2)]
+        prompts = [p + [rng.randrange(3, 256) for _ in range(9)] for p in prefixes
+                   for _ in range(3)]
+        want = [o.token_ids for o in served.llm.generate(prompts, GREEDY)]
+        with served.client(app.app_name) as client:
+            workers = client.health().workers
+        assert len({w.node_id for w in workers}) == 2  # one worker on each new node
+
+        first = _generate(served, app.app_name, prompts[0])
+        assert first.token_ids == want[0] and first.cached_tokens == 0
+        held = served.wait_indexed(prefixes[0], app)
+        (holder,) = held
+        second = _generate(served, app.app_name, prompts[1])
+        assert second.token_ids == want[1]
+        assert second.cached_tokens == 96  # pulled, not computed
+        stats = _kv_stats(app.app_name)
+        (receiver,) = set(stats) - {holder}
+        assert stats[receiver]["pulls"].get("ok") == 1
+        assert stats[receiver]["pulls"]["blocks"] == 6
+        assert stats[holder]["served"].get("served") == 1
+        # the receiver published the pulled blocks: the index lists both workers as holders
+        deadline = time.monotonic() + 20
+        while len(served.wait_indexed(prefixes[0], app)) < 2:
+            assert time.monotonic() < deadline, "the pulled blocks never reached the index"
+            time.sleep(0.1)
+        third = _generate(served, app.app_name, prompts[2])
+        assert third.token_ids == want[2] and third.cached_tokens == 96
+
+        # A corrupted chunk: caught, counted, the answer unchanged.
+        assert _generate(served, app.app_name, prompts[3]).token_ids == want[3]
+        (holder2,) = served.wait_indexed(prefixes[1], app)
+        _set_faults(app.app_name, holder2, {"corrupt_chunk": 0})
+        fourth = _generate(served, app.app_name, prompts[4])
+        assert fourth.token_ids == want[4] and fourth.cached_tokens == 0
+        stats = _kv_stats(app.app_name)
+        other = next(w for w in stats if w != holder2)
+        assert stats[other]["pulls"].get("checksum") == 1, stats
+        served.wait_idle(app.app_name)
+    finally:
+        serve.delete(app.app_name)
+        for node in nodes:
+            served.cluster.remove_node(node)
