@@ -129,11 +129,11 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                 if self.faults.get("delay_s"):
                     await asyncio.sleep(self.faults["delay_s"])
-                first, n, payload, crc = chunk
+                first, n, payload, digest = chunk
                 self.counts["blocks"] += n
                 self.counts["bytes"] += len(payload)
                 yield pb.KVMessage(data=pb.KVData(first_block=first, num_blocks=n,
-                                                  payload=payload, crc32=crc))
+                                                  payload=payload, checksum=digest))
             self.counts["served"] += 1
         finally:
             if pinned is not None:  # not awaited: the call may be ending by cancellation
@@ -297,7 +297,7 @@ class KVPuller:
                     continue
                 d = message.data
                 await asyncio.to_thread(importer.add, d.first_block, d.num_blocks, d.payload,
-                                        d.crc32)
+                                        d.checksum)
         finally:
             stream.cancel()
 

@@ -43,16 +43,16 @@ class KVHeader(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class KVData(_message.Message):
-    __slots__ = ("first_block", "num_blocks", "payload", "crc32")
+    __slots__ = ("first_block", "num_blocks", "payload", "checksum")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     num_blocks: int
     payload: bytes
-    crc32: int
-    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVMessage(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,256 @@
+"""KV blocks over gRPC on CPU: SmolLM2-135M-Instruct (float32) on two workers in two processes
+(one thread each), loopback gRPC between them, side by side in one run.
+
+- Pull vs recompute, for prompts of 512, 2,048 and 8,160 tokens of KJV text (+ a 16-token tail
+  no worker holds): the receiver's time to first token when it pulls the prefix from the holder
+  (cluster/kv_service.KVPuller: probe done, then reserve, stream, verify, scatter, commit; then
+  the tail's prefill) against computing the whole prompt, and the pull alone.
+- Transfer throughput: the pull's bytes over its time against a plain TCP socket copy of as
+  many bytes between the same two processes; and, in the receiver alone, the rates of the
+  parts (gather, checksum, scatter) that bound it.
+
+Targets (issue 26): pull >= 10x faster than recompute at 2k; transfer >= 50% of the socket copy.
+
+Run: python bench/kv_transfer.py [--reps 3] [--out bench/results/kv_transfer.json]  (~5 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.revision import head_commit, write_result  # noqa: E402
+from mx_quality import kjv_tokens  # noqa: E402
+
+from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.cluster.kv_service import KVNode, TransferOptions  # noqa: E402
+from mxserve.cluster.worker import Worker  # noqa: E402
+from mxserve.worker.kv_transfer import checksum, measure_prefill_rate  # noqa: E402
+
+SIZES = (512, 2048, 8160)
+TAIL = 16
+SECRET = "bench"
+ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=1200, max_model_len=8192,
+              max_num_batched_tokens=2048, load_progress=False)
+FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+
+
+def _prompts() -> dict[int, list[int]]:
+    from mxserve.worker.model.loader import open_checkpoint
+
+    text = kjv_tokens(open_checkpoint(None).tokenizer, max(SIZES))
+    return {n: text[:n] for n in SIZES}
+
+
+# ---- the holder process --------------------------------------------------------------------
+
+
+def holder_main() -> None:
+    """Cache every size's prefix, serve the blocks and a plain socket, print the addresses,
+    and run until stdin closes."""
+    prefixes = _prompts()
+    llm = LLM(**ENGINE)
+    llm.generate(list(prefixes.values()), FIRST_TOKEN)
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    payload = bytes(256 << 20)
+
+    def serve_socket() -> None:  # each connection: 8-byte length in, that many bytes out
+        while True:
+            conn, _ = sock.accept()
+            with conn:
+                n = int.from_bytes(conn.recv(8), "little")
+                view = memoryview(payload)
+                while n:
+                    k = min(n, len(payload))
+                    conn.sendall(view[:k])
+                    n -= k
+
+    threading.Thread(target=serve_socket, daemon=True).start()
+
+    async def main() -> None:
+        worker = Worker(llm.engine, 8, "holder")
+        worker.start()
+        node = await KVNode.start(worker, TransferOptions(secret=SECRET), "127.0.0.1", 1.0)
+        print(json.dumps({"kv": node.address, "socket": sock.getsockname()[1]}), flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await node.stop()
+        worker.shutdown()
+
+    asyncio.run(main())
+
+
+# ---- the receiver (this process) ------------------------------------------------------------
+
+
+def socket_copy_s(port: int, num_bytes: int) -> float:
+    buf = bytearray(8 << 20)
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(num_bytes.to_bytes(8, "little"))
+        left = num_bytes
+        while left:
+            got = conn.recv_into(buf, min(len(buf), left))
+            if not got:
+                raise RuntimeError("socket closed early")
+            left -= got
+    return time.perf_counter() - start
+
+
+async def first_token_s(worker: Worker, prompt: list[int], rid: str, source=None
+                        ) -> tuple[float, int]:
+    start = time.perf_counter()
+    cached = 0
+    async for out in worker.generate(prompt, FIRST_TOKEN, rid, source):
+        cached = out.num_cached_tokens
+    return time.perf_counter() - start, cached
+
+
+async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
+    llm = LLM(**ENGINE)
+    prefill_rate = measure_prefill_rate(llm.engine)
+    worker = Worker(llm.engine, 8, "receiver")
+    worker.start()
+    node = await KVNode.start(worker, TransferOptions(secret=SECRET), "127.0.0.1",
+                              prefill_rate)
+    puller = node.puller
+    layout = puller.layout
+    source = {"address": holder["kv"], "num_blocks": 1 << 20}
+    rows = []
+    try:
+        for n, prefix in prefixes.items():
+            compute, pulled, pull_only, checks = [], [], [], []
+            for rep in range(args.reps):
+                tail = [(rep * 131 + 7 * i) % 20000 + 100 for i in range(TAIL)]
+                prompt = prefix + tail
+                await worker.async_engine.call(lambda e: e.kv.reset_prefix_cache())
+                t, cached = await first_token_s(worker, prompt, f"c{n}-{rep}")
+                compute.append(t)
+                assert cached == 0
+                await worker.async_engine.call(lambda e: e.kv.reset_prefix_cache())
+                before = dict(puller.counts)
+                t, cached = await first_token_s(worker, prompt, f"p{n}-{rep}", source)
+                pulled.append(t)
+                checks.append(cached == n - n % 16
+                              and puller.counts["ok"] == before.get("ok", 0) + 1)
+                # the pull alone, into an emptied cache
+                await worker.async_engine.call(lambda e: e.kv.reset_prefix_cache())
+                request = llm.engine.make_request(prompt, FIRST_TOKEN)
+                start = time.perf_counter()
+                got = await puller.maybe_pull(request.block_hashes, request.num_tokens, source)
+                pull_only.append(time.perf_counter() - start)
+                assert got == n // 16, got
+            num_bytes = (n // 16) * layout.bytes_per_block
+            socket_s = statistics.median(socket_copy_s(holder["socket"], num_bytes)
+                                         for _ in range(args.reps))
+            est_pull, est_compute = puller.policy.estimate(holder["kv"], n // 16, layout)
+            row = dict(prompt_tokens=n, bytes=num_bytes,
+                       compute_ttft_s=round(statistics.median(compute), 4),
+                       pull_ttft_s=round(statistics.median(pulled), 4),
+                       pull_only_s=round(statistics.median(pull_only), 4),
+                       socket_copy_s=round(socket_s, 4),
+                       policy_estimate_s=dict(pull=round(est_pull, 4),
+                                              compute=round(est_compute, 4)),
+                       pulled_correctly=all(checks))
+            row["ttft_speedup"] = round(row["compute_ttft_s"] / row["pull_ttft_s"], 2)
+            row["pull_vs_compute"] = round(row["compute_ttft_s"] / row["pull_only_s"], 2)
+            row["pull_gb_s"] = round(num_bytes / row["pull_only_s"] / 1e9, 3)
+            row["socket_gb_s"] = round(num_bytes / socket_s / 1e9, 3)
+            row["pull_vs_socket"] = round(socket_s / row["pull_only_s"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        parts = part_rates(node, layout)
+    finally:
+        await node.stop()
+        worker.shutdown()
+    return dict(prefill_tokens_per_s=round(prefill_rate, 1), rows=rows, parts_gb_s=parts,
+                bytes_per_block=layout.bytes_per_block, counts=dict(puller.counts))
+
+
+def part_rates(node: KVNode, layout) -> dict:
+    """GB/s of the transfer's parts on 128 blocks of this pool: gather (cache -> bytes),
+    XXH3-64 checksum, scatter (bytes -> cache)."""
+    io = node.puller.io
+    ids = list(range(128))
+    data = io.read(ids)
+    out = {}
+    for name, fn in (("gather", lambda: io.read(ids)), ("checksum", lambda: checksum(data)),
+                     ("scatter", lambda: io.write(ids, data))):
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = round(len(data) / statistics.median(times) / 1e9, 3)
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# KV transfer over gRPC (CPU, {result['date']}, {result['commit']})", "",
+             f"SmolLM2-135M-Instruct float32, {result['bytes_per_block']:,} bytes a block; "
+             f"two processes, one thread each, loopback. Prefill measured at start-up: "
+             f"{result['prefill_tokens_per_s']} tokens/s. Medians of {result['reps']}.", "",
+             "| prompt tokens | MB | TTFT compute s | TTFT pull s | speedup | pull alone s "
+             "| compute / pull | pull GB/s | socket GB/s | pull / socket |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['bytes'] / 1e6:.1f} | {r['compute_ttft_s']} "
+                     f"| {r['pull_ttft_s']} | {r['ttft_speedup']}x | {r['pull_only_s']} | "
+                     f"{r['pull_vs_compute']}x | {r['pull_gb_s']} | {r['socket_gb_s']} | "
+                     f"{r['pull_vs_socket']} |")
+    p = result["parts_gb_s"]
+    lines += ["", f"Parts, in one process (GB/s): gather {p['gather']}, checksum {p['checksum']}, "
+                  f"scatter {p['scatter']}.", "", f"Targets: {result['targets_met']}", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--holder", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="bench/results/kv_transfer.json")
+    args = p.parse_args()
+    if args.holder:
+        holder_main()
+        return
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    prefixes = _prompts()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--holder"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        holder = json.loads(proc.stdout.readline())
+        measured = asyncio.run(measure(args, holder, prefixes))
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    at_2k = next(r for r in measured["rows"] if r["prompt_tokens"] == 2048)
+    targets_met = {"pull_10x_faster_than_recompute_at_2k": at_2k["pull_vs_compute"] >= 10,
+                   "transfer_ge_50pct_of_socket_copy": at_2k["pull_vs_socket"] >= 0.5}
+    result = dict(bench="kv_transfer", device=f"cpu ({platform.processor() or 'x86_64'}, "
+                                             f"{os.cpu_count()} cores)",
+                  date=datetime.date.today().isoformat(), commit=head_commit(),
+                  versions=dict(python=platform.python_version(), torch=torch.__version__,
+                                grpcio=__import__("grpc").__version__),
+                  command="python bench/kv_transfer.py " + " ".join(sys.argv[1:]),
+                  reps=args.reps, **measured, targets_met=targets_met,
+                  seconds=round(time.perf_counter() - t0))
+    write_result(args.out, result, markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
