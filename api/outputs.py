@@ -24,6 +24,26 @@ class StepOutput:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # finish_reason "migrate": the worker is draining; the request goes on elsewhere from here
+    resume: ResumeState | None = None
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """A request a draining worker handed back, for a peer to go on from its next token
+    (`generate(..., resume=...)`): the output so far, a seeded request's random stream where it
+    stopped, and its counts. Its KV stays in the old worker's prefix cache under its block
+    hashes, `num_blocks` full blocks, for the peer to pull from `kv_address`."""
+
+    worker_id: str  # the worker it left: routing sends it elsewhere
+    kv_address: str | None
+    num_blocks: int
+    output_token_ids: list[int]
+    generator_state: bytes | None
+    num_cached_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
@@ -35,4 +55,4 @@ def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
         then.request_id, first.new_token_ids + then.new_token_ids,
         logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
         then.num_cached_tokens, then.num_output_tokens, then.num_drafts,
-        then.num_draft_tokens, then.num_accepted_tokens)
+        then.num_draft_tokens, then.num_accepted_tokens, then.resume)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -135,10 +134,11 @@ class KVTransfer(BaseModel):
             raise ValueError("kv_transfer: give tls_cert and tls_key together")
         return self
 
-    def worker_options(self) -> dict:
-        """What each worker replica gets: the secret drawn now when none is set."""
+    def worker_options(self, default_secret: str) -> dict:
+        """What each worker replica gets (and the request routers, which ask workers Serve
+        is stopping to drain): the secret is default_secret unless one is set."""
         options = self.model_dump(exclude={"enabled"})
-        options["secret"] = self.secret or secrets.token_hex(16)
+        options["secret"] = self.secret or default_secret
         return options
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -20,7 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.api.errors import ServeError
-from mxserve.api.outputs import StepOutput
+from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
@@ -90,6 +91,7 @@ class WorkerDeployment:
         if kv_transfer is not None:
             self.kv_node = await KVNode.start(self.worker, TransferOptions(**kv_transfer),
                                               ray.util.get_node_ip_address(), prefill_rate)
+            self.kv_node.service.on_drain = self.worker.drain
             logger.info("worker %s: KV transfer on %s (prefill %.0f tokens/s)", replica_id,
                         self.kv_node.address, prefill_rate)
         self.publisher = None
@@ -101,11 +103,21 @@ class WorkerDeployment:
         self._metrics = asyncio.create_task(WorkerMetricsExporter(self.worker).run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, kv_source: dict | None = None
-                       ) -> AsyncIterator[StepOutput]:
-        """kv_source: set by the request router (a peer holding the prompt's prefix)."""
-        async for out in self.worker.generate(prompt_token_ids, params, request_id, kv_source):
+                       request_id: str, kv_source: dict | None = None,
+                       resume: ResumeState | None = None) -> AsyncIterator[StepOutput]:
+        """kv_source: a peer holding the prompt's prefix (the request router's or the
+        router's); resume: go on from where a draining worker stopped (router/ingress.py)."""
+        async for out in self.worker.generate(prompt_token_ids, params, request_id, kv_source,
+                                              resume):
             yield out
+
+    async def drain(self, worker_id: str | None = None) -> int | None:
+        """Hand this worker's requests on to the others and take no more (`mxserve drain`,
+        and the request routers when Serve stops this replica); None when worker_id names
+        another replica (a handle reaches any one)."""
+        if worker_id is not None and worker_id != self.worker.worker_id:
+            return None
+        return await self.worker.drain()
 
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica (and its
@@ -155,6 +167,8 @@ class WorkerDeployment:
             if self.publisher is not None:
                 await self.publisher.close()
             if self.kv_node is not None:
+                await self.worker.drain()  # (a no-op once drained)
+                await self.kv_node.linger()  # peers may still pull what it handed on
                 await self.kv_node.stop()
             self.worker.shutdown()
 
@@ -249,8 +263,8 @@ class HandleWorkers:
         self.replica_prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[StepOutput]:
-        response = self.handle.generate.remote(prompt_token_ids, params, request_id)
+                       request_id: str, **hints) -> AsyncIterator[StepOutput]:
+        response = self.handle.generate.remote(prompt_token_ids, params, request_id, **hints)
         finished = False
         try:
             async for out in response:
@@ -320,6 +334,19 @@ def app_builder(args: dict) -> serve.Application:
     return build_app(ServeConfig(**args))
 
 
+def _cluster_secret(app_name: str) -> str:
+    """The app's KV transfer secret when the config gives none: drawn once and kept in the
+    Ray cluster's internal KV store, so a redeploy reuses it (a new one would change the
+    workers' arguments and restart every replica)."""
+    from ray.experimental import internal_kv
+
+    key = f"mxserve:kv_secret:{app_name}"
+    if not ray.is_initialized():
+        return secrets.token_hex(16)
+    internal_kv._internal_kv_put(key, secrets.token_hex(16), overwrite=False)
+    return internal_kv._internal_kv_get(key).decode()
+
+
 def build_app(config: ServeConfig) -> serve.Application:
     """The application for `serve.run`: a router bound to the worker deployment."""
     engine = config.engine_config()
@@ -340,6 +367,9 @@ def build_app(config: ServeConfig) -> serve.Application:
             upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
             look_back_period_s=a.look_back_period_s)
     index = None
+    kv_transfer = None
+    if config.kv_transfer.enabled:
+        kv_transfer = config.kv_transfer.worker_options(_cluster_secret(config.app_name))
     if config.routing.policy == "round_robin":
         worker_options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUND_ROBIN_CLASS)
@@ -348,6 +378,7 @@ def build_app(config: ServeConfig) -> serve.Application:
             request_router_class=ROUTER_CLASS,
             request_router_kwargs=dict(redis_url=config.redis_url,
                                        namespace=config.index_namespace,
+                                       kv_transfer=kv_transfer,
                                        **config.routing.policy_options()),
             request_routing_stats_period_s=config.routing.stats_period_s)
         index = dict(url=config.redis_url, namespace=config.index_namespace,
@@ -377,7 +408,6 @@ def build_app(config: ServeConfig) -> serve.Application:
             ray_actor_options=d.resources.ray_actor_options(),
             health_check_period_s=config.health_check_period_s, **scale,
         ).bind(engine_options, d.num_kv_blocks)
-    kv_transfer = config.kv_transfer.worker_options() if config.kv_transfer.enabled else None
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer)
     return RouterDeployment.options(

@@ -17,15 +17,17 @@ certificates are configured. Requests are capped (blocks per pull, message sizes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from mxserve.cluster.kv_drain import SECRET_KEY, channel_to, read_file
 from mxserve.proto import kv_transfer_pb2 as pb
 from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
 from mxserve.worker.async_engine import AsyncEngine
@@ -41,7 +43,6 @@ from mxserve.worker.kv_transfer import (
 )
 
 logger = logging.getLogger(__name__)
-SECRET_KEY = "x-mxserve-kv-secret"
 _HASH_BYTES = 16
 _MAX_MESSAGE = 64 << 20
 
@@ -72,13 +73,6 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
                     msg.head_dim, msg.version)
 
 
-def _read(file: str | None) -> bytes | None:
-    if file is None:
-        return None
-    with open(file, "rb") as f:
-        return f.read()
-
-
 class KVTransferService(pb_grpc.KVTransferServicer):
     """Serves this worker's cached blocks to its peers."""
 
@@ -88,15 +82,21 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.options = options
         self.faults: dict = {}  # test hook (Exporter's), set through the deployment
         self.counts: Counter = Counter()  # pulls served by outcome; blocks and bytes sent
+        self.on_drain: Callable[[], Awaitable[int]] | None = None  # Worker.drain
+        self.num_active = 0  # pulls being served now
+        self.last_active = time.monotonic()  # when the last one ended
 
-    async def _check(self, request: pb.PullRequest, context) -> list[int]:
-        """The caller's secret, layout and hashes; aborts the call with the status naming
-        what is wrong."""
+    async def _check_secret(self, context) -> None:
         secret = dict(context.invocation_metadata()).get(SECRET_KEY, "")
         if not hmac.compare_digest(secret.encode(), self.options.secret.encode()):
             self.counts["refused"] += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"metadata {SECRET_KEY}: missing or wrong")
+
+    async def _check(self, request: pb.PullRequest, context) -> list[int]:
+        """The caller's secret, layout and hashes; aborts the call with the status naming
+        what is wrong."""
+        await self._check_secret(context)
         name = self.layout.mismatch(layout_from_pb(request.layout))
         if name is not None:
             self.counts["refused"] += 1
@@ -117,6 +117,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
     async def Pull(self, request: pb.PullRequest, context) -> AsyncIterator[pb.KVMessage]:  # noqa: N802
         hashes = await self._check(request, context)
         pinned = await self.engine.call(lambda engine: self.port.pin(hashes))
+        self.num_active += 1
         try:
             num_blocks = len(pinned.block_ids) if pinned else 0
             yield pb.KVMessage(header=pb.KVHeader(
@@ -136,14 +137,19 @@ class KVTransferService(pb_grpc.KVTransferServicer):
                                                   payload=payload, checksum=digest))
             self.counts["served"] += 1
         finally:
+            self.num_active -= 1
+            self.last_active = time.monotonic()
             if pinned is not None:  # not awaited: the call may be ending by cancellation
                 self.engine.submit(lambda engine: self.port.release(pinned))
 
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainReply:  # noqa: N802
+        await self._check_secret(context)
+        if self.on_drain is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker cannot drain")
+        return pb.DrainReply(num_requests=await self.on_drain())
+
     async def Probe(self, request: pb.ProbeRequest, context) -> AsyncIterator[pb.KVMessage]:  # noqa: N802
-        secret = dict(context.invocation_metadata()).get(SECRET_KEY, "")
-        if not hmac.compare_digest(secret.encode(), self.options.secret.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"metadata {SECRET_KEY}: missing or wrong")
+        await self._check_secret(context)
         if not 0 < request.num_bytes <= _MAX_MESSAGE or not 0 < request.chunk_bytes <= 8 << 20:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"num_bytes (1..{_MAX_MESSAGE}) or chunk_bytes (1..8 MiB)")
@@ -162,7 +168,7 @@ async def start_server(service: KVTransferService, host: str, port: int = 0
     o = service.options
     if o.tls_cert:
         credentials = grpc.ssl_server_credentials(
-            [(_read(o.tls_key), _read(o.tls_cert))], root_certificates=_read(o.tls_ca),
+            [(read_file(o.tls_key), read_file(o.tls_cert))], root_certificates=read_file(o.tls_ca),
             require_client_auth=o.tls_ca is not None)
         bound = server.add_secure_port(f"{host}:{port}", credentials)
     else:
@@ -193,14 +199,8 @@ class KVPuller:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            o = self.options
-            options = [("grpc.max_receive_message_length", _MAX_MESSAGE)]
-            if o.tls_cert or o.tls_ca:
-                credentials = grpc.ssl_channel_credentials(_read(o.tls_ca), _read(o.tls_key),
-                                                           _read(o.tls_cert))
-                channel = grpc.aio.secure_channel(address, credentials, options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options)
+            channel = channel_to(address, dataclasses.asdict(self.options),
+                                 **{"grpc.max_receive_message_length": _MAX_MESSAGE})
             self._channels[address] = channel
         return channel
 
@@ -348,6 +348,17 @@ class KVNode:
         puller = KVPuller(worker.async_engine, port_, io, layout, policy, options, address)
         worker.kv_puller = puller
         return cls(service, puller, server, address)
+
+    async def linger(self, quiet_s: float = 1.0, timeout_s: float = 10.0) -> None:
+        """Wait until no peer has pulled from here for quiet_s (at most timeout_s): after a
+        drain, the peers going on with its requests pull their blocks from here."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            service = self.service
+            if not service.num_active and time.monotonic() - service.last_active >= quiet_s:
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         await self.puller.close()

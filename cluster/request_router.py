@@ -14,6 +14,8 @@ FIFOMixin's oldest-first): the choice was made for its prompt.
 
 from __future__ import annotations
 
+import asyncio
+
 from ray.serve import metrics
 from ray.serve.request_router import (
     FIFOMixin,
@@ -25,13 +27,17 @@ from ray.serve.request_router import (
 
 from mxserve.api.block_hash import block_hashes
 from mxserve.api.prefix_index import PrefixIndex
+from mxserve.cluster.kv_drain import request_drain
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
 
 
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, redis_url: str | None = None, namespace: str = "mxserve",
-                         **routing) -> None:
+                         kv_transfer: dict | None = None, **routing) -> None:
         self._redis_url, self._namespace = redis_url, namespace
+        # the workers' KV transfer options: a worker Serve stops is asked to drain over its
+        # transfer port (None: KV transfer off)
+        self._kv_transfer = kv_transfer
         self._config = RoutingConfig(**routing)
         self._policy: PrefixRouter | None = None  # built on the routing loop, on first use
         # request id -> (prompt tokens, tokens each replica holds), until it is dispatched
@@ -62,6 +68,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        candidate_replicas = self._serving(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [self._load(r) for r in candidate_replicas]
         prompt = self._prompt(pending_request)
@@ -78,9 +85,33 @@ class PrefixAwareRequestRouter(RequestRouter):
                 del self._prompts[next(iter(self._prompts))]  # never dispatched
             self._record(request_id, decision.order[0])
             source = self._kv_source(by_id, decision.held_tokens, block_size)
-            if source is not None:
+            if source is not None and "kv_source" not in pending_request.kwargs:
                 pending_request.kwargs["kv_source"] = source
         return [[by_id[replica_id]] for replica_id in decision.order]
+
+    @staticmethod
+    def _serving(replicas: list[RunningReplica], pending: PendingRequest | None
+                 ) -> list[RunningReplica]:
+        """The candidates less those draining and the one a handed-back request left (all of
+        them when that leaves none: a draining worker hands the request back at once)."""
+        resume = pending.kwargs.get("resume") if pending is not None else None
+        left = resume.worker_id if resume is not None else None
+        serving = [r for r in replicas if r.replica_id.unique_id != left
+                   and not (r.routing_stats or {}).get("draining")]
+        return serving or replicas
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of worker replicas. One that left it while this router knew its
+        transfer port is being stopped (or died): it is asked to drain, so its running
+        requests go on elsewhere instead of holding up its shutdown."""
+        if self._kv_transfer is not None:
+            kept = {r.replica_id for r in replicas}
+            for replica_id, replica in self.curr_replicas.items():
+                meta = replica.replica_metadata or {}
+                if replica_id not in kept and meta.get("kv_address"):
+                    asyncio.run_coroutine_threadsafe(
+                        request_drain(meta["kv_address"], self._kv_transfer), self._event_loop)
+        super().update_replicas(replicas)
 
     @staticmethod
     def _kv_source(by_id: dict[str, RunningReplica], held_tokens: dict[str, int],

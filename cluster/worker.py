@@ -10,6 +10,7 @@ without bound.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 from collections.abc import AsyncIterator
@@ -21,8 +22,9 @@ from mxserve.api.errors import (
     ServeError,
     UnavailableError,
 )
-from mxserve.api.outputs import StepOutput
+from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.worker import migration
 from mxserve.worker.async_engine import AsyncEngine
 from mxserve.worker.engine import Engine
 
@@ -52,6 +54,10 @@ class Worker:
         self._froze_gc = False  # start(freeze_gc=True) froze the heap; shutdown thaws it
         # Prefix pull from peers (cluster/kv_service.KVPuller), when KV transfer is on.
         self.kv_puller = None
+        # drain(): no request runs here any more; each goes on elsewhere (worker/migration.py)
+        self.draining = False
+        self.num_migrated_out = 0  # requests handed back by drain()
+        self.num_resumed = 0  # requests resumed here from another worker
 
     def start(self, freeze_gc: bool = False) -> None:
         """Start the engine loop. freeze_gc (a process serving this one engine, as a Serve
@@ -74,25 +80,37 @@ class Worker:
             self._froze_gc = False
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, kv_source: dict | None = None
-                       ) -> AsyncIterator[StepOutput]:
+                       request_id: str, kv_source: dict | None = None,
+                       resume: ResumeState | None = None) -> AsyncIterator[StepOutput]:
         """Stream the request's engine outputs. Closing the stream (or cancelling the task
         iterating it) aborts the request in the engine, which frees its KV blocks.
 
         kv_source: a peer holding the prompt's leading blocks ({"address", "num_blocks"}, from
         routing): they are pulled first when that beats computing them (`kv_puller`).
+        resume: the request was running on a worker that drained; it goes on from there. A
+        draining worker answers with one output, finish_reason "migrate", for the caller to
+        go on elsewhere (so does every request running here when `drain` is called).
 
         Raises ServeError: INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full)."""
+        if self.draining:
+            yield self._handed_back(request_id, prompt_token_ids, resume)
+            return
         if self.num_in_flight >= self.capacity:
             raise ServeError(RESOURCE_EXHAUSTED,
                              f"worker {self.worker_id} is full: {self.num_in_flight} requests "
                              f"running or queued (limit {self.capacity}); retry later")
         try:
             request = self.engine.make_request(prompt_token_ids, params, request_id)
+            if resume is not None:
+                migration.resume(self.engine, request, resume)
         except InvalidRequestError as e:
             raise ServeError.invalid(e) from None
         if kv_source and self.kv_puller is not None:
             await self.kv_puller.maybe_pull(request.block_hashes, request.num_tokens, kv_source)
+        if self.draining:  # drained while it pulled
+            yield self._handed_back(request_id, prompt_token_ids, resume)
+            return
+        self.num_resumed += resume is not None
         pending = len(prompt_token_ids) - self.engine.num_prefix_hit_tokens(request)
         self.num_in_flight += 1
         self.num_requests_total += 1
@@ -107,6 +125,8 @@ class Worker:
                     self.num_prefill_tokens_pending -= pending
                     first = False
                 self.num_output_tokens += len(out.new_token_ids)
+                if out.resume is not None:
+                    out = self._where_from(out)
                 if out.finished:
                     self.num_drafts += out.num_drafts
                     self.num_draft_tokens += out.num_draft_tokens
@@ -122,6 +142,29 @@ class Worker:
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
+
+    async def drain(self) -> int:
+        """Take no more requests and hand every one here back to go on elsewhere: each stream
+        ends with finish_reason "migrate" and the state a peer resumes from, its blocks left
+        in the prefix cache for the peer to pull. Returns how many were handed back."""
+        self.draining = True
+        moved = await self.async_engine.suspend_all(self._where_from)
+        self.num_migrated_out += moved
+        return moved
+
+    def _where_from(self, out: StepOutput) -> StepOutput:
+        """A suspended request's output, its resume state naming this worker."""
+        address = self.kv_puller.own_address if self.kv_puller is not None else None
+        return dataclasses.replace(out, resume=dataclasses.replace(
+            out.resume, worker_id=self.worker_id, kv_address=address))
+
+    def _handed_back(self, request_id: str, prompt_token_ids: list[int],
+                     resume: ResumeState | None) -> StepOutput:
+        """The answer of a draining worker to a new request: go on elsewhere, as it came."""
+        state = resume or ResumeState("", None, 0, [], None, 0)
+        state = dataclasses.replace(state, worker_id=self.worker_id, num_blocks=0)
+        return StepOutput(request_id, [], None, True, "migrate", len(prompt_token_ids),
+                          state.num_cached_tokens, len(state.output_token_ids), resume=state)
 
     def check_health(self) -> None:
         """Raise when this worker can serve no more (Serve then replaces the replica): its engine
@@ -145,7 +188,7 @@ class Worker:
                     num_requests_total=self.num_requests_total,
                     num_requests_aborted=self.num_requests_aborted,
                     num_prefill_tokens_pending=self.num_prefill_tokens_pending,
-                    reported_at=time.time())
+                    reported_at=time.time(), draining=self.draining)
 
     @property
     def num_evicted_tokens(self) -> int:

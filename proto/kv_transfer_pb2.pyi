@@ -69,3 +69,13 @@ class ProbeRequest(_message.Message):
     num_bytes: int
     chunk_bytes: int
     def __init__(self, num_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("num_requests",)
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    def __init__(self, num_requests: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class KVTransferStub:
                 request_serializer=mxserve_dot_proto_dot_kv__transfer__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=mxserve_dot_proto_dot_kv__transfer__pb2.KVMessage.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/mxserve.v1.KVTransfer/Drain',
+                request_serializer=mxserve_dot_proto_dot_kv__transfer__pb2.DrainRequest.SerializeToString,
+                response_deserializer=mxserve_dot_proto_dot_kv__transfer__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -67,6 +72,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Hand every request running here on to the other workers and take no new ones (Serve is
+        stopping this replica: its request routers call it). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=mxserve_dot_proto_dot_kv__transfer__pb2.ProbeRequest.FromString,
                     response_serializer=mxserve_dot_proto_dot_kv__transfer__pb2.KVMessage.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=mxserve_dot_proto_dot_kv__transfer__pb2.DrainRequest.FromString,
+                    response_serializer=mxserve_dot_proto_dot_kv__transfer__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class KVTransfer:
             '/mxserve.v1.KVTransfer/Probe',
             mxserve_dot_proto_dot_kv__transfer__pb2.ProbeRequest.SerializeToString,
             mxserve_dot_proto_dot_kv__transfer__pb2.KVMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mxserve.v1.KVTransfer/Drain',
+            mxserve_dot_proto_dot_kv__transfer__pb2.DrainRequest.SerializeToString,
+            mxserve_dot_proto_dot_kv__transfer__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

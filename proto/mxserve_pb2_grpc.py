@@ -5,7 +5,7 @@ import warnings
 
 from mxserve.proto import mxserve_pb2 as mxserve_dot_proto_dot_mxserve__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.84.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

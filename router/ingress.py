@@ -24,7 +24,7 @@ from mxserve.api.errors import (
     ServeError,
     as_serve_error,
 )
-from mxserve.api.outputs import StepOutput
+from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.api.stream import OutputStream
 from mxserve.api.tokenizer import Tokenizer
@@ -32,6 +32,7 @@ from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
 
 logger = logging.getLogger(__name__)
+MAX_MOVES = 8  # a request handed on more often than this (every worker draining) fails
 # A request's end line is INFO (finished, or ended by the client: router.errors.CLIENT_STATUSES)
 # unless the server was short of capacity (WARNING) or at fault (ERROR).
 _LOG_LEVELS = {RESOURCE_EXHAUSTED: logging.WARNING, UNAVAILABLE: logging.WARNING,
@@ -42,9 +43,11 @@ class Workers(Protocol):
     """How the router reaches the worker replicas (a Serve handle in the cluster)."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[StepOutput]:
+                 request_id: str, **hints) -> AsyncIterator[StepOutput]:
         """Stream the request's engine outputs; closing the stream aborts the request. Rejections
-        raise ServeError (or anything `as_serve_error` understands)."""
+        raise ServeError (or anything `as_serve_error` understands). hints: `resume` (a
+        ResumeState: go on from where a draining worker stopped, on another worker) and
+        `kv_source` (where its blocks can be pulled from)."""
 
     async def loads(self) -> list[dict]:
         """Every worker's load report (`Worker.load()`)."""
@@ -102,22 +105,38 @@ class Router:
 
     async def _stream(self, request_id: str, ids: list[int], params: SamplingParams,
                       out: OutputStream, end: RequestEnd) -> AsyncIterator[pb.GenerateResponse]:
+        """The worker's outputs as responses. A worker that drains hands the request back
+        (finish_reason "migrate"): it is sent on, with its state, to another worker, which
+        goes on from the next token; the client's stream stays open across the move."""
         end.num_prompt_tokens = len(ids)
-        stream = self.workers.generate(ids, params, request_id)
-        try:
-            async for step in stream:
-                if step.finish_reason == "abort":
-                    raise ServeError(UNAVAILABLE, f"request {request_id} was aborted by its worker")
-                num_new = out.add(step.new_token_ids, step.finish_reason)
-                end.first = end.first or time.monotonic()
-                end.num_tokens = out.num_tokens
-                yield _response(request_id, out, step, num_new)
-                if out.finished:
-                    end.status = out.finish_reason
-                    return
-            raise ServeError(INTERNAL, f"request {request_id}: the worker stream ended early")
-        finally:
-            await stream.aclose()  # a no-op when the worker finished; else the worker aborts
+        hints: dict = {}
+        for _ in range(MAX_MOVES + 1):
+            stream = self.workers.generate(ids, params, request_id, **hints)
+            try:
+                async for step in stream:
+                    if step.finish_reason == "abort":
+                        raise ServeError(UNAVAILABLE,
+                                         f"request {request_id} was aborted by its worker")
+                    moving = step.finish_reason == "migrate"
+                    num_new = out.add(step.new_token_ids, None if moving else step.finish_reason)
+                    if num_new or not moving:
+                        end.first = end.first or time.monotonic()
+                        end.num_tokens = out.num_tokens
+                        yield _response(request_id, out, step, num_new)
+                    if out.finished:
+                        end.status = out.finish_reason
+                        return
+                    if moving:
+                        hints = _resume_hints(step.resume)
+                        end.num_moves += 1
+                        break
+                else:
+                    raise ServeError(INTERNAL,
+                                     f"request {request_id}: the worker stream ended early")
+            finally:
+                await stream.aclose()  # a no-op when the worker finished; else it aborts
+        raise ServeError(UNAVAILABLE, f"request {request_id}: moved {MAX_MOVES} times (workers "
+                                      "draining); retry later")
 
     async def list_models(self) -> pb.ListModelsResponse:
         loads = await self.workers.loads()
@@ -137,6 +156,8 @@ class Router:
         tpot = (now - first) / (n - 1) if first is not None and n > 1 else None
         self.metrics.on_request_end(end.status.lower(), ttft, tpot, n)
         detail = f": {end.detail}" if end.detail else ""
+        if end.num_moves:
+            detail += f" (moved {end.num_moves}x)"
         logger.log(_LOG_LEVELS.get(end.status, logging.INFO),
                    "request %s: %s%s (%d prompt + %d output tokens, %.0f ms)", end.request_id,
                    end.status, detail, end.num_prompt_tokens, n, (now - end.start) * 1e3)
@@ -153,6 +174,15 @@ class RequestEnd:
     first: float | None = None  # when its first token went out
     num_prompt_tokens: int = 0
     num_tokens: int = 0
+    num_moves: int = 0  # times a draining worker handed it on
+
+
+def _resume_hints(state: ResumeState) -> dict:
+    """Where a handed-back request goes on: its state, and its blocks' holder."""
+    hints: dict = {"resume": state}
+    if state.kv_address and state.num_blocks:
+        hints["kv_source"] = {"address": state.kv_address, "num_blocks": state.num_blocks}
+    return hints
 
 
 def _response(request_id: str, out: OutputStream, step: StepOutput,

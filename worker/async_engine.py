@@ -24,6 +24,7 @@ from mxserve.api.outputs import StepOutput, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.engine import Engine
 from mxserve.worker.kv_cache import KVEvent
+from mxserve.worker.migration import suspend
 from mxserve.worker.request import Request
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,18 @@ class AsyncEngine:
         future = loop.create_future()
         self._commands.put(("call", (fn, loop, future)))
         return await future
+
+    async def suspend_all(self, fill: Callable[[StepOutput], StepOutput]) -> int:
+        """Hand every request back to go on elsewhere (worker/migration.py): each stream gets
+        its last output, finish_reason "migrate", passed through `fill` first (the caller adds
+        where it was). Returns how many."""
+        def run(engine: Engine) -> int:
+            self._deliver_all(engine.complete_inflight())
+            request_ids = list(engine.requests)
+            for request_id in request_ids:
+                self._deliver(request_id, fill(suspend(engine, request_id)))
+            return len(request_ids)
+        return await self.call(run)
 
     def submit(self, fn: Callable[[Engine], object]) -> None:
         """Run fn(engine) on the loop thread between two steps, not waiting for it (a failure

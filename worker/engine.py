@@ -159,9 +159,24 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        request.finish_reason = FinishReason.ABORT
+        self.abort_as(request, FinishReason.ABORT)
+        return self.output_of(request)
+
+    def abort_as(self, request: Request, reason: FinishReason) -> None:
+        """End a running or waiting request now, for `reason`, freeing its blocks (full ones
+        stay in the prefix cache)."""
+        request.finish_reason = reason
         self._finish(request)
+
+    def output_of(self, request: Request) -> StepOutput:
+        """The request's state as an output with no new tokens."""
         return self._output(request, [], 0)
+
+    def complete_inflight(self) -> list[StepOutput]:
+        """Complete the launched step (async scheduling), if any: the engine then has nothing
+        on the device."""
+        step, self._inflight = self._inflight, None
+        return [] if step is None else self._complete(step)
 
     def check_health(self) -> None:
         """Raise when the engine cannot step (a tensor-parallel rank has failed)."""

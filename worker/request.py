@@ -19,6 +19,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the client, a deadline, or shutdown
+    MIGRATE = "migrate"  # handed back by a draining worker, to go on elsewhere (not an end)
 
 
 @dataclass(eq=False, slots=True)

@@ -306,3 +306,87 @@ def test_worker_without_transfer_ignores_a_source(ckpt, reference):
         finally:
             worker.shutdown()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# ---- drain: running requests handed on to a peer through the router ---------------------------
+
+
+class _LocalWorkers:
+    """router.ingress.Workers over in-process Workers: a new request goes to `first`; one
+    handed back goes to another worker (as the request router does)."""
+
+    def __init__(self, workers: dict[str, Worker], first: str) -> None:
+        self.workers, self.first = workers, first
+        self.calls: list[tuple[str, dict]] = []
+
+    def generate(self, prompt, params, request_id, **hints):
+        resume = hints.get("resume")
+        target = self.first if resume is None else \
+            next(w for w in self.workers if w != resume.worker_id)
+        self.calls.append((target, hints))
+        return self.workers[target].generate(prompt, params, request_id,
+                                             hints.get("kv_source"), resume)
+
+    async def loads(self):
+        return [w.load() for w in self.workers.values()]
+
+
+def _router(ckpt, workers):
+    from mxserve.router.ingress import Router
+    from mxserve.router.requests import ModelCard
+    from mxserve.worker.model.loader import open_checkpoint
+
+    checkpoint = open_checkpoint(ckpt)
+    card = ModelCard("tiny", 512, 256, tuple(checkpoint.config.eos_token_ids))
+    return Router(checkpoint.tokenizer, card, workers)
+
+
+async def _routed(router, prompt: list[int], max_tokens: int, **sampling) -> list[int]:
+    request = pb_generate(prompt, max_tokens, **sampling)
+    tokens = []
+    async for response in router.generate(request):
+        tokens += list(response.token_ids)
+    return tokens
+
+
+def pb_generate(prompt: list[int], max_tokens: int, **sampling):
+    from mxserve.proto import mxserve_pb2 as mpb
+
+    return mpb.GenerateRequest(
+        token_ids=mpb.TokenIds(ids=prompt),
+        sampling_params=mpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def test_drain_hands_running_streams_to_the_peer_with_identical_output(ckpt):
+    """Four streams (greedy and seeded sampling) run on one worker; it drains mid-stream. Each
+    stream goes on on the other worker through the router: the tokens are the undisturbed
+    run's, none repeated or missing; the peer pulled the blocks; the drained pool is empty."""
+    prompts = [_ids(40 + 9 * i, 20 + i) for i in range(4)]
+    sampling = [dict(temperature=0.0), dict(temperature=0.0),
+                dict(temperature=0.9, seed=7), dict(temperature=0.8, top_p=0.9, seed=11)]
+    llm = LLM(model=ckpt, **ENGINE)
+    want = [o.token_ids for o in llm.generate(prompts, [
+        SamplingParams(max_tokens=64, ignore_eos=True, **s) for s in sampling])]
+
+    async def main():
+        async with _workers(ckpt) as ((a, b), (a_node, b_node)):
+            workers = _LocalWorkers({"w0": a, "w1": b}, first="w0")
+            router = _router(ckpt, workers)
+            tasks = [asyncio.create_task(_routed(router, p, 64, **s))
+                     for p, s in zip(prompts, sampling)]
+            while a.num_output_tokens < 4 * 20:  # well into every stream
+                await asyncio.sleep(0.01)
+            moved = await a.drain()
+            got = await asyncio.gather(*tasks)
+            assert moved == 4 and a.num_migrated_out == 4 and b.num_resumed == 4
+            assert got == want
+            assert b_node.puller.counts["ok"] >= 1, dict(b_node.puller.counts)
+            resumed = [h for w, h in workers.calls if "resume" in h]
+            assert len(resumed) == 4 and all(w == "w1" for w, h in workers.calls if "resume" in h)
+            # a new request to the drained worker is handed on too
+            assert await _routed(router, prompts[0], 64, **sampling[0]) == want[0]
+            await asyncio.sleep(0.05)
+            assert not a.engine.kv._tables and not b.engine.kv._tables
+            a.engine.kv.check_integrity()
+            b.engine.kv.check_integrity()
+    asyncio.run(asyncio.wait_for(main(), 180))
