@@ -39,6 +39,15 @@ class UnavailableError(MxserveError):
     worker can. The gRPC layer maps it to UNAVAILABLE (retriable)."""
 
 
+class WorkerLostError(MxserveError):
+    """The worker serving a request went away (its process died, or Serve stopped it) before
+    the request finished: the router goes on with it on another worker."""
+
+    def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"

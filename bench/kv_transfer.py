@@ -48,20 +48,20 @@ ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=1200, max_model_len=
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
 
-def _prompts() -> dict[int, list[int]]:
+def _prompts(sizes: list[int]) -> dict[int, list[int]]:
     from mxserve.worker.model.loader import open_checkpoint
 
-    text = kjv_tokens(open_checkpoint(None).tokenizer, max(SIZES))
-    return {n: text[:n] for n in SIZES}
+    text = kjv_tokens(open_checkpoint(None).tokenizer, max(sizes))
+    return {n: text[:n] for n in sizes}
 
 
 # ---- the holder process --------------------------------------------------------------------
 
 
-def holder_main() -> None:
+def holder_main(sizes: list[int]) -> None:
     """Cache every size's prefix, serve the blocks and a plain socket, print the addresses,
     and run until stdin closes."""
-    prefixes = _prompts()
+    prefixes = _prompts(sizes)
     llm = LLM(**ENGINE)
     llm.generate(list(prefixes.values()), FIRST_TOKEN)
 
@@ -221,15 +221,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--holder", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt tokens")
     p.add_argument("--out", default="bench/results/kv_transfer.json")
     args = p.parse_args()
+    sizes = [int(n) for n in args.sizes.split(",")]
     if args.holder:
-        holder_main()
+        holder_main(sizes)
         return
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    prefixes = _prompts()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--holder"],
+    prefixes = _prompts(sizes)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--holder",
+                             "--sizes", args.sizes],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         holder = json.loads(proc.stdout.readline())

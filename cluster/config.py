@@ -126,6 +126,7 @@ class KVTransfer(BaseModel):
     max_blocks: int = Field(8192, ge=1)  # blocks one pull may ask for
     min_pull_blocks: int = Field(2, ge=1)  # fewer missing blocks are computed, not pulled
     timeout_s: float = Field(30.0, gt=0)  # the longest a pull may take
+    num_streams: int = Field(4, ge=1, le=16)  # parallel streams of one pull
     calibration_tokens: int = Field(512, ge=16)  # the start-up prefill the cost model times
 
     @model_validator(mode="after")
@@ -166,6 +167,10 @@ class ServeConfig(BaseModel):
     # How often Serve asks each worker whether it can still serve (a failed tensor-parallel
     # rank, a dead engine thread); a worker that cannot is replaced.
     health_check_period_s: float = Field(10.0, gt=0)
+    # How long Serve lets a replica it stops (a redeploy, a scale-down) finish its requests
+    # before killing it: a router's client streams; a worker's, unless KV transfer is on (it
+    # then hands them to the other workers at once).
+    graceful_shutdown_timeout_s: float = Field(300.0, gt=0)
     # The global prefix index: redis://[:password@]host:port/db (rediss:// for TLS). None:
     # `mxserve serve` starts a local redis-server (embedded cluster only).
     redis_url: str | None = None

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 import grpc
 import ray
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from mxserve.api.errors import ServeError
+from mxserve.api.errors import ServeError, WorkerLostError
 from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
@@ -149,6 +150,8 @@ class WorkerDeployment:
             return None
         return {"worker_id": self.worker.worker_id, "address": self.kv_node.address,
                 "pulls": dict(self.kv_node.puller.counts),
+                "migrated_out": self.worker.num_migrated_out,
+                "resumed": self.worker.num_resumed,
                 "served": dict(self.kv_node.service.counts)}
 
     def set_kv_faults(self, worker_id: str, faults: dict) -> bool:
@@ -264,12 +267,15 @@ class HandleWorkers:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **hints) -> AsyncIterator[StepOutput]:
+        """Raises WorkerLostError when the worker's replica died or was stopped under it."""
         response = self.handle.generate.remote(prompt_token_ids, params, request_id, **hints)
         finished = False
         try:
             async for out in response:
                 finished = out.finished
                 yield out
+        except (RayActorError, ActorUnavailableError) as e:
+            raise WorkerLostError(f"its worker is gone ({type(e).__name__})") from None
         finally:
             if not finished:  # closed early (cancel, deadline, stop string): abort there
                 response.cancel()
@@ -354,6 +360,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     worker_options: dict = dict(
         ray_actor_options=config.worker_resources.ray_actor_options(),
         health_check_period_s=config.health_check_period_s,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.
         max_ongoing_requests=2 * (engine.max_num_seqs + config.max_queued_requests) + 1)
     if config.autoscaling is None:
@@ -413,5 +420,6 @@ def build_app(config: ServeConfig) -> serve.Application:
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
            config.app_name)

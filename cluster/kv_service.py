@@ -40,6 +40,8 @@ from mxserve.worker.kv_transfer import (
     PullPolicy,
     TransferError,
     engine_layout,
+    leading_verified,
+    split,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class TransferOptions:
     min_pull_blocks: int = 2
     timeout_s: float = 30.0  # the longest a pull may take, whatever the estimate
     probe_bytes: int = 4 << 20  # a link's first measurement
+    num_streams: int = 4  # parallel streams of one pull (over consecutive block ranges)
     tls_cert: str | None = None  # PEM files: this worker's certificate and key, and the CA
     tls_key: str | None = None  # that signed every worker's (then mutual TLS)
     tls_ca: str | None = None
@@ -261,27 +264,38 @@ class KVPuller:
         if reservation is None:
             self.counts["no_blocks"] += 1
             return 0
-        importer = Importer(self.io, self.layout, reservation)
-        pull_s, _ = self.policy.estimate(address, len(reservation.block_ids), self.layout)
+        num_blocks = len(reservation.block_ids)
+        # several streams over one channel: Python gRPC moves one stream's messages on one
+        # thread (bench/results/kv_transfer.md)
+        blocks_per_chunk = max(1, self.options.chunk_bytes // self.layout.bytes_per_block)
+        streams = split(self.io, self.layout, reservation,
+                        min(self.options.num_streams, -(-num_blocks // blocks_per_chunk)))
+        pull_s, _ = self.policy.estimate(address, num_blocks, self.layout)
         timeout = min(self.options.timeout_s, max(1.0, 4 * pull_s))
-        start = self.clock()
+        start, failed = self.clock(), False
         try:
-            await asyncio.wait_for(self._stream(address, reservation, importer), timeout)
-            importer.finish()
-        except (TransferError, grpc.aio.AioRpcError, TimeoutError) as e:
-            self._failed(address, _as_transfer_error(e))
+            async with asyncio.timeout(timeout), asyncio.TaskGroup() as group:
+                for importer in streams:
+                    group.create_task(self._stream(address, reservation, importer))
+        except* (TransferError, grpc.aio.AioRpcError, TimeoutError) as errors:
+            failed = True
+            self._failed(address, _as_transfer_error(errors.exceptions[0]))
         finally:  # keep what was verified, release the rest (also when cancelled)
-            self.engine.submit(lambda e: self.port.commit(reservation, importer.close()))
-        if importer.num_verified == importer.num_blocks and importer.num_blocks:
+            streams[0].gate.close()
+            num_verified = leading_verified(streams)
+            self.engine.submit(lambda e: self.port.commit(reservation, num_verified))
+        num_bytes = sum(importer.num_bytes for importer in streams)
+        if not failed and num_verified:
             self.counts["ok"] += 1
-            self.policy.observe_link(address, importer.num_bytes, self.clock() - start)
-        self.counts["blocks"] += importer.num_verified
-        self.counts["bytes"] += importer.num_bytes
-        return importer.num_verified
+            self.policy.observe_link(address, num_bytes, self.clock() - start)
+        self.counts["blocks"] += num_verified
+        self.counts["bytes"] += num_bytes
+        return num_verified
 
     async def _stream(self, address: str, reservation, importer: Importer) -> None:
+        lo = reservation.num_local + importer.lo
         hashes = [h.to_bytes(_HASH_BYTES, "big") for h in
-                  reservation.block_hashes[reservation.num_local:]]
+                  reservation.block_hashes[lo:lo + importer.size]]
         stream = pb_grpc.KVTransferStub(self._channel(address)).Pull(
             pb.PullRequest(layout=layout_to_pb(self.layout), block_hashes=hashes),
             metadata=self._metadata)
@@ -298,6 +312,7 @@ class KVPuller:
                 d = message.data
                 await asyncio.to_thread(importer.add, d.first_block, d.num_blocks, d.payload,
                                         d.checksum)
+            importer.finish()
         finally:
             stream.cancel()
 

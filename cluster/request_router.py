@@ -92,9 +92,12 @@ class PrefixAwareRequestRouter(RequestRouter):
     @staticmethod
     def _serving(replicas: list[RunningReplica], pending: PendingRequest | None
                  ) -> list[RunningReplica]:
-        """The candidates less those draining and the one a handed-back request left (all of
-        them when that leaves none: a draining worker hands the request back at once)."""
-        resume = pending.kwargs.get("resume") if pending is not None else None
+        """For a `generate` call, the candidates less those draining and the one a handed-back
+        request left (all of them when that leaves none: a draining worker hands the request
+        back at once). Other calls (stats, drain) may go to any."""
+        if pending is None or pending.metadata.call_method != "generate":
+            return replicas
+        resume = pending.kwargs.get("resume")
         left = resume.worker_id if resume is not None else None
         serving = [r for r in replicas if r.replica_id.unique_id != left
                    and not (r.routing_stats or {}).get("draining")]

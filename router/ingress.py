@@ -22,6 +22,7 @@ from mxserve.api.errors import (
     UNAVAILABLE,
     InvalidRequestError,
     ServeError,
+    WorkerLostError,
     as_serve_error,
 )
 from mxserve.api.outputs import ResumeState, StepOutput
@@ -32,7 +33,9 @@ from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
 
 logger = logging.getLogger(__name__)
-MAX_MOVES = 8  # a request handed on more often than this (every worker draining) fails
+# A request handed back this many times in a row without a token (every worker draining,
+# waiting 0.05 s, 0.1 s, ... up to 5 s between: about a minute in all) fails UNAVAILABLE.
+MAX_BOUNCES = 16
 # A request's end line is INFO (finished, or ended by the client: router.errors.CLIENT_STATUSES)
 # unless the server was short of capacity (WARNING) or at fault (ERROR).
 _LOG_LEVELS = {RESOURCE_EXHAUSTED: logging.WARNING, UNAVAILABLE: logging.WARNING,
@@ -110,10 +113,18 @@ class Router:
         goes on from the next token; the client's stream stays open across the move."""
         end.num_prompt_tokens = len(ids)
         hints: dict = {}
-        for _ in range(MAX_MOVES + 1):
+        num_bounces = 0  # hand-backs in a row with no token between (every worker draining)
+        produced: list[int] = []  # every token id the workers sent, for a re-issue
+        num_cached = 0
+        while num_bounces <= MAX_BOUNCES:
+            if num_bounces:  # wait for a worker that is not draining (a rolling update)
+                await asyncio.sleep(min(0.05 * 2 ** (num_bounces - 1), 5.0))
             stream = self.workers.generate(ids, params, request_id, **hints)
+            num_before = out.num_tokens
             try:
                 async for step in stream:
+                    produced += step.new_token_ids
+                    num_cached = num_cached or step.num_cached_tokens
                     if step.finish_reason == "abort":
                         raise ServeError(UNAVAILABLE,
                                          f"request {request_id} was aborted by its worker")
@@ -129,14 +140,21 @@ class Router:
                     if moving:
                         hints = _resume_hints(step.resume)
                         end.num_moves += 1
+                        num_bounces = 0 if out.num_tokens > num_before else num_bounces + 1
                         break
                 else:
                     raise ServeError(INTERNAL,
                                      f"request {request_id}: the worker stream ended early")
+            except WorkerLostError as e:  # recompute elsewhere from the prompt + output so far
+                logger.warning("request %s: %s; going on on another worker", request_id, e)
+                hints = {"resume": ResumeState(e.worker_id, None, 0, list(produced), None,
+                                               num_cached)}
+                end.num_moves += 1
+                num_bounces = 0 if out.num_tokens > num_before else num_bounces + 1
             finally:
                 await stream.aclose()  # a no-op when the worker finished; else it aborts
-        raise ServeError(UNAVAILABLE, f"request {request_id}: moved {MAX_MOVES} times (workers "
-                                      "draining); retry later")
+        raise ServeError(UNAVAILABLE, f"request {request_id}: every worker is draining; retry "
+                                      "later")
 
     async def list_models(self) -> pb.ListModelsResponse:
         loads = await self.workers.loads()

@@ -205,22 +205,41 @@ class Exporter:
             yield first, len(block_ids), payload, digest
 
 
+class WriteGate:
+    """Shared by the streams of one pull: `close` waits for a write in progress and refuses
+    later ones, so the blocks are committed or released only after every write, whatever
+    thread a stale one runs on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
 @dataclass
 class Importer:
-    """The receiver's side of one pull: checks the header against its layout, then each chunk
-    (order, size, checksum) before writing it into the reserved blocks. `num_verified` counts the
-    blocks written so far, from the first: what `KVPort.commit` may keep."""
+    """The receiver's side of one stream of a pull, for blocks [lo, hi) of the reservation:
+    checks the header against its layout, then each chunk (order, size, checksum) before
+    writing it into the reserved blocks. `num_verified` counts the blocks written so far, from
+    lo. A pull may run several streams over consecutive ranges (`split`)."""
 
     io: BlockIO
     layout: KVLayout
     reservation: Reservation
+    lo: int = 0
+    hi: int | None = None  # None: to the reservation's end
+    gate: WriteGate = field(default_factory=WriteGate)
     num_blocks: int = 0  # what the sender will send (its header)
     num_verified: int = 0
     num_bytes: int = 0
-    # close() waits for a write in progress and refuses later ones: the blocks are committed
-    # or released only after that, whatever thread a stale write runs on
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _closed: bool = False
+
+    @property
+    def size(self) -> int:
+        hi = len(self.reservation.block_ids) if self.hi is None else self.hi
+        return hi - self.lo
 
     def accept(self, layout: KVLayout, num_blocks: int, bytes_per_block: int) -> None:
         name = self.layout.mismatch(layout)
@@ -230,9 +249,9 @@ class Importer:
         if bytes_per_block != self.layout.bytes_per_block:
             raise TransferError("layout", f"the peer sends {bytes_per_block} bytes a block, "
                                           f"ours are {self.layout.bytes_per_block}")
-        if not 0 <= num_blocks <= len(self.reservation.block_ids):
-            raise TransferError("order", f"the peer sends {num_blocks} blocks, "
-                                         f"{len(self.reservation.block_ids)} were asked")
+        if not 0 <= num_blocks <= self.size:
+            raise TransferError("order", f"the peer sends {num_blocks} blocks, {self.size} "
+                                         "were asked")
         self.num_blocks = num_blocks
 
     def add(self, first: int, num_blocks: int, payload: bytes, digest: int) -> None:
@@ -246,23 +265,45 @@ class Importer:
         if checksum(payload) != digest:
             raise TransferError("checksum", f"blocks {first}..{first + num_blocks}: checksum "
                                             "mismatch")
-        with self._lock:
-            if self._closed:
+        start = self.lo + first
+        with self.gate.lock:
+            if self.gate.closed:
                 raise TransferError("timeout", "the pull ended before this chunk was written")
-            self.io.write(self.reservation.block_ids[first:first + num_blocks], payload)
+            self.io.write(self.reservation.block_ids[start:start + num_blocks], payload)
             self.num_verified += num_blocks
             self.num_bytes += len(payload)
 
     def close(self) -> int:
         """No more writes; returns the blocks verified and written."""
-        with self._lock:
-            self._closed = True
-            return self.num_verified
+        self.gate.close()
+        return self.num_verified
 
     def finish(self) -> None:
         if self.num_verified != self.num_blocks:
             raise TransferError("truncated", f"the stream ended after {self.num_verified} of "
                                              f"{self.num_blocks} blocks")
+
+
+def split(io: BlockIO, layout: KVLayout, reservation: Reservation, num_streams: int
+          ) -> list[Importer]:
+    """One Importer per stream, over consecutive ranges of the reservation, sharing a gate."""
+    n = len(reservation.block_ids)
+    num_streams = max(1, min(num_streams, n))
+    gate = WriteGate()
+    bounds = [n * i // num_streams for i in range(num_streams + 1)]
+    return [Importer(io, layout, reservation, lo, hi, gate)
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
+def leading_verified(importers: list[Importer]) -> int:
+    """Blocks verified from the reservation's first without a gap: what may be kept. Close the
+    gate first."""
+    total = 0
+    for importer in importers:
+        total += importer.num_verified
+        if importer.num_verified < importer.size:
+            break
+    return total
 
 
 @dataclass

@@ -142,7 +142,7 @@ def test_pull_policy_compares_link_time_with_prefill_time():
 @contextlib.asynccontextmanager
 async def _workers(ckpt, **options):
     """Two started Workers (holder, receiver), each serving its blocks on 127.0.0.1."""
-    opts = TransferOptions(secret=SECRET, chunk_bytes=20_000, **options)
+    opts = TransferOptions(**{"secret": SECRET, "chunk_bytes": 20_000, **options})
     llms = [LLM(model=ckpt, **ENGINE) for _ in range(2)]
     workers = [Worker(llm.engine, max_queued_requests=8, worker_id=f"w{i}")
                for i, llm in enumerate(llms)]
@@ -186,7 +186,7 @@ def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it
             got = await _generate(receiver, PROMPTS[1], _source(h_node))
             assert got == (reference[1], 96)
             assert r_node.puller.counts["ok"] == 1 and r_node.puller.counts["blocks"] == 6
-            assert h_node.service.counts["served"] == 1
+            assert h_node.service.counts["served"] == 3  # 3 chunks of 2 blocks: 3 streams
             assert r_node.puller.policy.links[h_node.address] > 0  # probed, then measured
             # the pulled blocks serve this worker's later requests without another pull
             assert await _generate(receiver, PROMPTS[2]) == (reference[2], 96)
@@ -198,13 +198,18 @@ def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
-@pytest.mark.parametrize("fault, reason", [({"corrupt_chunk": 1}, "checksum"),
-                                           ({"truncate_after": 0}, "truncated"),
-                                           ({"delay_s": 0.3}, "peer")])
+@pytest.mark.parametrize("fault, reason, streams", [
+    ({"corrupt_chunk": 1}, "checksum", 1), ({"truncate_after": 0}, "truncated", 1),
+    ({"delay_s": 0.3}, "peer", 1), ({"corrupt_chunk": 1}, "checksum", 2)])
 def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, reference, fault,
-                                                                     reason):
+                                                                     reason, streams):
+    """One stream of 3 chunks of 2 blocks; or 2 streams of 3 one-block chunks, each failing at
+    its second (the blocks kept are those verified from the first without a gap)."""
+    chunk = 20_000 if streams == 1 else 8192
+
     async def main():
-        async with _workers(ckpt) as ((holder, receiver), (h_node, r_node)):
+        async with _workers(ckpt, num_streams=streams, chunk_bytes=chunk) as (
+                (holder, receiver), (h_node, r_node)):
             await _generate(holder, PROMPTS[0])
             h_node.service.faults = fault
             if "delay_s" in fault:  # the holder goes away after its first chunk
@@ -216,8 +221,9 @@ def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, refe
             assert got[0] == reference[1]
             counts = r_node.puller.counts
             assert counts[reason] == 1 and counts["ok"] == 0, dict(counts)
-            # what arrived verified before the failure is kept: whole chunks (2 blocks) only
-            assert got[1] == 16 * counts["blocks"] and counts["blocks"] in (0, 2)
+            # what arrived verified before the failure is kept: whole chunks only
+            assert got[1] == 16 * counts["blocks"]
+            assert counts["blocks"] in ((0, 2) if streams == 1 else (0, 1))
             if "delay_s" in fault:
                 await killer
             await asyncio.sleep(0.05)
@@ -390,3 +396,41 @@ def test_drain_hands_running_streams_to_the_peer_with_identical_output(ckpt):
             a.engine.kv.check_integrity()
             b.engine.kv.check_integrity()
     asyncio.run(asyncio.wait_for(main(), 180))
+
+
+def test_a_stream_whose_worker_is_lost_goes_on_elsewhere_from_its_output_so_far(ckpt):
+    """The worker's stream breaks mid-request (WorkerLostError, what HandleWorkers raises when
+    Serve's replica died): the router re-issues the prompt + output so far on the other
+    worker; the client gets the undisturbed run's greedy tokens, none repeated."""
+    from mxserve.api.errors import WorkerLostError
+
+    prompt = _ids(30, 40)
+    want = LLM(model=ckpt, **ENGINE).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].token_ids
+
+    class Breaking(_LocalWorkers):
+        def generate(self, prompt, params, request_id, **hints):
+            inner = super().generate(prompt, params, request_id, **hints)
+            if "resume" in hints:
+                return inner
+
+            async def broken():
+                n = 0
+                async for out in inner:
+                    yield out
+                    n += len(out.new_token_ids)
+                    if n >= 10:
+                        await inner.aclose()
+                        raise WorkerLostError("its worker is gone (test)", "w0")
+            return broken()
+
+    async def main():
+        async with _workers(ckpt) as ((a, b), _):
+            workers = Breaking({"w0": a, "w1": b}, first="w0")
+            got = await _routed(_router(ckpt, workers), prompt, 48, temperature=0.0)
+            assert got == want
+            (target, hints), = [c for c in workers.calls if "resume" in c[1]]
+            assert target == "w1" and len(hints["resume"].output_token_ids) >= 10
+            await asyncio.sleep(0.05)
+            assert not a.engine.kv._tables and not b.engine.kv._tables
+    asyncio.run(asyncio.wait_for(main(), 120))

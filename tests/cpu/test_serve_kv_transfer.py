@@ -20,8 +20,8 @@ MB = 2**20
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _kv_stats(app: str) -> dict[str, dict]:
-    """Each worker's transfer counters, by worker id (handle calls until both answered)."""
+def _kv_stats(app: str, num_workers: int = 2) -> dict[str, dict]:
+    """Each worker's transfer counters, by worker id (handle calls until all answered)."""
     from ray import serve
 
     handle = serve.get_deployment_handle("Worker", app_name=app)
@@ -29,7 +29,7 @@ def _kv_stats(app: str) -> dict[str, dict]:
     for _ in range(200):
         stats = handle.kv_transfer_stats.remote().result(timeout_s=30)
         seen[stats["worker_id"]] = stats
-        if len(seen) == 2:
+        if len(seen) == num_workers:
             return seen
     raise AssertionError(f"only {sorted(seen)} answered")
 
@@ -84,7 +84,7 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
         (receiver,) = set(stats) - {holder}
         assert stats[receiver]["pulls"].get("ok") == 1
         assert stats[receiver]["pulls"]["blocks"] == 6
-        assert stats[holder]["served"].get("served") == 1
+        assert stats[holder]["served"].get("served") == 3  # 3 chunks of 2 blocks, 3 streams
         # the receiver published the pulled blocks: the index lists both workers as holders
         deadline = time.monotonic() + 20
         while len(served.wait_indexed(prefixes[0], app)) < 2:
@@ -103,6 +103,119 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
         other = next(w for w in stats if w != holder2)
         assert stats[other]["pulls"].get("checksum") == 1, stats
         served.wait_idle(app.app_name)
+    finally:
+        serve.delete(app.app_name)
+        for node in nodes:
+            served.cluster.remove_node(node)
+
+
+def _streams(served, app: str, prompts: list[list[int]], max_tokens: int):
+    """Start one streaming client a prompt; a future of each one's token ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt):
+        with served.client(app) as client:
+            return client.generate(prompt, temperature=0, max_tokens=max_tokens,
+                                   ignore_eos=True).token_ids
+
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(one, p) for p in prompts]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _wait_running(served, app: str, n: int, timeout_s: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    with served.client(app) as client:
+        while True:
+            workers = client.health().workers
+            if sum(w.num_running for w in workers) >= n:
+                return workers
+            assert time.monotonic() < deadline, f"never {n} running: {workers}"
+            time.sleep(0.02)
+
+
+def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served):
+    """Eight greedy streams share a prefix, so routing (prefix only) puts all on its holder;
+    the holder is drained (as `mxserve drain` does): every stream completes on the other
+    worker with the undisturbed run's tokens, none repeated or missing, and the drained
+    worker holds no block."""
+    from ray import serve
+
+    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
+                                     object_store_memory=128 * MB) for _ in range(2)]
+    served.cluster.wait_for_nodes()
+    options = dict(app_name="drain", num_workers=2, engine=dict(served.config.engine),
+                   worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
+                   routing=dict(load_weight=0.0, kv_weight=0.0, cache_weight=0.0,
+                                lookup_timeout_s=2.0, stats_period_s=0.25),
+                   kv_transfer=dict(enabled=True, calibration_tokens=64))
+    app = served.deploy(**options)
+    try:
+        rng = random.Random(5)
+        prefix = [rng.randrange(3, 256) for _ in range(64)]
+        prompts = [prefix + [rng.randrange(3, 256) for _ in range(5 + 3 * i)] for i in range(8)]
+        params = SamplingParams(temperature=0, max_tokens=360, ignore_eos=True)
+        want = [o.token_ids for o in served.llm.generate(prompts, params)]
+        _generate(served, app.app_name, prefix + [7])
+        (holder,) = served.wait_indexed(prefix, app)
+
+        pending = _streams(served, app.app_name, prompts, 360)
+        workers = {w.worker_id: w for w in _wait_running(served, app.app_name, 8)}
+        assert workers[holder].num_running == 8
+        handle = serve.get_deployment_handle("Worker", app_name=app.app_name)
+        for _ in range(200):
+            moved = handle.drain.remote(holder).result(timeout_s=60)
+            if moved is not None:
+                break
+        assert moved == 8
+        assert [f.result(timeout=300) for f in pending] == want
+        stats = _kv_stats(app.app_name)
+        other = next(w for w in stats if w != holder)
+        assert stats[holder]["migrated_out"] == 8 and stats[other]["resumed"] == 8
+        assert stats[other]["pulls"].get("ok", 0) >= 1
+        loads = {w.worker_id: w for w in served.wait_idle(app.app_name)}
+        assert loads[holder].draining and loads[holder].num_kv_blocks_used == 0
+
+    finally:
+        serve.delete(app.app_name)
+        for node in nodes:
+            served.cluster.remove_node(node)
+
+
+def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_checkpoint):
+    """The app deployed again with streams running: Serve starts new workers and stops the
+    old ones (the path a scale-down takes); each old one, asked by the router to drain when it
+    leaves the routing set, hands its streams on; they complete with the undisturbed run's
+    tokens. One request at a time a worker (max_num_seqs 1) keeps the streams alive across
+    the redeploy."""
+    from ray import serve
+
+    from mxserve import LLM
+
+    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
+    engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
+    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
+                                     object_store_memory=128 * MB) for _ in range(2)]
+    served.cluster.wait_for_nodes()
+    options = dict(app_name="rolling", model=model, num_workers=1, engine=engine,
+                   worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
+                   routing=dict(lookup_timeout_s=2.0, stats_period_s=0.25),
+                   kv_transfer=dict(enabled=True, calibration_tokens=64))
+    app = served.deploy(**options)
+    try:
+        rng = random.Random(9)
+        prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
+        llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+        (old,) = _kv_stats(app.app_name, 1)
+        pending = _streams(served, app.app_name, prompts, 1800)
+        _wait_running(served, app.app_name, 1)
+        served.deploy(**options)  # a new version: new workers, the old one stopped
+        assert [f.result(timeout=300) for f in pending] == want
+        (new,) = _kv_stats(app.app_name, 1).values()
+        assert new["worker_id"] != old and new["resumed"] >= 1, new
     finally:
         serve.delete(app.app_name)
         for node in nodes:
