@@ -8,6 +8,10 @@
 - Transfer throughput: the pull's bytes over its time against a plain TCP socket copy of as
   many bytes between the same two processes; and, in the receiver alone, the rates of the
   parts (gather, checksum, scatter) that bound it.
+- Migration pause: two workers in this process behind the router's logic (router/ingress.py);
+  rounds of 8 greedy streams (300-token prompts) on one worker, drained once each stream has 8
+  tokens: the time from a stream's last token on the old worker to its first on the new one,
+  p50/p99 over 32 migrations, with KV pulled vs recomputed (KV transfer off).
 
 Targets (issue 26): pull >= 10x faster than recompute at 2k; transfer >= 50% of the socket copy.
 
@@ -198,6 +202,106 @@ def part_rates(node: KVNode, layout) -> dict:
     return out
 
 
+class _TwoWorkers:
+    """router.ingress.Workers over two in-process Workers: new requests to `first`, a handed-
+    back one to the other; each output's arrival time kept per request and call."""
+
+    def __init__(self, workers: dict, first: str, pull: bool) -> None:
+        self.workers, self.first, self.pull = workers, first, pull
+        self.times: dict[str, list[list[float]]] = {}  # request -> per call, token times
+
+    def generate(self, prompt, params, request_id, **hints):
+        resume = hints.get("resume")
+        target = self.first if resume is None else \
+            next(w for w in self.workers if w != resume.worker_id)
+        source = hints.get("kv_source") if self.pull else None
+        calls = self.times.setdefault(request_id, [])
+        calls.append([])
+        return self._timed(self.workers[target].generate(prompt, params, request_id, source,
+                                                         resume), calls[-1])
+
+    @staticmethod
+    async def _timed(stream, times: list[float]):
+        async for out in stream:
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+            yield out
+
+    async def loads(self):
+        return []
+
+
+async def migration_pauses(llms: list[LLM], prompts: list[list[int]], pull: bool,
+                           rounds: int) -> list[float]:
+    """Seconds from each stream's last token on the drained worker to its first on the other."""
+    from mxserve.proto import mxserve_pb2 as mpb
+    from mxserve.router.ingress import Router
+    from mxserve.router.requests import ModelCard
+
+    workers, nodes = {}, []
+    for i, llm in enumerate(llms):
+        rate = measure_prefill_rate(llm.engine, 256) if pull else 0.0  # before it serves
+        w = Worker(llm.engine, 16, f"w{i}")
+        w.start()
+        workers[w.worker_id] = w
+        if pull:
+            nodes.append(await KVNode.start(w, TransferOptions(secret=SECRET), "127.0.0.1",
+                                            rate))
+    engine = llms[0].engine
+    card = ModelCard("smollm2", engine.max_model_len, engine.model_config.vocab_size,
+                     tuple(engine.model_config.eos_token_ids))
+    pauses = []
+    try:
+        for r in range(rounds):
+            first = f"w{r % 2}"
+            local = _TwoWorkers(workers, first, pull)
+            router = Router(llms[0].tokenizer, card, local)
+            batch = prompts[8 * r:8 * r + 8]
+
+            async def run(router: Router, prompt: list[int]) -> list[int]:
+                request = mpb.GenerateRequest(
+                    token_ids=mpb.TokenIds(ids=prompt),
+                    sampling_params=mpb.SamplingParams(temperature=0, max_tokens=40,
+                                                       ignore_eos=True))
+                return [t async for resp in router.generate(request) for t in resp.token_ids]
+
+            tasks = [asyncio.create_task(run(router, p)) for p in batch]
+            while len(local.times) < len(batch) or \
+                    min(len(c[0]) for c in local.times.values()) < 8:
+                await asyncio.sleep(0.002)
+            await workers[first].drain()
+            await asyncio.gather(*tasks)
+            workers[first].draining = False  # (this bench reuses the drained worker)
+            for calls in local.times.values():
+                assert len(calls) == 2 and calls[1], "a stream was not moved"
+                pauses.append(calls[1][0] - calls[0][-1])
+    finally:
+        for node in nodes:
+            await node.stop()
+        for w in workers.values():
+            w.shutdown()
+    return pauses
+
+
+def migration_section(args) -> dict:
+    from mxserve.worker.model.loader import open_checkpoint
+
+    text = kjv_tokens(open_checkpoint(None).tokenizer, 300 * 8 * args.rounds + 300)
+    prompts = [text[300 * i:300 * i + 300] for i in range(8 * args.rounds)]
+    out = {}
+    for pull in (True, False):
+        llms = [LLM(**{**ENGINE, "num_kv_blocks": 600}) for _ in range(2)]
+        pauses = asyncio.run(migration_pauses(llms, prompts, pull, args.rounds))
+        out["pull" if pull else "recompute"] = dict(
+            n=len(pauses), p50_ms=round(1e3 * statistics.median(pauses), 1),
+            p99_ms=round(1e3 * sorted(pauses)[min(len(pauses) - 1,
+                                                  int(0.99 * len(pauses)))], 1),
+            max_ms=round(1e3 * max(pauses), 1))
+        print(json.dumps(out), flush=True)
+        del llms
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [f"# KV transfer over gRPC (CPU, {result['date']}, {result['commit']})", "",
              f"SmolLM2-135M-Instruct float32, {result['bytes_per_block']:,} bytes a block; "
@@ -213,7 +317,17 @@ def markdown(result: dict) -> str:
                      f"{r['pull_vs_socket']} |")
     p = result["parts_gb_s"]
     lines += ["", f"Parts, in one process (GB/s): gather {p['gather']}, checksum {p['checksum']}, "
-                  f"scatter {p['scatter']}.", "", f"Targets: {result['targets_met']}", ""]
+                  f"scatter {p['scatter']}.", ""]
+    m = result.get("migration")
+    if m:
+        lines += ["Migration pause (last token on the drained worker to first on the other, "
+                  f"8 streams a drain, {m['pull']['n']} migrations):", "",
+                  "| KV | p50 ms | p99 ms | max ms |", "|---|---|---|---|"]
+        for name in ("pull", "recompute"):
+            lines.append(f"| {name} | {m[name]['p50_ms']} | {m[name]['p99_ms']} | "
+                         f"{m[name]['max_ms']} |")
+        lines.append("")
+    lines += [f"Targets: {result['targets_met']}", ""]
     return "\n".join(lines)
 
 
@@ -222,6 +336,7 @@ def main() -> None:
     p.add_argument("--holder", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prompt tokens")
+    p.add_argument("--rounds", type=int, default=4, help="migration rounds of 8 streams")
     p.add_argument("--out", default="bench/results/kv_transfer.json")
     args = p.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
@@ -240,6 +355,7 @@ def main() -> None:
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
+    measured["migration"] = migration_section(args) if args.rounds else None
     at_2k = next(r for r in measured["rows"] if r["prompt_tokens"] == 2048)
     targets_met = {"pull_10x_faster_than_recompute_at_2k": at_2k["pull_vs_compute"] >= 10,
                    "transfer_ge_50pct_of_socket_copy": at_2k["pull_vs_socket"] >= 0.5}

@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     _quantize_parser(sub)
     _train_draft_parser(sub)
     _draft_server_parser(sub)
+    _drain_parser(sub)
     return parser
 
 
@@ -188,6 +189,18 @@ def _draft_server_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="default: a free port (printed)")
     p.add_argument("--num-blocks", type=int, default=4096,
                    help="the head's KV pool, in blocks of the target's block size")
+
+
+def _drain_parser(sub) -> None:
+    p = sub.add_parser("drain", help="have a worker hand its running requests to the other "
+                       "workers and take no new ones (before taking it down)",
+                       description="The worker's streams go on on other workers without a "
+                                   "break; with KV transfer on they pull its KV instead of "
+                                   "computing it again. Worker ids: the Health RPC's workers, "
+                                   "or the worker's log lines.")
+    p.add_argument("--worker", required=True, help="the worker replica's id")
+    p.add_argument("--app", default="mxserve", help="Serve application name")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default %(default)s)")
 
 
 def _client_parser(sub) -> None:
@@ -367,6 +380,21 @@ def cmd_serve(args) -> int:
     return serve_until_stopped(config, args.address, ask=args.ask)
 
 
+def cmd_drain(args) -> int:
+    import ray
+
+    from mxserve.cluster.local import drain_worker
+
+    ray.init(address=args.address, logging_level="WARNING")
+    try:
+        moved = drain_worker(args.app, args.worker)
+    except LookupError as e:
+        print(f"mxserve: error: {e}", file=sys.stderr)
+        return 2
+    print(f"worker {args.worker}: {moved} requests handed on; it takes no new ones")
+    return 0
+
+
 def cmd_client(args) -> int:
     from mxserve.cluster.client import Client
 
@@ -444,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
                 "client": cmd_client, "quantize": cmd_quantize, "train-draft": cmd_train_draft,
-                "draft-server": cmd_draft_server}
+                "draft-server": cmd_draft_server, "drain": cmd_drain}
     try:
         return commands[args.command](args)
     except MxserveError as e:

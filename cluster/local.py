@@ -44,6 +44,23 @@ def deploy(config: ServeConfig) -> None:
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
 
 
+def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:
+    """Have worker `worker_id` of the app hand its requests on to the other workers and take
+    no new ones (`mxserve drain`); how many it handed on. Ray must already be initialized.
+    A handle call reaches one replica at a time: it is repeated until that worker answers.
+    Raises LookupError when it never does."""
+    from ray import serve
+
+    from mxserve.cluster.deployments import WORKER
+
+    handle = serve.get_deployment_handle(WORKER, app_name=app_name)
+    for _ in range(attempts):
+        moved = handle.drain.remote(worker_id).result(timeout_s=60)
+        if moved is not None:
+            return moved
+    raise LookupError(f"no worker {worker_id!r} answered in app {app_name!r}")
+
+
 def check_placement(config: ServeConfig) -> None:
     """ValueError when the Ray cluster cannot place one worker's tensor-parallel group."""
     import ray
