@@ -88,6 +88,10 @@ class BlockIO:
         self.caches = list(caches)
         self.device = self.caches[0].device
         self.block_shape = self.caches[0].shape[1:]  # [block_size, num_kv_heads, head_dim]
+        # GPU caches: gathered blocks reach the host through pinned buffers kept for reuse
+        # (pageable, freshly allocated host memory is the slow part of a GPU export)
+        self._pinned: list[torch.Tensor] = []
+        self._lock = threading.Lock()
 
     def read(self, block_ids: Sequence[int]) -> bytes:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -98,7 +102,22 @@ class BlockIO:
         with torch.inference_mode():
             for i, c in enumerate(self.caches):
                 torch.index_select(c, 0, ids, out=data[i])
-        return data.cpu().view(torch.uint8).numpy().tobytes()
+        if self.device.type != "cuda":
+            return data.view(torch.uint8).numpy().tobytes()
+        host = self._take_pinned(data.numel() * data.element_size())
+        try:
+            host[:data.numel() * data.element_size()].copy_(data.view(-1).view(torch.uint8))
+            return host[:data.numel() * data.element_size()].numpy().tobytes()
+        finally:
+            with self._lock:
+                self._pinned.append(host)
+
+    def _take_pinned(self, num_bytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._pinned):
+                if buf.numel() >= num_bytes:
+                    return self._pinned.pop(i)
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
 
     def write(self, block_ids: Sequence[int], payload: bytes) -> None:
         cache = self.caches[0]
