@@ -23,6 +23,7 @@ missing, so a transfer can cost time but never change an output.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 import warnings
@@ -88,36 +89,38 @@ class BlockIO:
         self.caches = list(caches)
         self.device = self.caches[0].device
         self.block_shape = self.caches[0].shape[1:]  # [block_size, num_kv_heads, head_dim]
-        # GPU caches: gathered blocks reach the host through pinned buffers kept for reuse
-        # (pageable, freshly allocated host memory is the slow part of a GPU export)
-        self._pinned: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []  # host staging buffers, reused (`_take`)
         self._lock = threading.Lock()
 
     def read(self, block_ids: Sequence[int]) -> bytes:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         cache = self.caches[0]
-        # [2 * layers, n, block_size, num_kv_heads, head_dim]
-        data = torch.empty(len(self.caches), len(block_ids), *self.block_shape,
-                           dtype=cache.dtype, device=self.device)
-        with torch.inference_mode():
-            for i, c in enumerate(self.caches):
-                torch.index_select(c, 0, ids, out=data[i])
-        if self.device.type != "cuda":
-            return data.view(torch.uint8).numpy().tobytes()
-        host = self._take_pinned(data.numel() * data.element_size())
+        shape = (len(self.caches), len(block_ids), *self.block_shape)
+        num_bytes = math.prod(shape) * cache.element_size()
+        host = self._take(num_bytes)
         try:
-            host[:data.numel() * data.element_size()].copy_(data.view(-1).view(torch.uint8))
-            return host[:data.numel() * data.element_size()].numpy().tobytes()
+            # [2 * layers, n, block_size, num_kv_heads, head_dim]
+            staged = host[:num_bytes].view(cache.dtype).view(shape)
+            gathered = staged if self.device.type != "cuda" else \
+                torch.empty(shape, dtype=cache.dtype, device=self.device)
+            with torch.inference_mode():
+                for i, c in enumerate(self.caches):
+                    torch.index_select(c, 0, ids, out=gathered[i])
+                if gathered is not staged:
+                    staged.copy_(gathered)
+            return host[:num_bytes].numpy().tobytes()
         finally:
             with self._lock:
-                self._pinned.append(host)
+                self._buffers.append(host)
 
-    def _take_pinned(self, num_bytes: int) -> torch.Tensor:
+    def _take(self, num_bytes: int) -> torch.Tensor:
+        """A host buffer of at least num_bytes (pinned for a GPU pool), reused across reads:
+        fresh host memory (its page faults) was the slow part of a read."""
         with self._lock:
-            for i, buf in enumerate(self._pinned):
+            for i, buf in enumerate(self._buffers):
                 if buf.numel() >= num_bytes:
-                    return self._pinned.pop(i)
-        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+                    return self._buffers.pop(i)
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def write(self, block_ids: Sequence[int], payload: bytes) -> None:
         cache = self.caches[0]
