@@ -434,3 +434,47 @@ def test_a_stream_whose_worker_is_lost_goes_on_elsewhere_from_its_output_so_far(
             await asyncio.sleep(0.05)
             assert not a.engine.kv._tables and not b.engine.kv._tables
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def _certificates(tmp_path) -> dict:
+    """A CA and a certificate it signed for 127.0.0.1 (openssl), as TransferOptions' files."""
+    import subprocess
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "1", "-subj", "/CN=mxserve-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "worker.key", "-out", "worker.csr",
+        "-subj", "/CN=127.0.0.1")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "worker.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "worker.pem", "-days", "1", "-extfile", "san.ext")
+    return dict(tls_cert=str(tmp_path / "worker.pem"), tls_key=str(tmp_path / "worker.key"),
+                tls_ca=str(tmp_path / "ca.pem"))
+
+
+def test_pull_over_mutual_tls_and_a_caller_without_a_certificate_is_refused(ckpt, reference,
+                                                                          tmp_path):
+    tls = _certificates(tmp_path)
+
+    async def main():
+        async with _workers(ckpt, **tls) as ((holder, receiver), (h_node, r_node)):
+            await _generate(holder, PROMPTS[0])
+            assert await _generate(receiver, PROMPTS[1], _source(h_node)) == (reference[1], 96)
+            assert r_node.puller.counts["ok"] == 1
+            request = pb.PullRequest(layout=layout_to_pb(h_node.service.layout),
+                                     block_hashes=[bytes(16)])
+            ca = open(tls["tls_ca"], "rb").read()
+            for channel in (grpc.aio.insecure_channel(h_node.address),  # no TLS at all
+                            grpc.aio.secure_channel(h_node.address,  # TLS, no client cert
+                                                    grpc.ssl_channel_credentials(ca))):
+                async with channel:
+                    stream = pb_grpc.KVTransferStub(channel).Pull(
+                        request, metadata=((SECRET_KEY, SECRET),), timeout=5)
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        async for _ in stream:
+                            pass
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert h_node.service.counts["served"] == 3  # the pull's 3 streams only
+    asyncio.run(asyncio.wait_for(main(), 120))
