@@ -128,6 +128,8 @@ class KVTransfer(BaseModel):
     timeout_s: float = Field(30.0, gt=0)  # the longest a pull may take
     num_streams: int = Field(4, ge=1, le=16)  # parallel streams of one pull
     calibration_tokens: int = Field(512, ge=16)  # the start-up prefill the cost model times
+    # the prefill rate the cost model assumes instead of timing one at start-up (tokens/s)
+    prefill_tokens_per_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> KVTransfer:

@@ -83,8 +83,9 @@ class WorkerDeployment:
         prefill_rate = None
         if kv_transfer is not None:  # the pull cost model's prefill rate, before serving
             kv_transfer = dict(kv_transfer)
-            prefill_rate = await asyncio.to_thread(measure_prefill_rate, engine,
-                                                   kv_transfer.pop("calibration_tokens"))
+            tokens = kv_transfer.pop("calibration_tokens")
+            prefill_rate = kv_transfer.pop("prefill_tokens_per_s") or await asyncio.to_thread(
+                measure_prefill_rate, engine, tokens)
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id())
         self.worker.start(freeze_gc=True)  # this process serves this engine alone

@@ -111,7 +111,8 @@ class Worker:
             yield self._handed_back(request_id, prompt_token_ids, resume)
             return
         self.num_resumed += resume is not None
-        pending = len(prompt_token_ids) - self.engine.num_prefix_hit_tokens(request)
+        # (a resumed request computes its prompt + output so far, less what it finds cached)
+        pending = max(0, request.num_tokens - self.engine.num_prefix_hit_tokens(request))
         self.num_in_flight += 1
         self.num_requests_total += 1
         self.num_prefill_tokens_pending += pending

@@ -62,8 +62,10 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
                         worker_resources=Resources(num_cpus=0.5, resources={"xfer_node": 1}),
                         routing=dict(prefix_weight=0.0, retry_after_s=0.5, lookup_timeout_s=2.0,
                                      stats_period_s=0.25),
+                        # a slow prefill assumed: every pull beats computing (the measured
+                        # rates of a tiny model decide by noise)
                         kv_transfer=dict(enabled=True, chunk_bytes=16384,
-                                         calibration_tokens=64))
+                                         prefill_tokens_per_s=50.0))
     try:
         rng = random.Random(3)
         prefixes = [[rng.randrange(3, 256) for _ in range(96)] for _ in range(2)]
@@ -150,7 +152,7 @@ def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served
                    worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
                    routing=dict(load_weight=0.0, kv_weight=0.0, cache_weight=0.0,
                                 lookup_timeout_s=2.0, stats_period_s=0.25),
-                   kv_transfer=dict(enabled=True, calibration_tokens=64))
+                   kv_transfer=dict(enabled=True, prefill_tokens_per_s=50.0))
     app = served.deploy(**options)
     try:
         rng = random.Random(5)
@@ -197,7 +199,7 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
     options = dict(app_name="rolling", model=model, num_workers=1, engine=engine,
                    worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
                    routing=dict(lookup_timeout_s=2.0, stats_period_s=0.25),
-                   kv_transfer=dict(enabled=True, calibration_tokens=64))
+                   kv_transfer=dict(enabled=True, prefill_tokens_per_s=50.0))
     app = served.deploy(**options)
     try:
         rng = random.Random(9)
