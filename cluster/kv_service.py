@@ -47,6 +47,7 @@ from mxserve.worker.kv_transfer import (
 logger = logging.getLogger(__name__)
 _HASH_BYTES = 16
 _MAX_MESSAGE = 64 << 20
+PEER_RETRY_S = 10.0  # a peer a pull from failed (gone, too slow) is left alone this long
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,9 @@ class KVPuller:
         # "skipped" by the cost model); "blocks" and "bytes" imported
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[int, asyncio.Future] = {}  # last hash asked -> that pull
+        # peers that failed (gone, or too slow): left alone until then, so a stale hint costs
+        # no request a connection attempt
+        self._down_until: dict[str, float] = {}
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -224,6 +228,9 @@ class KVPuller:
         num_missing = len(want) - len(self.port.kv.lookup_prefix(want))
         if num_missing < self.policy.min_blocks:
             return 0
+        if self._down_until.get(address, 0.0) > self.clock():
+            self.counts["peer_down"] += 1
+            return 0
         if address not in self.policy.links and not await self._probe(address):
             return 0
         if not self.policy.should_pull(address, num_missing, self.layout):
@@ -250,7 +257,7 @@ class KVPuller:
         try:
             stream = pb_grpc.KVTransferStub(self._channel(address)).Probe(
                 pb.ProbeRequest(num_bytes=self.options.probe_bytes, chunk_bytes=1 << 20),
-                metadata=self._metadata, timeout=5.0)
+                metadata=self._metadata, timeout=2.0)
             num_bytes = sum([len(m.data.payload) async for m in stream])
         except grpc.aio.AioRpcError as e:
             self._failed(address, TransferError("peer", f"probe failed: {e.code().name} "
@@ -318,6 +325,8 @@ class KVPuller:
 
     def _failed(self, address: str, error: TransferError) -> None:
         self.counts[error.reason] += 1
+        if error.reason in ("peer", "timeout"):
+            self._down_until[address] = self.clock() + PEER_RETRY_S
         logger.warning("KV pull from %s failed (%s: %s); computing the prefix instead",
                        address, error.reason, error)
 

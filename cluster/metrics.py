@@ -83,7 +83,7 @@ class WorkerMetricsExporter:
         self.kv_pulls = counter("mxserve_kv_pulls_total",
                                 "Prefix pulls from peers by outcome: ok, skipped (computing was "
                                 "cheaper), checksum, truncated, timeout, peer, layout, refused, "
-                                "no_blocks", tag_keys=("outcome",))
+                                "peer_down, no_blocks", tag_keys=("outcome",))
         self.kv_pulled = (counter("mxserve_kv_pulled_blocks_total", "KV blocks pulled from peers"),
                           counter("mxserve_kv_pulled_bytes_total", "KV bytes pulled from peers"))
         self._last_pulls: dict[str, int] = {}

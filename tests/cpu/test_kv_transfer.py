@@ -225,7 +225,10 @@ def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, refe
             assert got[1] == 16 * counts["blocks"]
             assert counts["blocks"] in ((0, 2) if streams == 1 else (0, 1))
             if "delay_s" in fault:
-                await killer
+                await killer  # a peer gone is left alone: the next request does not try it
+                _, cached = await _generate(receiver, _ids(105, 77), _source(h_node))
+                assert cached == 0
+                assert counts["peer_down"] == 1 and counts["peer"] == 1, dict(counts)
             await asyncio.sleep(0.05)
             _check_pools((holder, receiver))
     asyncio.run(asyncio.wait_for(main(), 120))
