@@ -6,8 +6,9 @@
   (cluster/kv_service.KVPuller: probe done, then reserve, stream, verify, scatter, commit; then
   the tail's prefill) against computing the whole prompt, and the pull alone.
 - Transfer throughput: the pull's bytes over its time against a plain TCP socket copy of as
-  many bytes between the same two processes; and, in the receiver alone, the rates of the
-  parts (gather, checksum, scatter) that bound it.
+  many bytes between the same two processes; Python gRPC's own ceiling between them (the
+  holder's Probe RPC: preallocated 2 MiB messages, no KV work, over 1 and 4 streams); and, in
+  the receiver alone, the rates of the parts (gather, checksum, scatter).
 - Migration pause: two workers in this process behind the router's logic (router/ingress.py);
   rounds of 8 greedy streams (300-token prompts) on one worker, drained once each stream has 8
   tokens: the time from a stream's last token on the old worker to its first on the new one,
@@ -177,11 +178,41 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
         parts = part_rates(node, layout)
+        ceiling = await grpc_ceiling(holder["kv"])
     finally:
         await node.stop()
         worker.shutdown()
     return dict(prefill_tokens_per_s=round(prefill_rate, 1), rows=rows, parts_gb_s=parts,
+                grpc_probe_gb_s=ceiling,
                 bytes_per_block=layout.bytes_per_block, counts=dict(puller.counts))
+
+
+async def grpc_ceiling(address: str, num_bytes: int = 256 << 20) -> dict:
+    """GB/s of the holder's Probe stream (2 MiB messages of nothing, no KV work) over one
+    channel, with 1 and 4 streams at once: what Python gRPC itself moves here."""
+    import grpc
+
+    from mxserve.proto import kv_transfer_pb2 as pb
+    from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
+
+    out = {}
+    async with grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.KVTransferStub(channel)
+
+        async def one(n: int) -> int:
+            stream = stub.Probe(pb.ProbeRequest(num_bytes=n, chunk_bytes=2 << 20),
+                                metadata=(("x-mxserve-kv-secret", SECRET),))
+            return sum([len(m.data.payload) async for m in stream])
+
+        for k in (1, 4):
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                got = sum(await asyncio.gather(*(one(num_bytes // k) for _ in range(k))))
+                times.append(time.perf_counter() - start)
+            out[f"streams_{k}_gb_s"] = round(got / statistics.median(times) / 1e9, 3)
+    return out
 
 
 def part_rates(node: KVNode, layout) -> dict:
@@ -316,8 +347,11 @@ def markdown(result: dict) -> str:
                      f"{r['pull_vs_compute']}x | {r['pull_gb_s']} | {r['socket_gb_s']} | "
                      f"{r['pull_vs_socket']} |")
     p = result["parts_gb_s"]
+    g = result["grpc_probe_gb_s"]
     lines += ["", f"Parts, in one process (GB/s): gather {p['gather']}, checksum {p['checksum']}, "
-                  f"scatter {p['scatter']}.", ""]
+                  f"scatter {p['scatter']}. Python gRPC's own ceiling between the two processes "
+                  f"(Probe: 2 MiB messages, no KV work): {g['streams_1_gb_s']} GB/s on one "
+                  f"stream, {g['streams_4_gb_s']} on four.", ""]
     m = result.get("migration")
     if m:
         lines += ["Migration pause (last token on the drained worker to first on the other, "

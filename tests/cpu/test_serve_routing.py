@@ -116,6 +116,10 @@ def test_a_burst_sharing_a_cached_prefix_stays_with_its_holder_until_it_is_loade
             client.generate(prefix + [3], max_tokens=2, ignore_eos=True)
         held = served.wait_indexed(prefix, app)  # the router sees the holder in the index
         assert [n for n in held.values() if n] == [64], held  # one worker computed it
+        with served.client(app.app_name) as client:  # and a load report with the prefill
+            settled(client, {w.worker_id: 0 for w in client.health().workers}, 1)  # done:
+        time.sleep(4 * 0.25)  # a report of it still pending (polled every 0.25 s) would send
+        # the burst's first requests elsewhere
         suffixes = [[5 + i] * 8 for i in range(8)]
         got = _burst(served, [prefix + s for s in suffixes], app.app_name, max_tokens=4)
         holder = max(got, key=got.get)
