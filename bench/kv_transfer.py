@@ -187,7 +187,7 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
                 bytes_per_block=layout.bytes_per_block, counts=dict(puller.counts))
 
 
-async def grpc_ceiling(address: str, num_bytes: int = 256 << 20) -> dict:
+async def grpc_ceiling(address: str, num_bytes: int = 64 << 20) -> dict:
     """GB/s of the holder's Probe stream (2 MiB messages of nothing, no KV work) over one
     channel, with 1 and 4 streams at once: what Python gRPC itself moves here."""
     import grpc

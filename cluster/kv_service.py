@@ -272,8 +272,8 @@ class KVPuller:
             self.counts["no_blocks"] += 1
             return 0
         num_blocks = len(reservation.block_ids)
-        # several streams over one channel: Python gRPC moves one stream's messages on one
-        # thread (bench/results/kv_transfer.md)
+        # several streams over one channel, over consecutive block ranges: one range is
+        # gathered or scattered while another is on the wire
         blocks_per_chunk = max(1, self.options.chunk_bytes // self.layout.bytes_per_block)
         streams = split(self.io, self.layout, reservation,
                         min(self.options.num_streams, -(-num_blocks // blocks_per_chunk)))
