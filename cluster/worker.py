@@ -126,8 +126,6 @@ class Worker:
                     self.num_prefill_tokens_pending -= pending
                     first = False
                 self.num_output_tokens += len(out.new_token_ids)
-                if out.resume is not None:
-                    out = self._where_from(out)
                 if out.finished:
                     self.num_drafts += out.num_drafts
                     self.num_draft_tokens += out.num_draft_tokens
