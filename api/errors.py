@@ -50,11 +50,13 @@ class WorkerLostError(MxserveError):
 
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+UNAUTHENTICATED = "UNAUTHENTICATED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 # Ends of a request the client caused or chose: logged in one line, never as server errors.
-CLIENT_STATUSES = ("cancelled", INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED)
+CLIENT_STATUSES = ("cancelled", INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
+                   UNAUTHENTICATED)
 
 
 class ServeError(MxserveError):
@@ -66,12 +68,14 @@ class ServeError(MxserveError):
         field: the offending request field, when there is one.
     """
 
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+    def __init__(self, code: str, message: str, field: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
+        self.retry_after_s = retry_after_s  # when to retry (RESOURCE_EXHAUSTED), if known
 
     def __reduce__(self):
-        return type(self), (self.code, self.message, self.field)
+        return type(self), (self.code, self.message, self.field, self.retry_after_s)
 
     @classmethod
     def invalid(cls, error: InvalidRequestError) -> ServeError:
@@ -83,7 +87,7 @@ def as_serve_error(error: BaseException) -> ServeError | None:
     an InvalidRequestError becomes INVALID_ARGUMENT."""
     for e in (error, getattr(error, "cause", None), error.__cause__):
         if isinstance(e, ServeError):
-            return ServeError(e.code, e.message, e.field)
+            return ServeError(e.code, e.message, e.field, e.retry_after_s)
         if isinstance(e, InvalidRequestError):
             return ServeError.invalid(e)
         if isinstance(e, UnavailableError):

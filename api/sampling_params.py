@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,7 +21,8 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (NaN and infinities are no sampling parameter's value)."""
+    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be a number >= 0, got {self.temperature!r}")
+               f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",

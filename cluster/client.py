@@ -7,11 +7,14 @@
         print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
 
 Sampling keywords are SamplingParams' (vLLM's) names. Failures raise `grpc.RpcError`, whose
-`.code()` is INVALID_ARGUMENT (details name the field), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED...
+`.code()` is INVALID_ARGUMENT (details name the field), RESOURCE_EXHAUSTED (its trailing
+metadata `retry-after-ms` says when to retry), UNAUTHENTICATED, DEADLINE_EXCEEDED... A server
+with auth on takes `api_key` (default: the MXSERVE_API_KEY environment variable).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -19,6 +22,8 @@ import grpc
 
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.proto import mxserve_pb2_grpc as pb_grpc
+
+API_KEY_ENV = "MXSERVE_API_KEY"  # the API's bearer token(s) (ServeConfig.api_key's default)
 
 
 @dataclass
@@ -63,10 +68,15 @@ class Client:
     (needed only when the cluster serves several)."""
 
     def __init__(self, endpoint: str = "127.0.0.1:9000", app_name: str | None = "mxserve",
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, api_key: str | None = None) -> None:
         self.channel = grpc.insecure_channel(endpoint)
         self.stub = pb_grpc.MxServeStub(self.channel)
-        self.metadata = (("application", app_name),) if app_name else ()
+        self.metadata: tuple[tuple[str, str], ...] = \
+            (("application", app_name),) if app_name else ()
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+        api_key = api_key.split(",")[0].strip()  # (a server may accept several)
+        if api_key:
+            self.metadata += (("authorization", f"Bearer {api_key}"),)
         self.timeout_s = timeout_s
 
     def stream(self, prompt: str | list[int] | None = None, *, timeout_s: float | None = None,

@@ -10,8 +10,9 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from mxserve.cluster.client import API_KEY_ENV
 from mxserve.worker.config import EngineConfig
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -145,6 +146,25 @@ class KVTransfer(BaseModel):
         return options
 
 
+class Limits(BaseModel):
+    """Caps on one request, enforced by the router (INVALID_ARGUMENT naming the field; see
+    router/requests.RequestLimits), and the retry hint an overload's RESOURCE_EXHAUSTED
+    carries (`retry-after-ms` trailing metadata)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: up to the context length
+    max_prompt_chars: int | None = Field(None, ge=1)  # None: 32 per token of context
+    max_chat_messages: int = Field(1024, ge=1)
+    max_stop_strings: int = Field(64, ge=0)
+    max_stop_chars: int = Field(1024, ge=1)
+    max_stop_token_ids: int = Field(1024, ge=0)
+    max_request_id_chars: int = Field(256, ge=1)
+    retry_after_s: float = Field(1.0, ge=0)
+
+    def request_limits(self) -> dict:
+        return self.model_dump(exclude={"retry_after_s"})
+
+
 class ServeConfig(BaseModel):
     """One served model: a router ingress deployment in front of `num_workers` worker replicas."""
 
@@ -179,6 +199,10 @@ class ServeConfig(BaseModel):
     routing: Routing = Field(default_factory=Routing)
     drafts: Drafts = Field(default_factory=Drafts)  # used with draft_placement "replica"
     kv_transfer: KVTransfer = Field(default_factory=KVTransfer)
+    limits: Limits = Field(default_factory=Limits)
+    # Bearer tokens the API accepts (comma-separated for several, e.g. during a rotation);
+    # None: the MXSERVE_API_KEY environment variable where the app is built, else no auth.
+    api_key: SecretStr | None = None
     app_name: str = "mxserve"
 
     @model_validator(mode="after")
@@ -202,6 +226,15 @@ class ServeConfig(BaseModel):
                 data = yaml.safe_load(f) or {}
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
+
+    def token_digests(self) -> list[str]:
+        """SHA-256 digests of the accepted API tokens (the router holds only these); empty
+        when auth is off."""
+        from mxserve.router.ingress import TokenAuth
+
+        keys = self.api_key.get_secret_value() if self.api_key is not None \
+            else os.environ.get(API_KEY_ENV, "")
+        return [TokenAuth.digest(k.strip()) for k in keys.split(",") if k.strip()]
 
     @property
     def index_namespace(self) -> str:

@@ -29,8 +29,8 @@ from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.logs import setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.ingress import Router
-from mxserve.router.requests import ModelCard
+from mxserve.router.ingress import Admission, Router, TokenAuth
+from mxserve.router.requests import ModelCard, RequestLimits
 
 logger = logging.getLogger(__name__)
 SERVICER = "mxserve.cluster.grpc_proxy.add_servicer"  # mxserve's service, cancels guarded
@@ -38,6 +38,7 @@ WORKER, ROUTER, DRAFT = "Worker", "Router", "Draft"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 DRAFT_POLICY = "mxserve.cluster.autoscaling:DraftLoadPolicy"
+LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
 
 
 # The router logs every request in one line (router/ingress.py), so Serve's access log is off.
@@ -285,8 +286,9 @@ class HandleWorkers:
         """Ask every worker replica directly: a handle call would reach only one. Replicas are
         Ray actors named SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace."""
         actors = await asyncio.to_thread(self._replica_actors)
-        results = await asyncio.gather(*(a.record_routing_stats.remote() for a in actors),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.record_routing_stats.remote(), LOAD_TIMEOUT_S) for a in actors),
+            return_exceptions=True)  # a replica that does not answer in time is left out
         return sorted((r for r in results if isinstance(r, dict) and r),
                       key=lambda r: r["worker_id"])
 
@@ -301,7 +303,9 @@ class RouterDeployment:
     """The gRPC ingress: method names are the proto's RPC names."""
 
     async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
-                       max_model_len: int | None, app_name: str) -> None:
+                       max_model_len: int | None, app_name: str, limits: dict | None = None,
+                       token_digests: list[str] | None = None,
+                       admission: dict | None = None) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
@@ -311,27 +315,46 @@ class RouterDeployment:
                          cfg.vocab_size, tuple(cfg.eos_token_ids),
                          dict(checkpoint.generation_defaults))
         self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
-                             RayRouterMetrics())
+                             RayRouterMetrics(), RequestLimits(**(limits or {})),
+                             TokenAuth(token_digests) if token_digests else None,
+                             Admission(**(admission or {})))
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
                        grpc_context) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for response in self.router.generate(request):
+            async for response in self.router.generate(request,
+                                                        grpc_context.invocation_metadata()):
                 yield response
         except ServeError as e:
             _set_status(grpc_context, e)
             raise
 
-    async def ListModels(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:  # noqa: N802
-        return await self.router.list_models()
+    async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802
+                         grpc_context) -> pb.ListModelsResponse:
+        try:
+            return await self.router.list_models(grpc_context.invocation_metadata())
+        except ServeError as e:
+            _set_status(grpc_context, e)
+            raise
 
-    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:  # noqa: N802
-        return await self.router.health()
+    async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
+        try:
+            return await self.router.health(grpc_context.invocation_metadata())
+        except ServeError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    def __del__(self) -> None:
+        if hasattr(self, "router"):
+            self.router.close()
 
 
 def _set_status(grpc_context, error: ServeError) -> None:
     grpc_context.set_code(getattr(grpc.StatusCode, error.code))
     grpc_context.set_details(error.message)
+    if error.retry_after_s is not None:  # (gRPC's own pushback key is reserved to grpc)
+        grpc_context.set_trailing_metadata([("retry-after-ms",
+                                             str(round(error.retry_after_s * 1e3)))])
 
 
 def app_builder(args: dict) -> serve.Application:
@@ -423,4 +446,5 @@ def build_app(config: ServeConfig) -> serve.Application:
         ray_actor_options=config.router_resources.ray_actor_options(),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
-           config.app_name)
+           config.app_name, config.limits.request_limits(), config.token_digests(),
+           dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s))

@@ -1,5 +1,11 @@
 """The gRPC servicer Serve's proxy registers (gRPCOptions.grpc_servicer_functions): mxserve's
-service, with a guard that makes a client's cancel reach the replica on every path.
+service, with a guard that makes a client's cancel reach the replica on every path, and request
+parsing that answers a malformed message INVALID_ARGUMENT in the proxy.
+
+Malformed messages: grpc parses a request before any handler runs, and a parse failure (random
+bytes, a string field holding invalid UTF-8) would end the call INTERNAL or UNKNOWN. Here a
+failed parse yields a `MalformedRequest` instead, and the handler answers it INVALID_ARGUMENT
+without forwarding it to a replica.
 
 Serve's gRPC proxy cancels the replica's call only when the cancel lands while the proxy awaits
 the next chunk. When it lands while grpc writes a chunk, grpc drops the handler's async generator
@@ -17,31 +23,97 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from mxserve.proto.mxserve_pb2_grpc import add_MxServeServicer_to_server
+import grpc
+
+from mxserve.proto import mxserve_pb2 as pb
+
+SERVICE = "mxserve.v1.MxServe"
+# method -> (server streaming?, request type, response type), as proto/mxserve.proto declares
+METHODS = {"Generate": (True, pb.GenerateRequest, pb.GenerateResponse),
+           "ListModels": (False, pb.ListModelsRequest, pb.ListModelsResponse),
+           "Health": (False, pb.HealthRequest, pb.HealthResponse)}
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a request that failed to parse becomes (the handler answers INVALID_ARGUMENT)."""
+
+    type_name: str
+    num_bytes: int
+
+    @property
+    def message(self) -> str:
+        return (f"request: {self.num_bytes} bytes that are not a valid {self.type_name} "
+                "message (bad wire format, or a string field that is not UTF-8)")
+
+
+def parse_or_malformed(message_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # DecodeError, or a UTF-8 error from a string field
+            return MalformedRequest(message_type.DESCRIPTOR.full_name, len(data))
+    return parse
 
 
 def add_servicer(servicer: Any, server: Any) -> None:
-    """Register mxserve's service on `server`. On Serve's gRPCGenericServer (it replaces each
-    method's handler with one its `service_handler_factory` makes) the server-streaming
-    handlers are wrapped in `cancel_on_close`; on a plain grpc server this only registers."""
+    """Register mxserve's service on `server`, requests parsed by `parse_or_malformed`. On
+    Serve's gRPCGenericServer (it replaces each method's handler with one its
+    `service_handler_factory` makes) every handler first answers a malformed request, and the
+    server-streaming ones are wrapped in `cancel_on_close`; on a plain grpc server the
+    servicer's methods are registered with the same parsing."""
+    handlers = {}
+    for name, (streaming, request_type, response_type) in METHODS.items():
+        if streaming:
+            kind, method = grpc.unary_stream_rpc_method_handler, reject_malformed_stream
+        else:
+            kind, method = grpc.unary_unary_rpc_method_handler, reject_malformed
+        handlers[name] = kind(method(getattr(servicer, name)),
+                              request_deserializer=parse_or_malformed(request_type),
+                              response_serializer=response_type.SerializeToString)
     factory = getattr(server, "service_handler_factory", None)
-    if factory is None:
-        add_MxServeServicer_to_server(servicer, server)
-        return
+    if factory is not None:  # Serve's server: its factory's handlers replace the servicer's
+        def guarded_factory(service_method: str, streaming_type: Any) -> Callable:
+            handler = factory(service_method=service_method, streaming_type=streaming_type)
+            if getattr(streaming_type, "name", "") == "UNARY_STREAM":
+                return cancel_on_close(reject_malformed_stream(handler))
+            return reject_malformed(handler)
 
-    def guarded_factory(service_method: str, streaming_type: Any) -> Callable:
-        handler = factory(service_method=service_method, streaming_type=streaming_type)
-        if getattr(streaming_type, "name", "") == "UNARY_STREAM":
-            return cancel_on_close(handler)
-        return handler
-
-    server.service_handler_factory = guarded_factory
+        server.service_handler_factory = guarded_factory
     try:
-        add_MxServeServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE,
+                                                                              handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
     finally:
-        server.service_handler_factory = factory
+        if factory is not None:
+            server.service_handler_factory = factory
+
+
+def reject_malformed(handler: Callable) -> Callable:
+    """A unary handler that answers a MalformedRequest INVALID_ARGUMENT, else is `handler`."""
+
+    async def checked(request: Any, context: Any) -> Any:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await handler(request, context)
+
+    return checked
+
+
+def reject_malformed_stream(handler: Callable[..., AsyncIterator]
+                            ) -> Callable[..., AsyncIterator]:
+    """`reject_malformed` for a server-streaming handler."""
+
+    async def checked(request: Any, context: Any) -> AsyncIterator:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for message in handler(request, context):
+            yield message
+
+    return checked
 
 
 def cancel_on_close(handler: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:

@@ -14,15 +14,18 @@ from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.logs import GRPC_HOST_ENV
 from mxserve.cluster.redis_server import LocalRedis
 
-# Ray Serve settings for a lower-latency token stream (all three are Serve's own knobs; they
-# are read when the proxy and replica processes start, so they go in the environment Ray starts
-# with; their effect on the serving overhead: bench/results/serve_cpu.md).
+# Ray Serve settings (Serve's own knobs; they are read when the proxy and replica processes
+# start, so they go in the environment Ray starts with). The first three make a lower-latency
+# token stream (their effect on the serving overhead: bench/results/serve_cpu.md):
 # - handle calls (proxy -> router -> worker) over gRPC instead of through the object store;
 # - user code on the replica's own event loop instead of a second thread;
-# - request logs buffered instead of flushed per line.
+# - request logs buffered instead of flushed per line;
+# and the last caps the gRPC proxy's messages at gRPC's own default (Serve raises it to
+# 2 GiB): a larger request is RESOURCE_EXHAUSTED before anything parses it.
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-             "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+             "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+             "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20)}
 
 
 def deploy(config: ServeConfig) -> None:
@@ -161,7 +164,8 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
         return 0
     endpoint = f"{_url_host(config.host)}:{config.grpc_port}"
     if ask is not None:
-        status = _ask(endpoint, config.app_name, ask)
+        key = config.api_key.get_secret_value() if config.api_key is not None else None
+        status = _ask(endpoint, config.app_name, ask, key)
     else:
         print(f"mxserve: try `mxserve client \"What is the capital of France?\" --endpoint "
               f"{endpoint}`; Ctrl-C to stop.", flush=True)
@@ -212,13 +216,13 @@ def _stop(config: ServeConfig, address: str | None, redis: LocalRedis | None) ->
         redis.stop()
 
 
-def _ask(endpoint: str, app_name: str, question: str) -> int:
+def _ask(endpoint: str, app_name: str, question: str, api_key: str | None = None) -> int:
     """One chat request over gRPC, streamed to stdout; 0 if an answer came back."""
     from mxserve.cluster.client import Client
 
     print(f"mxserve: asking over gRPC (greedy, up to 64 tokens): {question}", flush=True)
     answer = ""
-    with Client(endpoint, app_name) as client:
+    with Client(endpoint, app_name, api_key=api_key) as client:
         for chunk in client.stream(messages=[{"role": "user", "content": question}],
                                    max_tokens=64, temperature=0):
             print(chunk.text, end="", flush=True)

@@ -187,7 +187,7 @@ class Worker:
                     num_requests_total=self.num_requests_total,
                     num_requests_aborted=self.num_requests_aborted,
                     num_prefill_tokens_pending=self.num_prefill_tokens_pending,
-                    reported_at=time.time(), draining=self.draining)
+                    reported_at=time.time(), draining=self.draining, capacity=self.capacity)
 
     @property
     def num_evicted_tokens(self) -> int:

@@ -1,6 +1,11 @@
 """The router's logic, free of Ray and gRPC plumbing (the Serve deployment in
-cluster/deployments.py only wires it): validate -> tokenize -> forward to a worker -> detokenize
-and apply stop strings -> response messages.
+cluster/deployments.py only wires it): authenticate -> admit -> validate -> tokenize -> forward
+to a worker -> detokenize and apply stop strings -> response messages.
+
+Admission: the router knows its workers' capacity (their load reports, refreshed each
+`Admission.refresh_s`) and admits at most its share of it; a request past that is rejected at
+once, RESOURCE_EXHAUSTED with a retry hint, before any work is spent on it, so an overload is
+shed here rather than queued on the workers.
 
 Closing a `generate` stream early (client gone, deadline, a stop string seen here) closes the
 worker stream, and the worker aborts the request and frees its KV blocks.
@@ -9,16 +14,20 @@ worker stream, and the worker aborts the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from mxserve.api.errors import (
     INTERNAL,
     RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
     UNAVAILABLE,
     InvalidRequestError,
     ServeError,
@@ -30,7 +39,13 @@ from mxserve.api.sampling_params import SamplingParams
 from mxserve.api.stream import OutputStream
 from mxserve.api.tokenizer import Tokenizer
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.requests import ModelCard, prompt_token_ids, sampling_params
+from mxserve.router.requests import (
+    ModelCard,
+    RequestLimits,
+    check_limits,
+    prompt_token_ids,
+    sampling_params,
+)
 
 logger = logging.getLogger(__name__)
 # A request handed back this many times in a row without a token (every worker draining,
@@ -40,6 +55,8 @@ MAX_BOUNCES = 16
 # unless the server was short of capacity (WARNING) or at fault (ERROR).
 _LOG_LEVELS = {RESOURCE_EXHAUSTED: logging.WARNING, UNAVAILABLE: logging.WARNING,
                INTERNAL: logging.ERROR, "error": logging.ERROR}
+# Prompts longer than this are tokenized off the event loop (other streams keep flowing).
+_TOKENIZE_INLINE_CHARS = 16_384
 
 
 class Workers(Protocol):
@@ -66,30 +83,145 @@ class NullMetrics:
         pass
 
 
+class TokenAuth:
+    """Bearer-token auth on the API: a call carries `authorization: Bearer <token>` metadata
+    (gRPC) or header (HTTP). Only the tokens' SHA-256 digests are held (several: rotation);
+    nothing here logs a token or echoes one back."""
+
+    def __init__(self, digests: Iterable[str]) -> None:
+        self.digests = tuple(digests)
+        if not self.digests:
+            raise ValueError("TokenAuth needs at least one token digest")
+
+    @staticmethod
+    def digest(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+        """Raise ServeError(UNAUTHENTICATED) unless `metadata` carries an accepted token."""
+        values = [v for k, v in metadata if k.lower() == "authorization"]
+        if not values:
+            raise ServeError(UNAUTHENTICATED, "missing `authorization: Bearer <token>` "
+                                              "metadata", "authorization")
+        value = values[0].decode(errors="replace") if isinstance(values[0], bytes) \
+            else values[0]
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ServeError(UNAUTHENTICATED, "authorization must be `Bearer <token>`",
+                             "authorization")
+        presented = self.digest(token.strip())
+        if not any(hmac.compare_digest(presented, d) for d in self.digests):
+            raise ServeError(UNAUTHENTICATED, "invalid token", "authorization")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How much the router admits: its share (1 / num_routers) of the workers' capacity (each
+    live, non-draining worker's `capacity` in its load report); more is rejected at once with
+    RESOURCE_EXHAUSTED and a retry hint of retry_after_s. Until the first report, no limit."""
+
+    num_routers: int = 1
+    retry_after_s: float = 1.0
+    refresh_s: float = 1.0  # how often the load reports are read
+    loads_timeout_s: float = 2.0  # the longest a read may take
+
+
 class Router:
     def __init__(self, tokenizer: Tokenizer, card: ModelCard, workers: Workers,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, limits: RequestLimits | None = None,
+                 auth: TokenAuth | None = None, admission: Admission | None = None) -> None:
         self.tokenizer = tokenizer
         self.card = card
         self.workers = workers
         self.metrics = metrics or NullMetrics()
+        self.limits = limits or RequestLimits()
+        self.auth = auth
+        self.admission = admission or Admission()
+        self.capacity: int | None = None  # this router's share of the workers' capacity
+        self.num_in_flight = 0  # requests admitted and not yet ended
+        self.num_shed = 0  # requests rejected by admission
+        self._refresher: asyncio.Task | None = None
+
+    def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """ServeError(UNAUTHENTICATED) when auth is on and `metadata` lacks a valid token."""
+        if self.auth is not None:
+            self.auth.check(metadata)
 
     def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize; raises ServeError(INVALID_ARGUMENT) naming the field."""
         try:
-            ids, _ = prompt_token_ids(request, self.tokenizer, self.card)
+            check_limits(request, self.limits, self.card)
+            ids, _ = prompt_token_ids(request, self.tokenizer, self.card,
+                                      self.limits.max_prompt_tokens)
             params = sampling_params(request.sampling_params, self.card.generation_defaults)
         except InvalidRequestError as e:
             raise ServeError.invalid(e) from None
         return ids, params
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the responses; raises ServeError for anything the client should see. Each
-        request ends in one log line and one metrics record, however it ends."""
-        request_id = request.request_id or f"mx-{uuid.uuid4().hex}"
-        end = RequestEnd(request_id, time.monotonic())
+    async def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """`prepare`, in a thread when the prompt is long."""
+        size = len(request.text) + sum(len(m.content) for m in request.chat.messages)
+        if size <= _TOKENIZE_INLINE_CHARS:
+            return self.prepare(request)
         try:
-            ids, params = self.prepare(request)
+            check_limits(request, self.limits, self.card)  # the cheap checks, on the loop
+        except InvalidRequestError as e:
+            raise ServeError.invalid(e) from None
+        return await asyncio.to_thread(self.prepare, request)
+
+    def admit(self) -> None:
+        """Count the request in, or raise ServeError(RESOURCE_EXHAUSTED) with a retry hint
+        when this router holds its share of the workers' capacity already."""
+        if self._refresher is None or self._refresher.get_loop() is not \
+                asyncio.get_running_loop():
+            self._refresher = asyncio.create_task(self._refresh_capacity())
+        if self.capacity is not None and self.num_in_flight >= self.capacity:
+            self.num_shed += 1
+            after = self.admission.retry_after_s
+            raise ServeError(RESOURCE_EXHAUSTED,
+                             f"the server is at capacity ({self.num_in_flight} requests in "
+                             f"flight on this router, its limit "
+                             f"{self.capacity}); retry after {after:g} s",
+                             retry_after_s=after)
+        self.num_in_flight += 1
+
+    def set_capacity(self, loads: list[dict]) -> None:
+        """This router's share of the capacity of the workers that take requests; None (no
+        limit) when none does: a request then waits for one (a rolling update's new workers,
+        a replaced one) as `_stream` does, rather than being shed."""
+        total = sum(load.get("capacity", 0) for load in loads if not load.get("draining"))
+        self.capacity = math.ceil(total / self.admission.num_routers) if total else None
+
+    async def _refresh_capacity(self) -> None:
+        while True:
+            try:
+                loads = await asyncio.wait_for(self.workers.loads(),
+                                               self.admission.loads_timeout_s)
+                self.set_capacity(loads)
+            except Exception as e:  # keep the last known capacity
+                logger.warning("worker load reports unavailable (%r); admission keeps a "
+                               "capacity of %s", e, self.capacity)
+            await asyncio.sleep(self.admission.refresh_s)
+
+    def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+    async def generate(self, request: pb.GenerateRequest,
+                       metadata: Sequence[tuple[str, str | bytes]] = ()
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the responses; raises ServeError for anything the client should see. Each
+        request ends in one log line and one metrics record, however it ends. metadata: the
+        call's (gRPC metadata, HTTP headers), for auth."""
+        request_id = (request.request_id[:self.limits.max_request_id_chars]
+                      or f"mx-{uuid.uuid4().hex}")
+        end = RequestEnd(request_id, time.monotonic())
+        admitted = False
+        try:
+            self.authenticate(metadata)
+            self.admit()
+            admitted = True
+            ids, params = await self._prepare(request)
             out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
             async for response in self._stream(request_id, ids, params, out, end):
                 yield response
@@ -104,6 +236,7 @@ class Router:
                 raise
             raise error from None
         finally:
+            self.num_in_flight -= admitted
             self._record(end)
 
     async def _stream(self, request_id: str, ids: list[int], params: SamplingParams,
@@ -156,16 +289,27 @@ class Router:
         raise ServeError(UNAVAILABLE, f"request {request_id}: every worker is draining; retry "
                                       "later")
 
-    async def list_models(self) -> pb.ListModelsResponse:
-        loads = await self.workers.loads()
+    async def list_models(self, metadata: Sequence[tuple[str, str | bytes]] = ()
+                          ) -> pb.ListModelsResponse:
+        self.authenticate(metadata)
+        loads = await self._loads()
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=self.card.name, max_model_len=self.card.max_model_len,
             vocab_size=self.card.vocab_size, num_workers=len(loads))])
 
-    async def health(self) -> pb.HealthResponse:
-        loads = await self.workers.loads()
+    async def health(self, metadata: Sequence[tuple[str, str | bytes]] = ()
+                     ) -> pb.HealthResponse:
+        self.authenticate(metadata)
+        loads = await self._loads()
         return pb.HealthResponse(healthy=bool(loads),
                                  workers=[pb.WorkerLoad(**load) for load in loads])
+
+    async def _loads(self) -> list[dict]:
+        try:
+            return await asyncio.wait_for(self.workers.loads(), self.admission.loads_timeout_s)
+        except TimeoutError:
+            raise ServeError(UNAVAILABLE, "the workers' load reports did not come in "
+                                          f"{self.admission.loads_timeout_s:g} s") from None
 
     def _record(self, end: RequestEnd) -> None:
         now = time.monotonic()

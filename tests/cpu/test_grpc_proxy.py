@@ -125,16 +125,21 @@ def test_a_cancel_at_the_await_still_cancels_and_a_finished_stream_is_left_alone
     assert not done.cancelled and ended == ["x", "y", "OK"]
 
 
-def test_add_servicer_guards_only_the_streaming_method_of_serves_grpc_server():
-    """On Serve's own gRPCGenericServer: Generate's unary_stream handler is the guard around
-    the one Serve's factory made; unary handlers and the factory itself are as Serve left them."""
+def test_add_servicer_guards_serves_handlers_and_parses_safely():
+    """On Serve's own gRPCGenericServer: every handler is a wrapper around the one Serve's
+    factory made (Generate's stream also cancel-guarded), it forwards a parsed request to it,
+    and a request that does not parse is answered INVALID_ARGUMENT without reaching it."""
+    import grpc
     from ray.serve._private.grpc_util import gRPCGenericServer
+
+    from mxserve.cluster.grpc_proxy import MalformedRequest
+    from mxserve.proto import mxserve_pb2 as pb
 
     made = {}
 
     def factory(service_method, streaming_type):
         async def handler(request, context):
-            yield (service_method, streaming_type.name)
+            yield (service_method, streaming_type.name, request)
         made.setdefault((service_method, streaming_type.name), []).append(handler)
         return handler
 
@@ -150,15 +155,33 @@ def test_add_servicer_guards_only_the_streaming_method_of_serves_grpc_server():
         handlers.update(generic[0]._method_handlers)
     generate = handlers["/mxserve.v1.MxServe/Generate"]
     assert generate.unary_stream not in made[("/mxserve.v1.MxServe/Generate", "UNARY_STREAM")]
-    assert generate.unary_unary in made[("/mxserve.v1.MxServe/Generate", "UNARY_UNARY")]
     health = handlers["/mxserve.v1.MxServe/Health"]
-    assert health.unary_unary in made[("/mxserve.v1.MxServe/Health", "UNARY_UNARY")]
+    assert health.unary_unary not in made[("/mxserve.v1.MxServe/Health", "UNARY_UNARY")]
+
+    parse = generate.request_deserializer
+    request = pb.GenerateRequest(text="hi")
+    assert parse(request.SerializeToString()) == request
+    bad = [b"\xff" * 7, pb.GenerateRequest(text="x").SerializeToString()[:-1] + b"\xff"]
+    malformed = [parse(data) for data in bad]
+    assert all(isinstance(m, MalformedRequest) for m in malformed)
+    assert "GenerateRequest" in malformed[0].message
+
+    class Aborted(Exception):
+        pass
+
+    class AbortingContext(Context):
+        async def abort(self, code, details):
+            raise Aborted(code, details)
 
     async def first(stream):
         return await stream.__anext__()
 
-    got = asyncio.run(first(generate.unary_stream(None, Context())))
-    assert got == ("/mxserve.v1.MxServe/Generate", "UNARY_STREAM")
+    got = asyncio.run(first(generate.unary_stream(request, AbortingContext())))
+    assert got == ("/mxserve.v1.MxServe/Generate", "UNARY_STREAM", request)
+    with pytest.raises(Aborted) as e:
+        asyncio.run(first(generate.unary_stream(malformed[1], AbortingContext())))
+    assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid mxserve.v1.GenerateRequest" in e.value.args[1]
 
 
 def test_add_servicer_on_a_plain_grpc_server_serves_the_servicer():

@@ -12,13 +12,19 @@ import re
 import pytest
 
 from mxserve import LLM, SamplingParams
-from mxserve.api.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ServeError, as_serve_error
+from mxserve.api.errors import (
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
+    ServeError,
+    as_serve_error,
+)
 from mxserve.cluster.client import build_request
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.worker import Worker
 from mxserve.proto import mxserve_pb2 as pb
-from mxserve.router.ingress import Router
-from mxserve.router.requests import ModelCard
+from mxserve.router.ingress import Router, TokenAuth
+from mxserve.router.requests import ModelCard, RequestLimits
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.engine import build_engine
 
@@ -126,6 +132,18 @@ BAD = [
     (dict(prompt="w5", stop=[""]), "stop"),
     (dict(prompt="w5", logprobs=99), "logprobs"),
     (dict(prompt="w5", stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(prompt="w5", temperature=float("nan")), "temperature"),
+    (dict(prompt="w5", temperature=float("inf")), "temperature"),
+    (dict(prompt="w5", repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(prompt="w5", top_p=float("nan")), "top_p"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    (dict(messages=[{"role": "user", "content": "w5"}] * 1025), "messages"),
+    (dict(messages=[{"role": "user", "content": "w5 " * 6000}]), "messages"),
+    (dict(prompt="w5 " * 6000), "prompt"),  # 18,000 characters: past 32 per context token
+    (dict(prompt="w5", stop=["a"] * 65), "stop"),
+    (dict(prompt="w5", stop=["a" * 1025]), "stop"),
+    (dict(prompt="w5", stop_token_ids=[1] * 1025), "stop_token_ids"),
+    (dict(prompt="w5", request_id="r" * 257), "request_id"),
 ]
 
 
@@ -148,9 +166,9 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
         streams = [router.generate(long) for _ in range(3)]
         for s in streams:
             await anext(s)  # admitted and running or queued
-        with pytest.raises(ServeError) as e:
-            await collect(router, long)
-        assert e.value.code == RESOURCE_EXHAUSTED
+        with pytest.raises(ServeError) as e:  # (the worker's own check, past the router's)
+            await anext(worker.generate([5, 6, 7], SamplingParams(max_tokens=4), "fourth"))
+        assert e.value.code == RESOURCE_EXHAUSTED and "is full" in e.value.message
         for s in streams:
             await s.aclose()  # the client goes away mid-stream
         assert await worker.wait_idle()
@@ -188,6 +206,82 @@ def test_worker_reports_the_prefill_its_prefix_cache_will_not_supply(tiny_checkp
 
     assert asyncio.run(admit()) == 9 + 20
     assert worker.load()["num_prefill_tokens_pending"] == 0  # cancelled before any output
+
+
+def test_prompt_token_limit_and_long_prompts_tokenized_off_the_loop(tiny):
+    """max_prompt_tokens caps prompts below the context; a prompt long enough to be tokenized
+    in a thread is still checked and served."""
+    router, _ = tiny
+    capped = Router(router.tokenizer, router.card, router.workers,
+                    limits=RequestLimits(max_prompt_tokens=8))
+    with pytest.raises(ServeError) as e:
+        asyncio.run(collect(capped, build_request("w5 " * 9, max_tokens=2)))
+    assert e.value.field == "prompt" and "limit is 8" in e.value.message
+    roomy = Router(router.tokenizer, router.card, router.workers,
+                   limits=RequestLimits(max_prompt_chars=100_000))
+    long = build_request("w5 " * 6000, max_tokens=2, ignore_eos=True)  # tokenized in a thread
+    with pytest.raises(ServeError) as e:  # over the tiny model's 512-token context
+        asyncio.run(collect(roomy, long))
+    assert e.value.field == "prompt" and "context is 512" in e.value.message
+    ok = build_request("w5 " * 100 + " " * 17000, max_tokens=2, ignore_eos=True)
+    assert len(asyncio.run(collect(roomy, ok))["token_ids"]) == 2
+
+
+def test_token_auth_rejects_missing_and_wrong_tokens_and_serves_the_right_one(tiny):
+    router, _ = tiny
+    secured = Router(router.tokenizer, router.card, router.workers,
+                     auth=TokenAuth([TokenAuth.digest("old"), TokenAuth.digest("s3cret")]))
+    request = build_request("w5 w6", max_tokens=2, ignore_eos=True)
+
+    async def ask(metadata):
+        return [r async for r in secured.generate(request, metadata)]
+
+    for metadata, why in [((), "missing"), ((("authorization", "Bearer nope"),), "invalid"),
+                          ((("authorization", "s3cret"),), "Bearer"),
+                          ((("authorization", "Basic s3cret"),), "Bearer")]:
+        with pytest.raises(ServeError) as e:
+            asyncio.run(ask(metadata))
+        assert e.value.code == UNAUTHENTICATED and why in e.value.message
+        assert "s3cret" not in e.value.message
+        with pytest.raises(ServeError):
+            asyncio.run(secured.list_models(metadata))
+    for token in ("s3cret", "old"):  # either of two accepted tokens (a rotation)
+        metadata = (("application", "x"), ("authorization", f"Bearer {token}"))
+        assert sum(len(r.token_ids) for r in asyncio.run(ask(metadata))) == 2
+        assert asyncio.run(secured.health(metadata)).healthy
+
+
+def test_router_sheds_past_its_share_of_the_workers_capacity(tiny):
+    """The router admits what its workers can hold (capacity 3 here: 2 running + 1 queued)
+    and rejects more at once, RESOURCE_EXHAUSTED with a retry hint, before the worker does;
+    a shed request costs the workers nothing and every admitted one is counted back out."""
+    router, worker = tiny
+    long = build_request("w5 w6 w7", max_tokens=400, ignore_eos=True)
+
+    async def main():
+        router.set_capacity(await router.workers.loads())
+        assert router.capacity == 3
+        streams = [router.generate(long) for _ in range(3)]
+        for s in streams:
+            await anext(s)
+        total = worker.num_requests_total
+        with pytest.raises(ServeError) as e:
+            await collect(router, long)
+        assert e.value.code == RESOURCE_EXHAUSTED and e.value.retry_after_s == 1.0
+        assert "at capacity" in e.value.message and worker.num_requests_total == total
+        assert router.num_in_flight == 3
+        for s in streams:
+            await s.aclose()
+        assert router.num_in_flight == 0
+        assert await worker.wait_idle()
+        router.set_capacity([{**worker.load(), "draining": True}])
+        assert router.capacity is None  # every worker draining: requests wait for a new one
+        router.set_capacity(await router.workers.loads())
+
+    shed = router.num_shed
+    asyncio.run(main())
+    assert router.num_shed == shed + 1
+    worker.engine.kv.check_integrity()
 
 
 def test_stop_string_seen_by_the_router_aborts_the_worker_request(tiny):
@@ -300,7 +394,10 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.ray_actor_options["num_gpus"] == 1
     assert worker.ray_actor_options["resources"] == {"big": 1}
     assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
-    assert router.init_args[2:] == ("SmolLM2-135M-Instruct", None, "mxserve")
+    assert router.init_args[2:5] == ("SmolLM2-135M-Instruct", None, "mxserve")
+    limits, digests, admission = router.init_args[5:]
+    assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
+    assert admission == {"num_routers": 1, "retry_after_s": 1.0}
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
@@ -360,7 +457,7 @@ def test_each_request_ends_in_one_log_line(tiny, caplog):
     assert [r.levelno for r in records] == [logging.INFO] * 3
     assert not any(r.exc_info for r in records)
     rejected, finished, cancelled = (r.getMessage() for r in records)
-    assert re.fullmatch(r"request mx-\w+: INVALID_ARGUMENT: temperature: must be a number >= 0, "
+    assert re.fullmatch(r"request mx-\w+: INVALID_ARGUMENT: temperature: must be a finite number >= 0, "
                         r"got -1\.0 \(0 prompt \+ 0 output tokens, \d+ ms\)", rejected)
     assert re.fullmatch(r"request mx-\w+: length \(\d+ prompt \+ 3 output tokens, \d+ ms\)",
                         finished)
