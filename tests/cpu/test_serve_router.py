@@ -457,8 +457,8 @@ def test_each_request_ends_in_one_log_line(tiny, caplog):
     assert [r.levelno for r in records] == [logging.INFO] * 3
     assert not any(r.exc_info for r in records)
     rejected, finished, cancelled = (r.getMessage() for r in records)
-    assert re.fullmatch(r"request mx-\w+: INVALID_ARGUMENT: temperature: must be a finite number >= 0, "
-                        r"got -1\.0 \(0 prompt \+ 0 output tokens, \d+ ms\)", rejected)
+    assert re.fullmatch(r"request mx-\w+: INVALID_ARGUMENT: temperature: must be a finite "
+                        r"number >= 0, got -1\.0 \(0 prompt \+ 0 output tokens, \d+ ms\)", rejected)
     assert re.fullmatch(r"request mx-\w+: length \(\d+ prompt \+ 3 output tokens, \d+ ms\)",
                         finished)
     # The engine may have produced a token or two more before the cancel reached it; what
