@@ -26,7 +26,7 @@ from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
-from mxserve.cluster.logs import setup_process
+from mxserve.cluster.logs import rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Admission, Router, TokenAuth
@@ -121,6 +121,10 @@ class WorkerDeployment:
         if worker_id is not None and worker_id != self.worker.worker_id:
             return None
         return await self.worker.drain()
+
+    async def audit(self) -> dict:
+        """What this worker holds for requests (Worker.audit), for tests and operators."""
+        return {**await self.worker.audit(), "replica_id": self.worker.worker_id}
 
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising gets the replica (and its
@@ -333,16 +337,24 @@ class RouterDeployment:
                          grpc_context) -> pb.ListModelsResponse:
         try:
             return await self.router.list_models(grpc_context.invocation_metadata())
-        except ServeError as e:
+        except ServeError as e:  # the status goes back; an exception would log a traceback
             _set_status(grpc_context, e)
-            raise
+            return pb.ListModelsResponse()
 
     async def Health(self, request: pb.HealthRequest, grpc_context) -> pb.HealthResponse:  # noqa: N802
         try:
             return await self.router.health(grpc_context.invocation_metadata())
         except ServeError as e:
             _set_status(grpc_context, e)
-            raise
+            return pb.HealthResponse()
+
+    async def audit(self) -> dict:
+        """What this router holds: requests in flight and shed, its capacity, its tasks and
+        memory (the overload and cancel tests read it)."""
+        return dict(replica_id=serve.get_replica_context().replica_id.unique_id,
+                    in_flight=self.router.num_in_flight, shed=self.router.num_shed,
+                    capacity=self.router.capacity, tasks=len(asyncio.all_tasks()),
+                    rss_bytes=rss_bytes())
 
     def __del__(self) -> None:
         if hasattr(self, "router"):
@@ -351,10 +363,7 @@ class RouterDeployment:
 
 def _set_status(grpc_context, error: ServeError) -> None:
     grpc_context.set_code(getattr(grpc.StatusCode, error.code))
-    grpc_context.set_details(error.message)
-    if error.retry_after_s is not None:  # (gRPC's own pushback key is reserved to grpc)
-        grpc_context.set_trailing_metadata([("retry-after-ms",
-                                             str(round(error.retry_after_s * 1e3)))])
+    grpc_context.set_details(error.message)  # (the proxy reads a retry hint from it)
 
 
 def app_builder(args: dict) -> serve.Application:

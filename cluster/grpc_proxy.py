@@ -16,18 +16,21 @@ resumes the proxy's generator and cancels that await, which is the path on which
 cancels the call. The call itself is over by then, and grpc's context of a finished call must
 not be touched (its peer() crashes the process), so the handler sees the call through
 `CallContext`, which stops forwarding once the guard is closed. This module runs in the proxy's
-process and imports only grpc's stubs.
+process and imports only grpc's stubs (and cluster/logs.py: the proxy drops the tracebacks it
+would log for client errors, on any cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from mxserve.cluster.logs import install_client_error_filter
 from mxserve.proto import mxserve_pb2 as pb
 
 SERVICE = "mxserve.v1.MxServe"
@@ -65,6 +68,7 @@ def add_servicer(servicer: Any, server: Any) -> None:
     `service_handler_factory` makes) every handler first answers a malformed request, and the
     server-streaming ones are wrapped in `cancel_on_close`; on a plain grpc server the
     servicer's methods are registered with the same parsing."""
+    install_client_error_filter()  # (this runs in the proxy's process)
     handlers = {}
     for name, (streaming, request_type, response_type) in METHODS.items():
         if streaming:
@@ -93,12 +97,15 @@ def add_servicer(servicer: Any, server: Any) -> None:
 
 
 def reject_malformed(handler: Callable) -> Callable:
-    """A unary handler that answers a MalformedRequest INVALID_ARGUMENT, else is `handler`."""
+    """A unary handler that answers a MalformedRequest INVALID_ARGUMENT, else is `handler`
+    (plus `add_retry_hint`)."""
 
     async def checked(request: Any, context: Any) -> Any:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await handler(request, context)
+        response = await handler(request, context)
+        add_retry_hint(context)
+        return response
 
     return checked
 
@@ -112,8 +119,27 @@ def reject_malformed_stream(handler: Callable[..., AsyncIterator]
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         async for message in handler(request, context):
             yield message
+        add_retry_hint(context)
 
     return checked
+
+
+# How the router's RESOURCE_EXHAUSTED details end when it knows when to retry (ingress.py).
+_RETRY_AFTER = re.compile(r"retry after (\d+(?:\.\d+)?) s\)?$")
+
+
+def add_retry_hint(context: Any) -> None:
+    """A call that ended RESOURCE_EXHAUSTED with a retry time in its details gets it as
+    `retry-after-ms` trailing metadata too. (Serve forwards a replica's status code and
+    details but not its trailing metadata when the call fails, so it is set here, in the
+    proxy.)"""
+    code = getattr(context, "code", None)
+    if code is None or code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return
+    match = _RETRY_AFTER.search(context.details() or "")
+    if match:
+        context.set_trailing_metadata([("retry-after-ms",
+                                        str(round(float(match.group(1)) * 1e3)))])
 
 
 def cancel_on_close(handler: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:

@@ -59,12 +59,17 @@ class ClientErrorFilter(logging.Filter):
 _FILTERED_LOGGERS = ("ray.serve", "asyncio")
 
 
-def setup_process() -> None:
-    """Install the filter and mxserve's log routing in this process (idempotent)."""
+def install_client_error_filter() -> None:
+    """`ClientErrorFilter` on Serve's and asyncio's loggers in this process (idempotent)."""
     for name in _FILTERED_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, ClientErrorFilter) for f in logger.filters):
             logger.addFilter(ClientErrorFilter())
+
+
+def setup_process() -> None:
+    """Install the filter and mxserve's log routing in this process (idempotent)."""
+    install_client_error_filter()
     mx, serve_logger = logging.getLogger("mxserve"), logging.getLogger("ray.serve")
     if serve_logger.handlers and not mx.handlers:
         for handler in serve_logger.handlers:
@@ -90,3 +95,12 @@ def _bind_grpc_proxy(host: str) -> None:
 
     add_grpc_address.mxserve_host = host
     default_impl.add_grpc_address = add_grpc_address
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -153,3 +153,4 @@ class WorkerMetricsExporter:
             else:
                 self.kv_pulls.inc(delta, tags={"outcome": key})
         self._last_pulls = counts
+

@@ -24,6 +24,7 @@ from mxserve.api.errors import (
 )
 from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.cluster.logs import rss_bytes
 from mxserve.worker import migration
 from mxserve.worker.async_engine import AsyncEngine
 from mxserve.worker.engine import Engine
@@ -116,10 +117,13 @@ class Worker:
         self.num_in_flight += 1
         self.num_requests_total += 1
         self.num_prefill_tokens_pending += pending
-        first, finished = True, False
+        first, finished, counted = True, False, True
         try:
             async for out in self.async_engine.stream(request):
                 finished = out.finished
+                if finished:  # counted out before its last output leaves: a router that
+                    self.num_in_flight -= 1  # admits the next request on it finds room here
+                    counted = False
                 if first:
                     self.num_prompt_tokens += out.num_prompt_tokens
                     self.num_prefix_hit_tokens += out.num_cached_tokens
@@ -137,7 +141,7 @@ class Worker:
         except UnavailableError as e:
             raise ServeError(UNAVAILABLE, f"worker {self.worker_id}: {e}") from None
         finally:
-            self.num_in_flight -= 1
+            self.num_in_flight -= counted
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
@@ -164,6 +168,22 @@ class Worker:
         state = dataclasses.replace(state, worker_id=self.worker_id, num_blocks=0)
         return StepOutput(request_id, [], None, True, "migrate", len(prompt_token_ids),
                           state.num_cached_tokens, len(state.output_token_ids), resume=state)
+
+    async def audit(self) -> dict:
+        """What this worker holds for requests: the engine's requests and used KV blocks (read
+        on the engine thread between steps, after `check_integrity`, which raises on a broken
+        block table), its streams and admission counts. Once idle, all are zero: the cancel
+        and fault tests read it."""
+        def inspect(engine: Engine) -> dict:
+            engine.kv.check_integrity()
+            return dict(engine_requests=len(engine.requests),
+                        kv_blocks_used=engine.stats().num_kv_blocks_used)
+
+        state = await self.async_engine.call(inspect)
+        return dict(state, worker_id=self.worker_id, in_flight=self.num_in_flight,
+                    streams=self.async_engine.num_streams,
+                    prefill_tokens_pending=self.num_prefill_tokens_pending,
+                    tasks=len(asyncio.all_tasks()), rss_bytes=rss_bytes())
 
     def check_health(self) -> None:
         """Raise when this worker can serve no more (Serve then replaces the replica): its engine

@@ -141,6 +141,7 @@ class Router:
         self.num_in_flight = 0  # requests admitted and not yet ended
         self.num_shed = 0  # requests rejected by admission
         self._refresher: asyncio.Task | None = None
+        self._num_shed_unlogged, self._shed_logged_at = 0, -1.0
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
         """ServeError(UNAUTHENTICATED) when auth is on and `metadata` lacks a valid token."""
@@ -219,8 +220,9 @@ class Router:
         admitted = False
         try:
             self.authenticate(metadata)
+            end.shed = True
             self.admit()
-            admitted = True
+            admitted, end.shed = True, False
             ids, params = await self._prepare(request)
             out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
             async for response in self._stream(request_id, ids, params, out, end):
@@ -317,6 +319,13 @@ class Router:
         ttft = first - end.start if first is not None else None
         tpot = (now - first) / (n - 1) if first is not None and n > 1 else None
         self.metrics.on_request_end(end.status.lower(), ttft, tpot, n)
+        if end.shed:  # an overload: one line a second, not one a request
+            self._num_shed_unlogged += 1
+            if now - self._shed_logged_at >= 1.0:
+                logger.warning("shed %d requests in %.1f s: %s", self._num_shed_unlogged,
+                               now - self._shed_logged_at, end.detail)
+                self._num_shed_unlogged, self._shed_logged_at = 0, now
+            return
         detail = f": {end.detail}" if end.detail else ""
         if end.num_moves:
             detail += f" (moved {end.num_moves}x)"
@@ -337,6 +346,7 @@ class RequestEnd:
     num_prompt_tokens: int = 0
     num_tokens: int = 0
     num_moves: int = 0  # times a draining worker handed it on
+    shed: bool = False  # rejected by admission (logged in a summary line a second)
 
 
 def _resume_hints(state: ResumeState) -> dict:

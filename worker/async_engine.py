@@ -59,6 +59,11 @@ class AsyncEngine:
             self._thread.start()
 
     @property
+    def num_streams(self) -> int:
+        """Requests with an open output stream here."""
+        return len(self._streams)
+
+    @property
     def running(self) -> bool:
         """The loop thread was started and has not stopped."""
         return self._thread is not None and self._thread.is_alive()
