@@ -26,6 +26,7 @@ from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
+from mxserve.cluster.grpc_proxy import publish_admission
 from mxserve.cluster.logs import rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
@@ -318,10 +319,16 @@ class RouterDeployment:
         card = ModelCard(model_name, max_model_len or cfg.max_position_embeddings,
                          cfg.vocab_size, tuple(cfg.eos_token_ids),
                          dict(checkpoint.generation_defaults))
+        admission = Admission(**(admission or {}))
+
+        async def publish(capacity: int | None) -> None:  # for the proxies' first shed
+            await asyncio.to_thread(publish_admission, app_name, capacity,
+                                    admission.retry_after_s)
+
         self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
-                             Admission(**(admission or {})))
+                             admission, publish)
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
                        grpc_context) -> AsyncIterator[pb.GenerateResponse]:

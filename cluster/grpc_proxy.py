@@ -23,6 +23,7 @@ would log for client errors, on any cluster).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -80,9 +81,13 @@ def add_servicer(servicer: Any, server: Any) -> None:
                               response_serializer=response_type.SerializeToString)
     factory = getattr(server, "service_handler_factory", None)
     if factory is not None:  # Serve's server: its factory's handlers replace the servicer's
+        admission = ProxyAdmission(read_admission)
+
         def guarded_factory(service_method: str, streaming_type: Any) -> Callable:
             handler = factory(service_method=service_method, streaming_type=streaming_type)
             if getattr(streaming_type, "name", "") == "UNARY_STREAM":
+                if service_method == f"/{SERVICE}/Generate":
+                    handler = admission.wrap(handler)
                 return cancel_on_close(reject_malformed_stream(handler))
             return reject_malformed(handler)
 
@@ -209,3 +214,89 @@ async def cancel_inner(inner: AsyncIterator) -> None:
     aclose = getattr(inner, "aclose", None)
     if aclose is not None:
         await asyncio.gather(aclose(), return_exceptions=True)
+
+
+# ---- the proxy's first-line admission --------------------------------------------------------
+
+ADMISSION_KEY = "mxserve:admission:{app}"  # Ray internal KV: what each app's router publishes
+
+
+def publish_admission(app: str, capacity: int | None, retry_after_s: float) -> None:
+    """The router's side: the app's total capacity (None: no limit) for the proxies to read.
+    A blocking call to Ray's GCS."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(ADMISSION_KEY.format(app=app), json.dumps(
+        {"capacity": capacity, "retry_after_s": retry_after_s}), overwrite=True)
+
+
+def read_admission(app: str) -> dict | None:
+    """What the app's router last published, or None. A blocking call to Ray's GCS."""
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(ADMISSION_KEY.format(app=app))
+    return json.loads(value) if value else None
+
+
+class ProxyAdmission:
+    """A cheap first shed, in the proxy: Generate calls to an app beyond its workers' total
+    capacity (as its router publishes it) are answered RESOURCE_EXHAUSTED here, without the
+    round trip to the router that a rejection there costs (a Serve handle call that ends in
+    an exception: several times the CPU of the check). The router's own admission stays the
+    exact one: a proxy counts only the calls it carries, so with several proxies the routers
+    shed what gets past them. Calls without an `application` metadata entry are not counted.
+    """
+
+    def __init__(self, read: Callable[[str], dict | None], refresh_s: float = 1.0) -> None:
+        self.read, self.refresh_s = read, refresh_s
+        self.in_flight: dict[str, int] = {}
+        self.limits: dict[str, dict] = {}
+        self.num_shed = 0
+        self._refresher: asyncio.Task | None = None
+
+    def wrap(self, handler: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+        async def admitted(request: Any, context: Any) -> AsyncIterator:
+            app = _application(context)
+            why = self.enter(app) if app is not None else None
+            if why is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why[0],
+                                    (("retry-after-ms", str(round(why[1] * 1e3))),))
+            try:
+                async for message in handler(request, context):
+                    yield message
+            finally:
+                if app is not None:
+                    self.in_flight[app] -= 1
+
+        return admitted
+
+    def enter(self, app: str) -> tuple[str, float] | None:
+        """Count a call to `app` in; or, past its capacity, the details to reject it with and
+        when to retry."""
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.ensure_future(self._refresh())
+        limit = self.limits.get(app) or {}
+        capacity, num = limit.get("capacity"), self.in_flight.get(app, 0)
+        if capacity is not None and num >= capacity:
+            self.num_shed += 1
+            after = limit.get("retry_after_s", 1.0)
+            return (f"the server is at capacity ({num} requests in flight on this proxy, "
+                    f"the workers' capacity {capacity}); retry after {after:g} s"), after
+        self.in_flight[app] = num + 1
+        return None
+
+    async def _refresh(self) -> None:
+        while True:
+            for app in list(self.in_flight):
+                try:
+                    self.limits[app] = await asyncio.to_thread(self.read, app) or {}
+                except Exception:  # the GCS briefly unreachable: keep the last limit
+                    pass
+            await asyncio.sleep(self.refresh_s)
+
+
+def _application(context: Any) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "application":
+            return value
+    return None

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,7 +129,10 @@ class Admission:
 class Router:
     def __init__(self, tokenizer: Tokenizer, card: ModelCard, workers: Workers,
                  metrics: RouterMetrics | None = None, limits: RequestLimits | None = None,
-                 auth: TokenAuth | None = None, admission: Admission | None = None) -> None:
+                 auth: TokenAuth | None = None, admission: Admission | None = None,
+                 publish: Callable[[int | None], Awaitable[None]] | None = None) -> None:
+        """publish: called with the workers' total capacity when it changes (the cluster
+        hands it to the gRPC proxies, which shed first: cluster/grpc_proxy.ProxyAdmission)."""
         self.tokenizer = tokenizer
         self.card = card
         self.workers = workers
@@ -141,6 +144,8 @@ class Router:
         self.num_in_flight = 0  # requests admitted and not yet ended
         self.num_shed = 0  # requests rejected by admission
         self._refresher: asyncio.Task | None = None
+        self.publish = publish
+        self.total_capacity: int | None = None  # every worker's, as last read
         self._num_shed_unlogged, self._shed_logged_at = 0, -1.0
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
@@ -192,16 +197,23 @@ class Router:
         a replaced one) as `_stream` does, rather than being shed."""
         total = sum(load.get("capacity", 0) for load in loads if not load.get("draining"))
         self.capacity = math.ceil(total / self.admission.num_routers) if total else None
+        self.total_capacity = total or None
 
     async def _refresh_capacity(self) -> None:
+        published = False
         while True:
             try:
                 loads = await asyncio.wait_for(self.workers.loads(),
                                                self.admission.loads_timeout_s)
+                before = self.total_capacity
                 self.set_capacity(loads)
+                if self.publish is not None and (self.total_capacity != before
+                                                 or not published):
+                    await self.publish(self.total_capacity)
+                    published = True
             except Exception as e:  # keep the last known capacity
-                logger.warning("worker load reports unavailable (%r); admission keeps a "
-                               "capacity of %s", e, self.capacity)
+                logger.warning("admission: worker load reports unavailable or unpublished "
+                               "(%r); the capacity stays %s", e, self.capacity)
             await asyncio.sleep(self.admission.refresh_s)
 
     def close(self) -> None:

@@ -209,3 +209,57 @@ def test_add_servicer_on_a_plain_grpc_server_serves_the_servicer():
             await server.stop(None)
 
     assert asyncio.run(main()).healthy
+
+
+def test_proxy_admission_sheds_past_the_published_capacity_and_counts_calls_out():
+    """The proxy's first shed: up to the app's published capacity calls pass, the next is
+    answered RESOURCE_EXHAUSTED with a retry hint without reaching the handler, a finished
+    call makes room again; other apps and calls naming no app are not limited."""
+    import grpc
+
+    from mxserve.cluster.grpc_proxy import ProxyAdmission
+
+    published = {"a": {"capacity": 2, "retry_after_s": 0.5}}
+    admission = ProxyAdmission(published.get, refresh_s=0.01)
+    reached = []
+
+    async def handler(request, context):
+        reached.append(request)
+        yield request
+        await asyncio.sleep(3600)  # a long stream, until closed
+
+    class Aborted(Exception):
+        pass
+
+    class AppContext(Context):
+        def __init__(self, app):
+            super().__init__()
+            self.app = app
+
+        def invocation_metadata(self):
+            return (("application", self.app),) if self.app else ()
+
+        async def abort(self, code, details, trailing_metadata=()):
+            raise Aborted(code, details, dict(trailing_metadata))
+
+    async def main():
+        wrapped = admission.wrap(handler)
+        first = wrapped("r1", AppContext("a"))
+        assert await anext(first) == "r1"  # before any limit is read: admitted
+        await asyncio.sleep(0.05)  # the refresher has read "a"'s capacity
+        second = wrapped("r2", AppContext("a"))
+        assert await anext(second) == "r2"
+        with pytest.raises(Aborted) as e:
+            await anext(wrapped("r3", AppContext("a")))
+        code, details, trailing = e.value.args
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity 2" in details
+        assert trailing == {"retry-after-ms": "500"}
+        for app in ("b", None):  # no capacity published, or no app named
+            assert await anext(wrapped(f"{app}", AppContext(app))) == f"{app}"
+        await first.aclose()  # a call ends: room for one more
+        assert await anext(wrapped("r4", AppContext("a"))) == "r4"
+        return dict(admission.in_flight)  # (asyncio.run closes the open streams after)
+
+    in_flight = asyncio.run(main())
+    assert reached == ["r1", "r2", "b", "None", "r4"] and admission.num_shed == 1
+    assert in_flight["a"] == 2  # r2 and r4 still open
