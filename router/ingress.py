@@ -203,8 +203,9 @@ class Router:
         published = False
         while True:
             try:
-                loads = await asyncio.wait_for(self.workers.loads(),
-                                               self.admission.loads_timeout_s)
+                async with asyncio.timeout(self.admission.loads_timeout_s):
+                    loads = await self.workers.loads()  # (Python 3.11's wait_for can lose a
+                    # cancel that lands as the awaited call finishes: then this loop never ends)
                 before = self.total_capacity
                 self.set_capacity(loads)
                 if self.publish is not None and (self.total_capacity != before
@@ -320,7 +321,8 @@ class Router:
 
     async def _loads(self) -> list[dict]:
         try:
-            return await asyncio.wait_for(self.workers.loads(), self.admission.loads_timeout_s)
+            async with asyncio.timeout(self.admission.loads_timeout_s):
+                return await self.workers.loads()
         except TimeoutError:
             raise ServeError(UNAVAILABLE, "the workers' load reports did not come in "
                                           f"{self.admission.loads_timeout_s:g} s") from None

@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
+from mxserve.cluster.client import API_KEY_ENV
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.deployments import SERVICER, app_builder
 from mxserve.cluster.local import SERVE_ENV
@@ -77,8 +78,36 @@ def test_grpc_proxy_serves_the_mxserve_service(serve_config, service):
 def test_every_pod_runs_serve_with_the_environment_mxserve_expects(service):
     for spec in pod_specs(service):
         for container in spec["containers"]:
-            env = {e["name"]: e["value"] for e in container["env"]}
+            env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV
+            key = next(e for e in container["env"] if e["name"] == API_KEY_ENV)
+            assert key["valueFrom"]["secretKeyRef"]["optional"] is True  # auth if a Secret
+
+
+def test_tls_envoy_terminates_tls_in_front_of_the_grpc_proxy(serve_config):
+    """Envoy listens with TLS (the Secret's certificate), speaks HTTP/2 to the Serve
+    service's gRPC port, and only Envoy (and the Ray pods) may reach that port."""
+    docs = {d["kind"] + "/" + d["metadata"]["name"]: d
+            for d in yaml.safe_load_all((DEPLOY / "kuberay" / "tls-envoy.yaml").read_text())}
+    config = yaml.safe_load(docs["ConfigMap/mxserve-envoy"]["data"]["envoy.yaml"])
+    (listener,) = config["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    tls = chain["transport_socket"]["typed_config"]["common_tls_context"]
+    (cert,) = tls["tls_certificates"]
+    mount = next(m for m in docs["Deployment/mxserve-envoy"]["spec"]["template"]["spec"]
+                 ["containers"][0]["volumeMounts"] if m["name"] == "tls")
+    assert cert["certificate_chain"]["filename"].startswith(mount["mountPath"])
+    volumes = docs["Deployment/mxserve-envoy"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "mxserve-tls"}} in volumes
+    (cluster,) = config["static_resources"]["clusters"]
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {
+        "address": "mxserve-serve-svc", "port_value": serve_config["grpc_options"]["port"]}
+    assert "http2_protocol_options" in str(cluster)  # gRPC upstream
+    policy = docs["NetworkPolicy/mxserve-grpc-from-envoy"]["spec"]
+    ports = [r for r in policy["ingress"] if "ports" in r]
+    assert ports and all(p["port"] == serve_config["grpc_options"]["port"]
+                         for r in ports for p in r["ports"])
 
 
 def test_gpu_pods_fit_the_worker_replicas(serve_config, service):
