@@ -61,6 +61,27 @@ def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:
     raise LookupError(f"no worker {worker_id!r} answered in app {app_name!r}")
 
 
+def worker_pids(app_name: str) -> dict[str, int]:
+    """Each live worker replica's process id, by worker id: what a chaos test or benchmark
+    kills (the replicas are Ray actors SERVE_REPLICA::<app>#Worker#<id> in the "serve"
+    namespace). Ray must already be initialized."""
+    import ray
+
+    from mxserve.cluster.deployments import WORKER
+
+    prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
+    pids = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == "serve" and entry["name"].startswith(prefix):
+            actor = ray.get_actor(entry["name"], namespace="serve")
+            try:
+                pids[entry["name"].removeprefix(prefix)] = ray.get(
+                    actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+            except ray.exceptions.RayError:  # died (or dying) since it was listed
+                pass
+    return pids
+
+
 def check_placement(config: ServeConfig) -> None:
     """ValueError when the Ray cluster cannot place one worker's tensor-parallel group."""
     import ray

@@ -68,11 +68,13 @@ class NullMetrics:
 
 class Router:
     def __init__(self, tokenizer: Tokenizer, card: ModelCard, workers: Workers,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, migration_limit: int = 3) -> None:
         self.tokenizer = tokenizer
         self.card = card
         self.workers = workers
         self.metrics = metrics or NullMetrics()
+        # times one request may go on elsewhere after losing its worker (ServeConfig's field)
+        self.migration_limit = migration_limit
 
     def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize; raises ServeError(INVALID_ARGUMENT) naming the field."""
@@ -110,10 +112,14 @@ class Router:
                       out: OutputStream, end: RequestEnd) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's outputs as responses. A worker that drains hands the request back
         (finish_reason "migrate"): it is sent on, with its state, to another worker, which
-        goes on from the next token; the client's stream stays open across the move."""
+        goes on from the next token; the client's stream stays open across the move. A worker
+        lost mid-stream (WorkerLostError) is left the same way, up to `migration_limit` times:
+        the next worker recomputes the prompt plus the tokens already sent and goes on from
+        there, so the client sees each token once (greedy: exactly the undisturbed output)."""
         end.num_prompt_tokens = len(ids)
         hints: dict = {}
         num_bounces = 0  # hand-backs in a row with no token between (every worker draining)
+        num_losses = 0  # workers lost under this request
         produced: list[int] = []  # every token id the workers sent, for a re-issue
         num_cached = 0
         while num_bounces <= MAX_BOUNCES:
@@ -146,9 +152,14 @@ class Router:
                     raise ServeError(INTERNAL,
                                      f"request {request_id}: the worker stream ended early")
             except WorkerLostError as e:  # recompute elsewhere from the prompt + output so far
+                num_losses += 1
+                if num_losses > self.migration_limit:
+                    raise ServeError(UNAVAILABLE, f"request {request_id}: {e}, its worker lost "
+                                     f"{num_losses} times (migration_limit "
+                                     f"{self.migration_limit}); retry later") from None
                 logger.warning("request %s: %s; going on on another worker", request_id, e)
                 hints = {"resume": ResumeState(e.worker_id, None, 0, list(produced), None,
-                                               num_cached)}
+                                               num_cached, worker_lost=True)}
                 end.num_moves += 1
                 num_bounces = 0 if out.num_tokens > num_before else num_bounces + 1
             finally:
