@@ -286,9 +286,9 @@ class HandleWorkers:
                 finished = out.finished
                 yield out
         except (RayActorError, ActorUnavailableError) as e:
-            actor_id = getattr(e, "actor_id", None)
-            raise WorkerLostError(f"its worker is gone ({type(e).__name__})",
-                                  self.worker_ids.get(actor_id, "")) from None
+            worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
+            raise WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
+                                  f"({type(e).__name__})", worker_id) from None
         finally:
             if not finished:  # closed early (cancel, deadline, stop string): abort there
                 response.cancel()

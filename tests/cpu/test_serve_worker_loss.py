@@ -52,11 +52,27 @@ def _wait_workers(served, app: str, ready, timeout_s: float = 90.0) -> list:
             time.sleep(0.02)
 
 
+def _index_workers(config) -> set[str]:
+    """The workers the app's Redis prefix index lists."""
+    import asyncio
+
+    from mxserve.api.prefix_index import PrefixIndex
+
+    async def listed() -> set[str]:
+        index = PrefixIndex.from_url(config.redis_url, config.index_namespace)
+        try:
+            return await index.workers()
+        finally:
+            await index.close()
+    return asyncio.run(listed())
+
+
 def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
     """Eight greedy streams over two workers; the process of the worker running most of them
     is SIGKILLed once each has output: every stream completes with the offline engine's
-    tokens (none repeated or missing), a request sent right after the kill is answered
-    within 2 s by the live worker, and Serve's replacement worker joins and serves."""
+    tokens (none repeated or missing), the survivor took the victim's streams, a request sent
+    right after the kill is answered within 2 s by the live worker, the Redis prefix index
+    drops the dead worker within its heartbeat TTL, and Serve's replacement worker joins."""
     from ray import serve
 
     nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
@@ -81,10 +97,14 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
         pending = _streams(served, app.app_name, prompts, 400)
         loads = _wait_workers(served, app.app_name, lambda ws: sum(
             w.num_running for w in ws) == 8 and all(w.num_running for w in ws))
-        victim = max(loads, key=lambda w: w.num_running).worker_id
-        (survivor,) = set(pids) - {victim}
+        victim = max(loads, key=lambda w: w.num_running)
+        (survivor,) = set(pids) - {victim.worker_id}
+        before = {w.worker_id: w.num_requests_total for w in loads}
+        assert victim.worker_id in _index_workers(app)
         time.sleep(0.5)  # every stream has output by now
-        os.kill(pids[victim], signal.SIGKILL)
+        os.kill(pids[victim.worker_id], signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim, num_on_victim = victim.worker_id, victim.num_running
 
         start = time.monotonic()
         with served.client(app.app_name) as client:
@@ -94,6 +114,15 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
 
         results = [f.result(timeout=300) for f in pending]
         assert results == want, [r if isinstance(r, str) else len(r) for r in results]
+        loads = {w.worker_id: w for w in served.wait_idle(app.app_name)}
+        moved = loads[survivor].num_requests_total - before[survivor] - 1  # (less the probe)
+        assert moved >= num_on_victim, (moved, num_on_victim)  # each resumed there
+
+        # live workers purge the dead one from the index once its heartbeat expires
+        ttl = app.routing.heartbeat_ttl_s
+        while victim in _index_workers(app):
+            assert time.monotonic() - killed_at < ttl + 10, "the dead worker stayed indexed"
+            time.sleep(0.2)
 
         # Serve replaces the killed replica; the new one serves
         healed = _wait_workers(served, app.app_name, lambda ws: len(ws) == 2 and victim not in {
