@@ -54,17 +54,21 @@ class ChaosResult:
     expected: list[list[int]]  # the undisturbed run's tokens, by prompt index
     num_kv_blocks_leaked: int  # blocks the workers still hold once idle
 
-    def in_window(self, o: Outcome) -> bool:
-        """The request waited for its first token across a kill, or was sent in a window."""
+    def window_of(self, o: Outcome) -> str:
+        """"in_window" when the request waited for its first token across a worker kill or
+        was sent within window_s after one, "redis_window" the same for a Redis crash, else
+        "outside"."""
         first = o.first if o.first is not None else o.end
-        return any(k.at < first and o.start < k.at + self.window_s for k in self.kills)
+        hit = {k.target == "redis" for k in self.kills
+               if k.at < first and o.start < k.at + self.window_s}
+        return "in_window" if False in hit else "redis_window" if hit else "outside"
 
     def summary(self) -> dict:
         done = [o for o in self.outcomes if o.status == "ok"]
-        ttft = {"in_window": [], "outside": []}
+        ttft: dict[str, list[float]] = {"in_window": [], "redis_window": [], "outside": []}
         for o in done:
             if o.first is not None:
-                ttft["in_window" if self.in_window(o) else "outside"].append(o.first - o.start)
+                ttft[self.window_of(o)].append(o.first - o.start)
         statuses: dict[str, int] = {}
         for o in self.outcomes:
             if o.status != "ok":
@@ -78,6 +82,7 @@ class ChaosResult:
             redis_kills=len([k for k in self.kills if k.target == "redis"]),
             migrated=sum(k.num_in_flight for k in self.kills),
             ttft_in_window=_percentiles(ttft["in_window"]),
+            ttft_redis_window=_percentiles(ttft["redis_window"]),
             ttft_outside=_percentiles(ttft["outside"]),
             kv_blocks_leaked=self.num_kv_blocks_leaked)
 
