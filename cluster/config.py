@@ -169,6 +169,9 @@ class ServeConfig(BaseModel):
     # How often Serve asks each worker whether it can still serve (a failed tensor-parallel
     # rank, a dead engine thread); a worker that cannot is replaced.
     health_check_period_s: float = Field(10.0, gt=0)
+    # A worker whose health check has not answered in this long is replaced too (a process
+    # stopped, or an event loop blocked): its streams then go on on the others.
+    health_check_timeout_s: float = Field(30.0, gt=0)
     # A worker whose engine has work but finished no step for this long fails its health
     # check (a wedged engine: a hung kernel, a deadlock), so Serve replaces it. Above the
     # longest step a worker may take (a long prompt's prefill chunk on a slow device).

@@ -390,6 +390,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     worker_options: dict = dict(
         ray_actor_options=config.worker_resources.ray_actor_options(),
         health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=config.health_check_timeout_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.
         max_ongoing_requests=2 * (engine.max_num_seqs + config.max_queued_requests) + 1)
@@ -443,7 +444,8 @@ def build_app(config: ServeConfig) -> serve.Application:
                             policy_kwargs=dict(target_busy=a.target_busy)))}
         drafts = DraftDeployment.options(
             ray_actor_options=d.resources.ray_actor_options(),
-            health_check_period_s=config.health_check_period_s, **scale,
+            health_check_period_s=config.health_check_period_s,
+            health_check_timeout_s=config.health_check_timeout_s, **scale,
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,

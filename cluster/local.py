@@ -20,9 +20,13 @@ from mxserve.cluster.redis_server import LocalRedis
 # - handle calls (proxy -> router -> worker) over gRPC instead of through the object store;
 # - user code on the replica's own event loop instead of a second thread;
 # - request logs buffered instead of flushed per line.
+# And one for worker loss: a replica that failed its health check is killed at once instead of
+# stopped gracefully (a wedged or stopped worker would hold its streams, which move only once
+# it is gone, for graceful_shutdown_timeout_s).
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-             "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+             "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+             "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 
 
 def deploy(config: ServeConfig) -> None:

@@ -135,3 +135,51 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
         serve.delete(app.app_name)
         for node in nodes:
             served.cluster.remove_node(node)
+
+
+def test_a_worker_that_stops_answering_is_replaced_and_its_streams_go_on(served):
+    """The process of the worker running most of eight streams is stopped (SIGSTOP: alive,
+    silent). Its health check times out, Serve kills it at once (SERVE_ENV's force stop), its
+    streams break and go on on the other worker: every stream ends with the offline engine's
+    tokens, within seconds of the health check's timeout rather than Serve's graceful
+    shutdown timeout."""
+    from ray import serve
+
+    nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
+                                     object_store_memory=128 * MB) for _ in range(2)]
+    served.cluster.wait_for_nodes()
+    app = served.deploy(app_name="silent", num_workers=2, engine=dict(served.config.engine),
+                        worker_resources=Resources(num_cpus=0.25, resources={"chaos_node": 1}),
+                        health_check_period_s=1.0, health_check_timeout_s=2.0,
+                        graceful_shutdown_timeout_s=120.0,
+                        routing=dict(prefix_weight=0.0, lookup_timeout_s=2.0,
+                                     stats_period_s=0.25))
+    pids: dict[str, int] = {}
+    try:
+        rng = random.Random(28)
+        prompts = [[rng.randrange(3, 256) for _ in range(20 + 4 * i)] for i in range(8)]
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        want = [o.token_ids for o in served.llm.generate(prompts, params)]
+        pids = worker_pids(app.app_name)
+        pending = _streams(served, app.app_name, prompts, 400)
+        loads = _wait_workers(served, app.app_name, lambda ws: sum(
+            w.num_running for w in ws) == 8 and all(w.num_running for w in ws))
+        victim = max(loads, key=lambda w: w.num_running).worker_id
+        time.sleep(0.5)
+        os.kill(pids[victim], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        results = [f.result(timeout=300) for f in pending]
+        assert results == want, [r if isinstance(r, str) else len(r) for r in results]
+        assert time.monotonic() - stopped_at < 60  # (graceful_shutdown_timeout_s is 120)
+        healed = _wait_workers(served, app.app_name, lambda ws: len(ws) == 2 and victim not in {
+            w.worker_id for w in ws}, timeout_s=120)
+        assert len(healed) == 2
+    finally:
+        for pid in pids.values():  # (one Serve failed to kill must not stay stopped)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        serve.delete(app.app_name)
+        for node in nodes:
+            served.cluster.remove_node(node)
