@@ -42,7 +42,6 @@ def test_steady_load_through_worker_kills_and_a_redis_crash(served):
                                duration_s=32, kill_every_s=10, num_clients=8, window_s=5,
                                request_timeout_s=60, restart_redis=redis.crash_and_restart)
             s = result.summary()
-            print(s)
             assert s["kills"] >= 2 and s["redis_kills"] >= 1, s
             assert s["requests"] >= 40 and s["completed"] == s["requests"], s
             assert s["mismatches"] == 0 and s["hung"] == 0, s
