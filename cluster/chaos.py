@@ -4,7 +4,9 @@ Redis prefix index) are killed at random times; what a worker loss costs the cli
 Closed-loop clients each send greedy requests drawn from a prompt pool, one at a time, and
 record every request's outcome. A killer SIGKILLs a random live worker replica's process
 every `kill_every_s` (once the app has all its workers again: Serve replaces a killed
-replica), after noting how many requests it was running (those must move). `ChaosResult`
+replica), after noting how many requests it was running (those must move); optionally, halfway
+between two worker kills, Redis is crashed and restarted empty, or a draft replica (speculation
+with draft_placement "replica") SIGKILLed, in turn. `ChaosResult`
 sums it up: completed / failed / hung, output mismatches against the undisturbed run, time
 to first token inside the fault windows and outside, and KV blocks still held once idle.
 
@@ -14,6 +16,7 @@ Used by tests/cpu/test_serve_chaos.py and bench/chaos.py; Ray must already be in
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -42,7 +45,7 @@ class Outcome:
 @dataclass
 class Kill:
     at: float  # time.monotonic()
-    target: str  # a worker id, or "redis"
+    target: str  # a worker id, "redis", or "draft:<replica id>"
     num_in_flight: int = 0  # requests running or waiting on it (they must move)
 
 
@@ -59,13 +62,14 @@ class ChaosResult:
         was sent within window_s after one, "redis_window" the same for a Redis crash, else
         "outside"."""
         first = o.first if o.first is not None else o.end
-        hit = {k.target == "redis" for k in self.kills
-               if k.at < first and o.start < k.at + self.window_s}
-        return "in_window" if False in hit else "redis_window" if hit else "outside"
+        hit = {_kind(k) for k in self.kills if k.at < first and o.start < k.at + self.window_s}
+        return "in_window" if "worker" in hit else "redis_window" if "redis" in hit else \
+            "draft_window" if hit else "outside"
 
     def summary(self) -> dict:
         done = [o for o in self.outcomes if o.status == "ok"]
-        ttft: dict[str, list[float]] = {"in_window": [], "redis_window": [], "outside": []}
+        ttft: dict[str, list[float]] = {"in_window": [], "redis_window": [], "draft_window": [],
+                                        "outside": []}
         for o in done:
             if o.first is not None:
                 ttft[self.window_of(o)].append(o.first - o.start)
@@ -78,13 +82,21 @@ class ChaosResult:
             failed=len(self.outcomes) - len(done), failed_by_status=statuses,
             hung=statuses.get("DEADLINE_EXCEEDED", 0),
             mismatches=sum(o.token_ids != self.expected[o.prompt_index] for o in done),
-            kills=len([k for k in self.kills if k.target != "redis"]),
-            redis_kills=len([k for k in self.kills if k.target == "redis"]),
+            kills=sum(_kind(k) == "worker" for k in self.kills),
+            redis_kills=sum(_kind(k) == "redis" for k in self.kills),
+            draft_kills=sum(_kind(k) == "draft" for k in self.kills),
             migrated=sum(k.num_in_flight for k in self.kills),
             ttft_in_window=_percentiles(ttft["in_window"]),
             ttft_redis_window=_percentiles(ttft["redis_window"]),
+            ttft_draft_window=_percentiles(ttft["draft_window"]),
             ttft_outside=_percentiles(ttft["outside"]),
             kv_blocks_leaked=self.num_kv_blocks_leaked)
+
+
+def _kind(kill: Kill) -> str:
+    if kill.target == "redis":
+        return "redis"
+    return "draft" if kill.target.startswith("draft:") else "worker"
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -99,11 +111,22 @@ def _percentiles(values: list[float]) -> dict:
 def run_chaos(endpoint: str, app_name: str, num_workers: int, prompts: list[list[int]],
               expected: list[list[int]], *, duration_s: float, kill_every_s: float,
               num_clients: int = 8, window_s: float = 10.0, request_timeout_s: float = 120.0,
-              restart_redis: Callable[[], None] | None = None, seed: int = 0) -> ChaosResult:
+              restart_redis: Callable[[], None] | None = None, kill_drafts: bool = False,
+              seed: int = 0) -> ChaosResult:
     """Load the app for duration_s with num_clients closed-loop clients (greedy, each prompt's
-    len(expected[i]) tokens), killing a random worker every kill_every_s (and, with
-    restart_redis, killing and restarting Redis halfway between two worker kills); then wait
-    for the app to be whole and idle and count the KV blocks still held."""
+    len(expected[i]) tokens), killing a random worker every kill_every_s; halfway between two
+    worker kills, in turn, Redis crashed (restart_redis: kill it and start it empty) and a
+    draft replica SIGKILLed (kill_drafts). Then wait for the app to be whole and idle and
+    count the KV blocks still held."""
+    def crash_redis() -> Kill:
+        restart_redis()
+        return Kill(time.monotonic(), "redis")
+
+    extras: list[Callable[[], Kill | None]] = []
+    if restart_redis is not None:
+        extras.append(crash_redis)
+    if kill_drafts:
+        extras.append(lambda: _kill_draft(app_name, rng, kill_every_s))
     start = time.monotonic()
     stop = threading.Event()
     outcomes: list[Outcome] = []
@@ -125,18 +148,15 @@ def run_chaos(endpoint: str, app_name: str, num_workers: int, prompts: list[list
         t.start()
     rng = random.Random(seed)
     next_kill = start + kill_every_s
-    while time.monotonic() < start + duration_s:
+    for n in itertools.count():  # worker kills at even turns, the extras in turn at odd ones
         time.sleep(max(0.0, min(next_kill, start + duration_s) - time.monotonic()))
         if time.monotonic() >= start + duration_s:
             break
-        if restart_redis is not None and len(kills) % 2 == 1:
-            restart_redis()
-            kills.append(Kill(time.monotonic(), "redis"))
-        else:
-            kill = _kill_worker(endpoint, app_name, num_workers, rng, kill_every_s)
-            if kill is not None:
-                kills.append(kill)
-        next_kill = time.monotonic() + (kill_every_s / 2 if restart_redis else kill_every_s)
+        kill = _kill_worker(endpoint, app_name, num_workers, rng, kill_every_s) \
+            if not extras or n % 2 == 0 else extras[(n // 2) % len(extras)]()
+        if kill is not None:
+            kills.append(kill)
+        next_kill = time.monotonic() + (kill_every_s / 2 if extras else kill_every_s)
     stop.set()
     for t in threads:
         t.join(request_timeout_s + 10)
@@ -173,6 +193,18 @@ def _kill_worker(endpoint: str, app_name: str, num_workers: int, rng: random.Ran
     victim = rng.choice(sorted(set(pids) & set(loads)))
     os.kill(pids[victim], signal.SIGKILL)
     return Kill(time.monotonic(), victim, loads[victim].num_running + loads[victim].num_waiting)
+
+
+def _kill_draft(app_name: str, rng: random.Random, wait_s: float) -> Kill | None:
+    """SIGKILL a random draft replica's process (None if none is up within wait_s)."""
+    deadline = time.monotonic() + wait_s
+    while not (pids := worker_pids(app_name, "Draft")):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    victim = rng.choice(sorted(pids))
+    os.kill(pids[victim], signal.SIGKILL)
+    return Kill(time.monotonic(), f"draft:{victim}")
 
 
 def _wait_whole(endpoint: str, app_name: str, num_workers: int, timeout_s: float,

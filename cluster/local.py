@@ -65,15 +65,14 @@ def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:
     raise LookupError(f"no worker {worker_id!r} answered in app {app_name!r}")
 
 
-def worker_pids(app_name: str) -> dict[str, int]:
-    """Each live worker replica's process id, by worker id: what a chaos test or benchmark
-    kills (the replicas are Ray actors SERVE_REPLICA::<app>#Worker#<id> in the "serve"
-    namespace). Ray must already be initialized."""
+def worker_pids(app_name: str, deployment: str = "Worker") -> dict[str, int]:
+    """Each live replica's process id, by replica (worker) id, of the app's worker deployment
+    (or of `deployment`, e.g. "Draft"): what a chaos test or benchmark kills (the replicas are
+    Ray actors SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace). Ray must
+    already be initialized."""
     import ray
 
-    from mxserve.cluster.deployments import WORKER
-
-    prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
     pids = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == "serve" and entry["name"].startswith(prefix):
