@@ -44,6 +44,9 @@ class ResumeState:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The worker it left died or stopped answering (rather than drained): routing leaves that
+    # worker out for every request until Serve replaces it (cluster/request_router.py).
+    worker_lost: bool = False
 
 
 def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:

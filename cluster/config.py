@@ -189,6 +189,16 @@ class ServeConfig(BaseModel):
     # How often Serve asks each worker whether it can still serve (a failed tensor-parallel
     # rank, a dead engine thread); a worker that cannot is replaced.
     health_check_period_s: float = Field(10.0, gt=0)
+    # A worker whose health check has not answered in this long is replaced too (a process
+    # stopped, or an event loop blocked): its streams then go on on the others.
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    # A worker whose engine has work but finished no step for this long fails its health
+    # check (a wedged engine: a hung kernel, a deadlock), so Serve replaces it. Above the
+    # longest step a worker may take (a long prompt's prefill chunk on a slow device).
+    engine_stall_timeout_s: float = Field(60.0, gt=0)
+    # How many times one request may go on on another worker after its worker died or stopped
+    # answering mid-stream (router/ingress.py) before it fails UNAVAILABLE.
+    migration_limit: int = Field(3, ge=0)
     # How long Serve lets a replica it stops (a redeploy, a scale-down) finish its requests
     # before killing it: a router's client streams; a worker's, unless KV transfer is on (it
     # then hands them to the other workers at once).

@@ -53,7 +53,8 @@ class WorkerDeployment:
     async def __init__(self, engine_options: dict, max_queued_requests: int,
                        index: dict | None = None, rank_options: dict | None = None,
                        drafts: DeploymentHandle | None = None,
-                       kv_transfer: dict | None = None) -> None:
+                       kv_transfer: dict | None = None,
+                       stall_timeout_s: float = 60.0) -> None:
         from mxserve.cluster.kv_service import KVNode, TransferOptions
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
@@ -89,7 +90,8 @@ class WorkerDeployment:
             prefill_rate = kv_transfer.pop("prefill_tokens_per_s") or await asyncio.to_thread(
                 measure_prefill_rate, engine, tokens)
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
-                             node_id=ray.get_runtime_context().get_node_id())
+                             node_id=ray.get_runtime_context().get_node_id(),
+                             stall_timeout_s=stall_timeout_s)
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
         self.kv_node = None
         if kv_transfer is not None:
@@ -128,8 +130,8 @@ class WorkerDeployment:
         return {**await self.worker.audit(), "replica_id": self.worker.worker_id}
 
     def check_health(self) -> None:
-        """Serve calls this every health_check_period_s; raising gets the replica (and its
-        tensor-parallel group) replaced."""
+        """Serve calls this every health_check_period_s; raising (a failed engine, a stopped or
+        wedged engine thread) gets the replica (and its tensor-parallel group) replaced."""
         self.worker.check_health()
 
     def group_node_ids(self) -> list[str]:
@@ -271,10 +273,18 @@ class HandleWorkers:
     def __init__(self, handle: DeploymentHandle, app_name: str) -> None:
         self.handle = handle.options(stream=True)
         self.replica_prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
+        # replica actor id (hex) -> worker id, to name the worker a lost stream was on: the
+        # error names the actor, and a dead actor's name can no longer be looked up
+        self.worker_ids: dict[str, str] = {}
+        self._listed_at = float("-inf")
+        self._listing: asyncio.Task | None = None
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **hints) -> AsyncIterator[StepOutput]:
-        """Raises WorkerLostError when the worker's replica died or was stopped under it."""
+        """Raises WorkerLostError, naming the worker, when the worker's replica died or stopped
+        answering under the stream: a SIGKILLed or lost replica's gRPC stream breaks with
+        ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
+        self._keep_listed()
         response = self.handle.generate.remote(prompt_token_ids, params, request_id, **hints)
         finished = False
         try:
@@ -282,10 +292,20 @@ class HandleWorkers:
                 finished = out.finished
                 yield out
         except (RayActorError, ActorUnavailableError) as e:
-            raise WorkerLostError(f"its worker is gone ({type(e).__name__})") from None
+            worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
+            raise WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
+                                  f"({type(e).__name__})", worker_id) from None
         finally:
             if not finished:  # closed early (cancel, deadline, stop string): abort there
                 response.cancel()
+
+    def _keep_listed(self, max_age_s: float = 5.0) -> None:
+        """Refresh `worker_ids` in the background when older than max_age_s (replicas come and
+        go only when Serve replaces or scales them)."""
+        if time.monotonic() - self._listed_at > max_age_s and (
+                self._listing is None or self._listing.done()):
+            self._listed_at = time.monotonic()
+            self._listing = asyncio.create_task(asyncio.to_thread(self._replica_actors))
 
     async def loads(self) -> list[dict]:
         """Ask every worker replica directly: a handle call would reach only one. Replicas are
@@ -300,7 +320,15 @@ class HandleWorkers:
     def _replica_actors(self) -> list:  # blocking GCS calls: run off the event loop
         names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
                  if n["namespace"] == "serve" and n["name"].startswith(self.replica_prefix)]
-        return [ray.get_actor(name, namespace="serve") for name in names]
+        actors = []
+        for name in names:
+            try:
+                actor = ray.get_actor(name, namespace="serve")
+            except ValueError:  # gone since it was listed
+                continue
+            self.worker_ids[actor._actor_id.hex()] = name.removeprefix(self.replica_prefix)
+            actors.append(actor)
+        return actors
 
 
 @serve.deployment(name=ROUTER, logging_config=_LOGGING)
@@ -309,8 +337,8 @@ class RouterDeployment:
 
     async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
-                       token_digests: list[str] | None = None,
-                       admission: dict | None = None) -> None:
+                       token_digests: list[str] | None = None, admission: dict | None = None,
+                       migration_limit: int = 3) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
@@ -328,7 +356,7 @@ class RouterDeployment:
         self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
-                             admission, publish)
+                             admission, publish, migration_limit)
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
                        grpc_context) -> AsyncIterator[pb.GenerateResponse]:
@@ -400,6 +428,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     worker_options: dict = dict(
         ray_actor_options=config.worker_resources.ray_actor_options(),
         health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=config.health_check_timeout_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         # Leave admission to the Worker (RESOURCE_EXHAUSTED), so let every request through.
         max_ongoing_requests=2 * (engine.max_num_seqs + config.max_queued_requests) + 1)
@@ -453,14 +482,17 @@ def build_app(config: ServeConfig) -> serve.Application:
                             policy_kwargs=dict(target_busy=a.target_busy)))}
         drafts = DraftDeployment.options(
             ray_actor_options=d.resources.ray_actor_options(),
-            health_check_period_s=config.health_check_period_s, **scale,
+            health_check_period_s=config.health_check_period_s,
+            health_check_timeout_s=config.health_check_timeout_s, **scale,
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
-        engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer)
+        engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,
+        config.engine_stall_timeout_s)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
            config.app_name, config.limits.request_limits(), config.token_digests(),
-           dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s))
+           dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s),
+           config.migration_limit)

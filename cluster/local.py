@@ -19,13 +19,17 @@ from mxserve.cluster.redis_server import LocalRedis
 # token stream (their effect on the serving overhead: bench/results/serve_cpu.md):
 # - handle calls (proxy -> router -> worker) over gRPC instead of through the object store;
 # - user code on the replica's own event loop instead of a second thread;
-# - request logs buffered instead of flushed per line;
-# and the last caps the gRPC proxy's messages at gRPC's own default (Serve raises it to
-# 2 GiB): a larger request is RESOURCE_EXHAUSTED before anything parses it.
+# - request logs buffered instead of flushed per line.
+# The fourth caps the gRPC proxy's messages at gRPC's own default (Serve raises it to 2 GiB): a
+# larger request is RESOURCE_EXHAUSTED before anything parses it. And one for worker loss: a
+# replica that failed its health check is killed at once instead of stopped gracefully (a
+# wedged or stopped worker would hold its streams, which move only once it is gone, for
+# graceful_shutdown_timeout_s).
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
              "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-             "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20)}
+             "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20),
+             "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 
 
 def deploy(config: ServeConfig) -> None:
@@ -62,6 +66,26 @@ def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:
         if moved is not None:
             return moved
     raise LookupError(f"no worker {worker_id!r} answered in app {app_name!r}")
+
+
+def worker_pids(app_name: str, deployment: str = "Worker") -> dict[str, int]:
+    """Each live replica's process id, by replica (worker) id, of the app's worker deployment
+    (or of `deployment`, e.g. "Draft"): what a chaos test or benchmark kills (the replicas are
+    Ray actors SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace). Ray must
+    already be initialized."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    pids = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == "serve" and entry["name"].startswith(prefix):
+            actor = ray.get_actor(entry["name"], namespace="serve")
+            try:
+                pids[entry["name"].removeprefix(prefix)] = ray.get(
+                    actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+            except ray.exceptions.RayError:  # died (or dying) since it was listed
+                pass
+    return pids
 
 
 def check_placement(config: ServeConfig) -> None:

@@ -84,6 +84,15 @@ class LocalRedis:
         finally:
             client.close()
 
+    def crash_and_restart(self) -> None:
+        """SIGKILL the server and start an empty one on the same port: the index lost, as a
+        crashed Redis without persistence loses it (the chaos harness)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        self.stop()
+        self.start()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

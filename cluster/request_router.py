@@ -15,6 +15,7 @@ FIFOMixin's oldest-first): the choice was made for its prompt.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ray.serve import metrics
 from ray.serve.request_router import (
@@ -30,6 +31,10 @@ from mxserve.api.prefix_index import PrefixIndex
 from mxserve.cluster.kv_drain import request_drain
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
 
+# How long a worker a request was lost on stays out of routing when Serve keeps listing it
+# (Serve replaces a dead replica within a few health checks; one that answers again returns).
+LOST_HOLD_S = 60.0
+
 
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, redis_url: str | None = None, namespace: str = "mxserve",
@@ -39,6 +44,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         # transfer port (None: KV transfer off)
         self._kv_transfer = kv_transfer
         self._config = RoutingConfig(**routing)
+        # worker id -> when a request came back from it lost (died, stopped answering): left
+        # out of every choice until Serve drops it from the replica set, or for LOST_HOLD_S
+        # should it answer again (a network blip)
+        self._lost: dict[str, float] = {}
         self._policy: PrefixRouter | None = None  # built on the routing loop, on first use
         # request id -> (prompt tokens, tokens each replica holds), until it is dispatched
         self._prompts: dict[str, tuple[int, dict[str, int]]] = {}
@@ -89,24 +98,38 @@ class PrefixAwareRequestRouter(RequestRouter):
                 pending_request.kwargs["kv_source"] = source
         return [[by_id[replica_id]] for replica_id in decision.order]
 
-    @staticmethod
-    def _serving(replicas: list[RunningReplica], pending: PendingRequest | None
+    def _serving(self, replicas: list[RunningReplica], pending: PendingRequest | None
                  ) -> list[RunningReplica]:
-        """For a `generate` call, the candidates less those draining and the one a handed-back
-        request left (all of them when that leaves none: a draining worker hands the request
-        back at once). Other calls (stats, drain) may go to any."""
+        """For a `generate` call, the candidates less those draining, those lost and the one a
+        handed-back request left (all of them when that leaves none: a draining worker hands
+        the request back at once; a lost one fails fast). A request whose worker was lost
+        tells this router so before Serve's controller notices (its next health check): the
+        next choices leave that worker out at once. Other calls (stats, drain) may go to
+        any."""
         if pending is None or pending.metadata.call_method != "generate":
             return replicas
         resume = pending.kwargs.get("resume")
         left = resume.worker_id if resume is not None else None
+        if resume is not None and resume.worker_lost and left:
+            self._lost[left] = time.monotonic()
+        lost = self._lost_now()
         serving = [r for r in replicas if r.replica_id.unique_id != left
+                   and r.replica_id.unique_id not in lost
                    and not (r.routing_stats or {}).get("draining")]
         return serving or replicas
+
+    def _lost_now(self) -> set[str]:
+        now = time.monotonic()
+        for worker_id in [w for w, t in self._lost.items() if now - t > LOST_HOLD_S]:
+            del self._lost[worker_id]
+        return set(self._lost)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new set of worker replicas. One that left it while this router knew its
         transfer port is being stopped (or died): it is asked to drain, so its running
         requests go on elsewhere instead of holding up its shutdown."""
+        kept_ids = {r.replica_id.unique_id for r in replicas}
+        self._lost = {w: t for w, t in self._lost.items() if w in kept_ids}
         if self._kv_transfer is not None:
             kept = {r.replica_id for r in replicas}
             for replica_id, replica in self.curr_replicas.items():

@@ -10,6 +10,7 @@ without bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import time
@@ -34,13 +35,15 @@ class Worker:
     """Serves one engine. Construct, then `start()`; `shutdown()` stops the engine loop."""
 
     def __init__(self, engine: Engine, max_queued_requests: int, worker_id: str = "worker",
-                 node_id: str = "") -> None:
+                 node_id: str = "", stall_timeout_s: float = 60.0) -> None:
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.capacity = engine.config.max_num_seqs + max_queued_requests
         self.worker_id, self.node_id = worker_id, node_id
+        # work pending and no step finished for this long: the engine is wedged (check_health)
+        self.stall_timeout_s = stall_timeout_s
         self.num_in_flight = 0  # requests admitted and not yet finished (event-loop side)
         self.num_requests_total = 0  # requests admitted
         self.num_requests_aborted = 0  # admitted, then closed before they finished
@@ -118,23 +121,24 @@ class Worker:
         self.num_requests_total += 1
         self.num_prefill_tokens_pending += pending
         first, finished, counted = True, False, True
-        try:
-            async for out in self.async_engine.stream(request):
-                finished = out.finished
-                if finished:  # counted out before its last output leaves: a router that
-                    self.num_in_flight -= 1  # admits the next request on it finds room here
-                    counted = False
-                if first:
-                    self.num_prompt_tokens += out.num_prompt_tokens
-                    self.num_prefix_hit_tokens += out.num_cached_tokens
-                    self.num_prefill_tokens_pending -= pending
-                    first = False
-                self.num_output_tokens += len(out.new_token_ids)
-                if out.finished:
-                    self.num_drafts += out.num_drafts
-                    self.num_draft_tokens += out.num_draft_tokens
-                    self.num_accepted_tokens += out.num_accepted_tokens
-                yield out
+        try:  # (closed with this stream, not when collected: the abort goes out at once)
+            async with contextlib.aclosing(self.async_engine.stream(request)) as stream:
+                async for out in stream:
+                    finished = out.finished
+                    if finished:  # counted out before its last output leaves: a router
+                        self.num_in_flight -= 1  # admitting the next one finds room here
+                        counted = False
+                    if first:
+                        self.num_prompt_tokens += out.num_prompt_tokens
+                        self.num_prefix_hit_tokens += out.num_cached_tokens
+                        self.num_prefill_tokens_pending -= pending
+                        first = False
+                    self.num_output_tokens += len(out.new_token_ids)
+                    if out.finished:
+                        self.num_drafts += out.num_drafts
+                        self.num_draft_tokens += out.num_draft_tokens
+                        self.num_accepted_tokens += out.num_accepted_tokens
+                    yield out
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted
             raise ServeError.invalid(e) from None
@@ -165,7 +169,8 @@ class Worker:
                      resume: ResumeState | None) -> StepOutput:
         """The answer of a draining worker to a new request: go on elsewhere, as it came."""
         state = resume or ResumeState("", None, 0, [], None, 0)
-        state = dataclasses.replace(state, worker_id=self.worker_id, num_blocks=0)
+        state = dataclasses.replace(state, worker_id=self.worker_id, num_blocks=0,
+                                    worker_lost=False)
         return StepOutput(request_id, [], None, True, "migrate", len(prompt_token_ids),
                           state.num_cached_tokens, len(state.output_token_ids), resume=state)
 
@@ -186,13 +191,19 @@ class Worker:
                     tasks=len(asyncio.all_tasks()), rss_bytes=rss_bytes())
 
     def check_health(self) -> None:
-        """Raise when this worker can serve no more (Serve then replaces the replica): its engine
-        failed (a tensor-parallel rank died or hung) or its engine thread is gone."""
+        """Raise when this worker can serve no more (Serve then replaces the replica, and the
+        routers move its streams on): its engine failed (a tensor-parallel rank died or hung),
+        its engine thread is gone, or the engine is wedged: work pending and no step finished
+        for `stall_timeout_s`."""
         if self.async_engine.fatal is not None:
             raise RuntimeError(f"worker {self.worker_id}: {self.async_engine.fatal}")
         self.engine.check_health()
         if not self.async_engine.running:
             raise RuntimeError(f"worker {self.worker_id}: the engine thread has stopped")
+        stalled = self.async_engine.stalled_s()
+        if stalled > self.stall_timeout_s:
+            raise RuntimeError(f"worker {self.worker_id}: the engine has had work and finished "
+                               f"no step for {stalled:.0f} s (limit {self.stall_timeout_s:g} s)")
 
     def load(self) -> dict:
         """The engine's load now; fields as in the proto's WorkerLoad. Waiting counts requests

@@ -130,9 +130,11 @@ class Router:
     def __init__(self, tokenizer: Tokenizer, card: ModelCard, workers: Workers,
                  metrics: RouterMetrics | None = None, limits: RequestLimits | None = None,
                  auth: TokenAuth | None = None, admission: Admission | None = None,
-                 publish: Callable[[int | None], Awaitable[None]] | None = None) -> None:
+                 publish: Callable[[int | None], Awaitable[None]] | None = None,
+                 migration_limit: int = 3) -> None:
         """publish: called with the workers' total capacity when it changes (the cluster
-        hands it to the gRPC proxies, which shed first: cluster/grpc_proxy.ProxyAdmission)."""
+        hands it to the gRPC proxies, which shed first: cluster/grpc_proxy.ProxyAdmission).
+        migration_limit: times one request may go on elsewhere after losing its worker."""
         self.tokenizer = tokenizer
         self.card = card
         self.workers = workers
@@ -147,6 +149,7 @@ class Router:
         self.publish = publish
         self.total_capacity: int | None = None  # every worker's, as last read
         self._num_shed_unlogged, self._shed_logged_at = 0, -1.0
+        self.migration_limit = migration_limit
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
         """ServeError(UNAUTHENTICATED) when auth is on and `metadata` lacks a valid token."""
@@ -258,10 +261,14 @@ class Router:
                       out: OutputStream, end: RequestEnd) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's outputs as responses. A worker that drains hands the request back
         (finish_reason "migrate"): it is sent on, with its state, to another worker, which
-        goes on from the next token; the client's stream stays open across the move."""
+        goes on from the next token; the client's stream stays open across the move. A worker
+        lost mid-stream (WorkerLostError) is left the same way, up to `migration_limit` times:
+        the next worker recomputes the prompt plus the tokens already sent and goes on from
+        there, so the client sees each token once (greedy: exactly the undisturbed output)."""
         end.num_prompt_tokens = len(ids)
         hints: dict = {}
         num_bounces = 0  # hand-backs in a row with no token between (every worker draining)
+        num_losses = 0  # workers lost under this request
         produced: list[int] = []  # every token id the workers sent, for a re-issue
         num_cached = 0
         while num_bounces <= MAX_BOUNCES:
@@ -294,9 +301,14 @@ class Router:
                     raise ServeError(INTERNAL,
                                      f"request {request_id}: the worker stream ended early")
             except WorkerLostError as e:  # recompute elsewhere from the prompt + output so far
+                num_losses += 1
+                if num_losses > self.migration_limit:
+                    raise ServeError(UNAVAILABLE, f"request {request_id}: {e}, its worker lost "
+                                     f"{num_losses} times (migration_limit "
+                                     f"{self.migration_limit}); retry later") from None
                 logger.warning("request %s: %s; going on on another worker", request_id, e)
                 hints = {"resume": ResumeState(e.worker_id, None, 0, list(produced), None,
-                                               num_cached)}
+                                               num_cached, worker_lost=True)}
                 end.num_moves += 1
                 num_bounces = 0 if out.num_tokens > num_before else num_bounces + 1
             finally:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class AsyncEngine:
         # requests in flight and later ones then fail with UnavailableError.
         self.fatal: str | None = None
         self._kv_sink: KVSink | None = None
+        # time.monotonic() when the loop thread last finished a step or found nothing to do:
+        # with work pending and this old, the engine is wedged (`stalled_s`)
+        self.progress_at = time.monotonic()
 
     def start(self) -> None:
         if self._thread is None:
@@ -67,6 +71,14 @@ class AsyncEngine:
     def running(self) -> bool:
         """The loop thread was started and has not stopped."""
         return self._thread is not None and self._thread.is_alive()
+
+    def stalled_s(self) -> float:
+        """How long the engine has had work without finishing a step (0 when idle or
+        stepping): a step that never returns (a hung kernel or collective) grows it without
+        bound. Read from any thread."""
+        if not self.engine.has_unfinished_requests():
+            return 0.0
+        return max(0.0, time.monotonic() - self.progress_at)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -157,6 +169,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             idle = self.fatal is not None or not self.engine.has_unfinished_requests()
+            if idle:
+                self.progress_at = time.monotonic()
             self._drain_commands(block=idle)
             if self.fatal is not None or not self.engine.has_unfinished_requests():
                 continue
@@ -165,6 +179,7 @@ class AsyncEngine:
             except BaseException as e:  # fail every stream; keep the thread alive for aborts
                 self._fail_all(e)
                 continue
+            self.progress_at = time.monotonic()
             self._flush_kv_events()
             self._deliver_all(outputs)
 

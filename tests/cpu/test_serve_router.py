@@ -395,9 +395,9 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.ray_actor_options["resources"] == {"big": 1}
     assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
     assert router.init_args[2:5] == ("SmolLM2-135M-Instruct", None, "mxserve")
-    limits, digests, admission = router.init_args[5:]
+    limits, digests, admission, migration_limit = router.init_args[5:]
     assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
-    assert admission == {"num_routers": 1, "retry_after_s": 1.0}
+    assert admission == {"num_routers": 1, "retry_after_s": 1.0} and migration_limit == 3
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
@@ -466,3 +466,141 @@ def test_each_request_ends_in_one_log_line(tiny, caplog):
     match = re.fullmatch(r"request mx-\w+: cancelled \(\d+ prompt \+ (\d+) output tokens, \d+ ms\)",
                          cancelled)
     assert match and 1 <= int(match.group(1)) < 50, cancelled
+
+
+class LosingWorkers:
+    """Calls go to the workers in turn (a lost worker is not chosen again); each stream breaks
+    (WorkerLostError, as HandleWorkers raises when a replica dies) after `after` tokens, for
+    the first `num_losses` calls. `calls` keeps each call's hints."""
+
+    def __init__(self, workers: list[Worker], num_losses: int, after: int = 5) -> None:
+        self.workers, self.num_losses, self.after, self.calls = workers, num_losses, after, []
+
+    async def loads(self):
+        return [w.load() for w in self.workers]
+
+    def generate(self, prompt_token_ids, params, request_id, **hints):
+        from mxserve.api.errors import WorkerLostError
+
+        worker = self.workers[len(self.calls) % len(self.workers)]
+        self.calls.append(hints)
+        inner = worker.generate(prompt_token_ids, params, request_id, **hints)
+        if len(self.calls) > self.num_losses:
+            return inner
+
+        async def lost():
+            n = 0
+            async for out in inner:
+                yield out
+                n += len(out.new_token_ids)
+                if n >= self.after:
+                    await inner.aclose()  # (the dead worker's requests die with it)
+                    raise WorkerLostError("its worker is gone (test)", f"w{len(self.calls)}")
+        return lost()
+
+
+def test_a_request_goes_on_after_each_lost_worker_until_its_migration_limit(tiny,
+                                                                             tiny_checkpoint):
+    """Each loss re-issues the prompt + the tokens sent so far, naming the lost worker: the
+    client gets the undisturbed greedy tokens once each. One loss past migration_limit ends
+    the request UNAVAILABLE, and the worker holds no block after either."""
+    from mxserve.api.errors import UNAVAILABLE
+
+    router, worker = tiny
+    _, other = make_router(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=64,
+                           max_num_seqs=2)
+    request = build_request("w5 w6 w7", max_tokens=24, ignore_eos=True, temperature=0)
+    want = asyncio.run(collect(router, request))["token_ids"]
+
+    workers = LosingWorkers([worker, other], num_losses=2)
+    lossy = Router(router.tokenizer, router.card, workers, migration_limit=2)
+    got = asyncio.run(collect(lossy, request))
+    assert got["token_ids"] == want and got["finish_reason"] == "length"
+    resumes = [h["resume"] for h in workers.calls[1:]]
+    assert [r.worker_id for r in resumes] == ["w1", "w2"] and all(r.worker_lost for r in resumes)
+    assert [r.output_token_ids for r in resumes] == [want[:5], want[:10]]
+
+    workers = LosingWorkers([worker, other], num_losses=3)
+    lossy = Router(router.tokenizer, router.card, workers, migration_limit=2)
+    with pytest.raises(ServeError) as e:
+        asyncio.run(collect(lossy, request))
+    assert e.value.code == UNAVAILABLE and "migration_limit 2" in e.value.message
+    assert len(workers.calls) == 3
+    for w in (worker, other):
+        assert asyncio.run(w.wait_idle())
+        assert w.load()["num_kv_blocks_used"] == 0
+        w.engine.kv.check_integrity()
+    other.shutdown()
+
+
+def test_a_wedged_engine_fails_the_health_check(tiny_checkpoint):
+    """Work pending and no step finished for stall_timeout_s: check_health raises (Serve then
+    replaces the replica). Idle for longer than that is healthy, and so is stepping again."""
+    import threading
+    import time
+
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoint("llama")), load_progress=False,
+                                       dtype="float32", num_kv_blocks=64, max_num_seqs=2))
+    worker = Worker(engine, 4, stall_timeout_s=0.3)
+    worker.start()
+    release = threading.Event()
+    step = engine.step
+
+    def wedged_step():
+        release.wait()  # a hung kernel or collective
+        return step()
+
+    async def main():
+        await asyncio.sleep(0.5)
+        worker.check_health()  # idle past the timeout: healthy
+        engine.step = wedged_step
+        stream = worker.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), "r")
+        task = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.1)
+        worker.check_health()  # within the timeout
+        await asyncio.sleep(0.4)
+        with pytest.raises(RuntimeError, match="finished no step"):
+            worker.check_health()
+        release.set()
+        await task
+        async for _ in stream:
+            pass
+        worker.check_health()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        release.set()
+        worker.shutdown()
+    assert time.monotonic() - worker.async_engine.progress_at < 60
+
+
+def test_request_router_leaves_a_lost_worker_out_until_serve_drops_it():
+    """A resumed request naming a lost worker takes it out of every later generate choice
+    (not of other calls); Serve's new replica set without it clears the mark."""
+    from types import SimpleNamespace as NS
+
+    from mxserve.api.outputs import ResumeState
+    from mxserve.cluster.request_router import PrefixAwareRequestRouter
+
+    def replica(worker_id, **stats):
+        return NS(replica_id=NS(unique_id=worker_id), routing_stats=stats)
+
+    def pending(method="generate", **kwargs):
+        return NS(metadata=NS(call_method=method), kwargs=kwargs)
+
+    router = object.__new__(PrefixAwareRequestRouter)  # its state only: no Serve here
+    router._lost = {}
+    a, b, c = replica("a"), replica("b"), replica("c", draining=True)
+    ids = lambda rs: [r.replica_id.unique_id for r in rs]  # noqa: E731
+    assert ids(router._serving([a, b, c], pending())) == ["a", "b"]
+    drained = ResumeState("a", None, 0, [1], None, 0)
+    assert ids(router._serving([a, b, c], pending(resume=drained))) == ["b"]
+    assert ids(router._serving([a, b, c], pending())) == ["a", "b"]  # a drain marks nothing
+    lost = ResumeState("a", None, 0, [1], None, 0, worker_lost=True)
+    assert ids(router._serving([a, b, c], pending(resume=lost))) == ["b"]
+    assert ids(router._serving([a, b, c], pending())) == ["b"]  # every later request too
+    assert ids(router._serving([a, b], pending("record_routing_stats"))) == ["a", "b"]
+    assert ids(router._serving([a], pending())) == ["a"]  # none left: any
+    router._lost = {w: t for w, t in router._lost.items() if w in {"b"}}  # update_replicas
+    assert ids(router._serving([a, b, c], pending())) == ["a", "b"]
