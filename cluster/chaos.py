@@ -112,12 +112,14 @@ def run_chaos(endpoint: str, app_name: str, num_workers: int, prompts: list[list
               expected: list[list[int]], *, duration_s: float, kill_every_s: float,
               num_clients: int = 8, window_s: float = 10.0, request_timeout_s: float = 120.0,
               restart_redis: Callable[[], None] | None = None, kill_drafts: bool = False,
-              seed: int = 0) -> ChaosResult:
+              seed: int = 0, min_worker_kills: int = 0) -> ChaosResult:
     """Load the app for duration_s with num_clients closed-loop clients (greedy, each prompt's
     len(expected[i]) tokens), killing a random worker every kill_every_s; halfway between two
     worker kills, in turn, Redis crashed (restart_redis: kill it and start it empty) and a
     draft replica SIGKILLed (kill_drafts). Then wait for the app to be whole and idle and
-    count the KV blocks still held."""
+    count the KV blocks still held. min_worker_kills: the load goes on past duration_s (up to
+    3x it) until that many workers were killed (on a slow machine a replacement worker takes
+    long to come up, and a kill waits for it)."""
     def crash_redis() -> Kill:
         restart_redis()
         return Kill(time.monotonic(), "redis")
@@ -149,8 +151,10 @@ def run_chaos(endpoint: str, app_name: str, num_workers: int, prompts: list[list
     rng = random.Random(seed)
     next_kill = start + kill_every_s
     for n in itertools.count():  # worker kills at even turns, the extras in turn at odd ones
-        time.sleep(max(0.0, min(next_kill, start + duration_s) - time.monotonic()))
-        if time.monotonic() >= start + duration_s:
+        enough = sum(_kind(k) == "worker" for k in kills) >= min_worker_kills
+        end = start + (duration_s if enough else 3 * duration_s)
+        time.sleep(max(0.0, min(next_kill, end) - time.monotonic()))
+        if time.monotonic() >= end:
             break
         kill = _kill_worker(endpoint, app_name, num_workers, rng, kill_every_s) \
             if not extras or n % 2 == 0 else extras[(n // 2) % len(extras)]()

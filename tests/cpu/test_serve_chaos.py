@@ -41,7 +41,8 @@ def test_steady_load_through_worker_kills_and_a_redis_crash(served):
                 prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
             result = run_chaos(served.endpoint, app.app_name, 2, prompts, want,
                                duration_s=32, kill_every_s=10, num_clients=8, window_s=5,
-                               request_timeout_s=60, restart_redis=redis.crash_and_restart)
+                               request_timeout_s=60, restart_redis=redis.crash_and_restart,
+                               min_worker_kills=2)
             s = result.summary()
             assert s["kills"] >= 2 and s["redis_kills"] >= 1, s
             assert s["requests"] >= 40 and s["completed"] == s["requests"], s
@@ -82,7 +83,7 @@ def test_steady_load_through_worker_and_draft_replica_kills(served, random_eagle
             prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
         result = run_chaos(served.endpoint, app.app_name, 2, prompts, want, duration_s=26,
                            kill_every_s=8, num_clients=8, window_s=4, request_timeout_s=60,
-                           kill_drafts=True)
+                           kill_drafts=True, min_worker_kills=2)
         s = result.summary()
         assert s["kills"] >= 2 and s["draft_kills"] >= 1, s
         assert s["requests"] >= 30 and s["completed"] == s["requests"], s
