@@ -183,7 +183,9 @@ def test_more_than_the_queue_limit_is_resource_exhausted(served):
             with pytest.raises(grpc.RpcError) as e:  # one running + one queued: full
                 client.generate("w5", max_tokens=4)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "full" in e.value.details()
+            # shed before the worker (by the proxy or the router), with a retry hint
+            assert "at capacity" in e.value.details()
+            assert dict(e.value.trailing_metadata())["retry-after-ms"] == "1000"
             running.close()
             assert first_of_queued.result(timeout=10).token_ids  # the queued one runs now
             queued.close()

@@ -518,7 +518,10 @@ def test_a_request_goes_on_after_each_lost_worker_until_its_migration_limit(tiny
     assert got["token_ids"] == want and got["finish_reason"] == "length"
     resumes = [h["resume"] for h in workers.calls[1:]]
     assert [r.worker_id for r in resumes] == ["w1", "w2"] and all(r.worker_lost for r in resumes)
-    assert [r.output_token_ids for r in resumes] == [want[:5], want[:10]]
+    # (each loss comes after at least 5 more tokens: more when outputs arrive merged)
+    first, second = (r.output_token_ids for r in resumes)
+    assert first == want[:len(first)] and len(first) >= 5
+    assert second == want[:len(second)] and len(second) >= len(first) + 5
 
     workers = LosingWorkers([worker, other], num_losses=3)
     lossy = Router(router.tokenizer, router.card, workers, migration_limit=2)
