@@ -33,6 +33,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.revision import head_commit, write_result  # noqa: E402
+
 ENGINE = dict(num_threads=1, max_num_seqs=4)
 VARIANTS = {"shed": 0, "queued": 36}  # max_queued_requests
 MB = 2**20
@@ -219,18 +222,14 @@ def main() -> int:
     report = dict(
         benchmark="overload",
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        command="python bench/overload.py " + " ".join(sys.argv[1:]),
+        commit=head_commit(), command="python bench/overload.py " + " ".join(sys.argv[1:]),
         machine=dict(cpus=os.cpu_count(), platform=platform.platform(),
                      python=platform.python_version(), torch=torch.__version__,
                      ray=ray.__version__, grpcio=__import__("grpc").__version__),
         engine=ENGINE, max_tokens=args.max_tokens, variants=variants, ratios=ratios,
         targets_met=targets_met)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
     md = markdown(report)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
+    write_result(args.out, report, md)
     print(md)
     return 0
 

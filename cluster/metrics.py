@@ -153,4 +153,3 @@ class WorkerMetricsExporter:
             else:
                 self.kv_pulls.inc(delta, tags={"outcome": key})
         self._last_pulls = counts
-

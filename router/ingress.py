@@ -142,7 +142,6 @@ class Router:
         self.limits = limits or RequestLimits()
         self.auth = auth
         self.admission = admission or Admission()
-        self.capacity: int | None = None  # this router's share of the workers' capacity
         self.num_in_flight = 0  # requests admitted and not yet ended
         self.num_shed = 0  # requests rejected by admission
         self._refresher: asyncio.Task | None = None
@@ -151,6 +150,13 @@ class Router:
         self._num_shed_unlogged, self._shed_logged_at = 0, -1.0
         self.migration_limit = migration_limit
 
+    @property
+    def capacity(self) -> int | None:
+        """This router's share of the workers' capacity (None: no limit)."""
+        if self.total_capacity is None:
+            return None
+        return math.ceil(self.total_capacity / self.admission.num_routers)
+
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
         """ServeError(UNAUTHENTICATED) when auth is on and `metadata` lacks a valid token."""
         if self.auth is not None:
@@ -158,8 +164,25 @@ class Router:
 
     def prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize; raises ServeError(INVALID_ARGUMENT) naming the field."""
+        self._check_limits(request)
+        return self._tokenize(request)
+
+    async def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """`prepare`, the tokenizing in a thread when the prompt is long."""
+        self._check_limits(request)  # cheap, on the loop
+        size = len(request.text) + sum(len(m.content) for m in request.chat.messages)
+        if size <= _TOKENIZE_INLINE_CHARS:
+            return self._tokenize(request)
+        return await asyncio.to_thread(self._tokenize, request)
+
+    def _check_limits(self, request: pb.GenerateRequest) -> None:
         try:
             check_limits(request, self.limits, self.card)
+        except InvalidRequestError as e:
+            raise ServeError.invalid(e) from None
+
+    def _tokenize(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        try:
             ids, _ = prompt_token_ids(request, self.tokenizer, self.card,
                                       self.limits.max_prompt_tokens)
             params = sampling_params(request.sampling_params, self.card.generation_defaults)
@@ -167,22 +190,10 @@ class Router:
             raise ServeError.invalid(e) from None
         return ids, params
 
-    async def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """`prepare`, in a thread when the prompt is long."""
-        size = len(request.text) + sum(len(m.content) for m in request.chat.messages)
-        if size <= _TOKENIZE_INLINE_CHARS:
-            return self.prepare(request)
-        try:
-            check_limits(request, self.limits, self.card)  # the cheap checks, on the loop
-        except InvalidRequestError as e:
-            raise ServeError.invalid(e) from None
-        return await asyncio.to_thread(self.prepare, request)
-
     def admit(self) -> None:
         """Count the request in, or raise ServeError(RESOURCE_EXHAUSTED) with a retry hint
         when this router holds its share of the workers' capacity already."""
-        if self._refresher is None or self._refresher.get_loop() is not \
-                asyncio.get_running_loop():
+        if self._refresher is None or self._refresher.done():
             self._refresher = asyncio.create_task(self._refresh_capacity())
         if self.capacity is not None and self.num_in_flight >= self.capacity:
             self.num_shed += 1
@@ -199,7 +210,6 @@ class Router:
         limit) when none does: a request then waits for one (a rolling update's new workers,
         a replaced one) as `_stream` does, rather than being shed."""
         total = sum(load.get("capacity", 0) for load in loads if not load.get("draining"))
-        self.capacity = math.ceil(total / self.admission.num_routers) if total else None
         self.total_capacity = total or None
 
     async def _refresh_capacity(self) -> None:

@@ -73,9 +73,6 @@ def check_limits(request: pb.GenerateRequest, limits: RequestLimits, card: Model
         field_name = "messages" if kind == "chat" else "prompt"
         raise InvalidRequestError(field_name, f"has {num_chars} characters; the limit is "
                                               f"{max_chars}")
-    if kind == "token_ids" and len(request.token_ids.ids) >= card.max_model_len:
-        raise InvalidRequestError("prompt", f"has {len(request.token_ids.ids)} tokens; the "
-                                            f"model's context is {card.max_model_len}")
     sp = request.sampling_params
     if len(sp.stop) > limits.max_stop_strings:
         raise InvalidRequestError("stop", f"has {len(sp.stop)} strings; the limit is "
@@ -120,8 +117,6 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, card: Mo
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = list(request.token_ids.ids)
-        if not all(0 <= t < card.vocab_size for t in ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {card.vocab_size})")
     if not ids:
         raise InvalidRequestError("prompt", "is empty")
     if len(ids) >= card.max_model_len:
@@ -130,6 +125,8 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, card: Mo
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise InvalidRequestError(
             "prompt", f"has {len(ids)} tokens; this server's limit is {max_prompt_tokens}")
+    if kind == "token_ids" and not all(0 <= t < card.vocab_size for t in ids):
+        raise InvalidRequestError("prompt", f"token ids must be in [0, {card.vocab_size})")
     return ids, text
 
 

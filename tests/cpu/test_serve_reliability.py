@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from mxserve.cluster.config import Resources
+from mxserve.cluster.local import worker_pids
 from mxserve.proto import mxserve_pb2 as pb
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -31,23 +32,13 @@ ANSWERS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.UNAUTHENTICATED}
 
 
-def _replica_actors(app: str, deployment: str) -> dict[str, object]:
-    """Replica name -> actor handle, for every replica of `deployment` in `app`."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-             if n["namespace"] == "serve" and n["name"].startswith(prefix)]
-    return {name: ray.get_actor(name, namespace="serve") for name in names}
-
-
 def _audits(app: str, deployment: str) -> list[dict]:
     """Every replica's `audit()` (a handle call reaches one replica: repeated until each of
     the deployment's replicas has answered)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app)
-    want, seen = len(_replica_actors(app, deployment)), {}
+    want, seen = len(worker_pids(app, deployment)), {}
     for _ in range(400):
         audit = handle.audit.remote().result(timeout_s=60)
         seen[audit["replica_id"]] = audit
@@ -237,7 +228,7 @@ def test_two_thousand_fuzzed_requests_get_clear_errors_and_nothing_restarts(serv
     payloads = fuzz_payloads(seed, 2000, card.vocab_size, served.llm.engine.max_model_len)
     rng = random.Random(seed + 1)
     auth = [rng.choice([TOKEN] * 8 + [None, "wrong", TOKEN + "x"]) for _ in payloads]
-    before = {d: set(_replica_actors("secure", d)) for d in ("Router", "Worker")}
+    before = {d: worker_pids("secure", d) for d in ("Router", "Worker")}  # id -> pid
 
     async def main() -> list[tuple[str, grpc.StatusCode, str, int]]:
         limit = asyncio.Semaphore(4)  # (the app's capacity: more would be shed by the proxy)
@@ -272,7 +263,7 @@ def test_two_thousand_fuzzed_requests_get_clear_errors_and_nothing_restarts(serv
             assert code == grpc.StatusCode.UNAUTHENTICATED or "at capacity" in details, \
                 (kind, code, details)
         assert TOKEN not in details
-    after = {d: set(_replica_actors("secure", d)) for d in ("Router", "Worker")}
+    after = {d: worker_pids("secure", d) for d in ("Router", "Worker")}
     assert after == before  # no replica restarted
     with served.client("secure", api_key=TOKEN) as client:
         done = client.generate([5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
