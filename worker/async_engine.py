@@ -131,12 +131,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    async def call(self, fn: Callable[[Engine], object]) -> object:
-        """Run fn(engine) on the loop thread between two steps; its result (or exception)."""
+    async def call(self, fn: Callable[[Engine], object],
+                   undo: Callable[[Engine, object], object] | None = None) -> object:
+        """Run fn(engine) on the loop thread between two steps; its result (or exception).
+        `undo(engine, result)` runs on the loop thread when the caller is cancelled before the
+        result arrives: what fn took (blocks pinned or reserved) is given back, not leaked."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._commands.put(("call", (fn, loop, future)))
-        return await future
+        if undo is None:
+            return await future
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            def give_back(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    result = done.result()
+                    self.submit(lambda engine: undo(engine, result))
+            future.add_done_callback(give_back)
+            raise
 
     async def suspend_all(self, fill: Callable[[StepOutput], StepOutput]) -> int:
         """Hand every request back to go on elsewhere (worker/migration.py): each stream gets

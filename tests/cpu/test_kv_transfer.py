@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import grpc
 import pytest
@@ -275,6 +276,33 @@ def test_the_transfer_port_refuses_bad_calls_with_a_clear_status(ckpt):
             await asyncio.sleep(0.05)
             holder.engine.kv.check_integrity()
             assert not holder.engine.kv._tables
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_pull_cancelled_while_its_blocks_are_being_pinned_leaves_none_pinned(ckpt):
+    """The receiver cancels a stream (another stream of its pull failed) while the holder's
+    engine thread has not yet run the pin: the pin, when it runs, is given back."""
+    async def main():
+        async with _workers(ckpt) as ((holder, receiver), (h_node, _)):
+            await _generate(holder, PROMPTS[0])
+            hashes = [h.to_bytes(16, "big") for h in
+                      holder.engine.make_request(PROMPTS[0]).block_hashes]
+            busy = threading.Event()
+            holder.async_engine.submit(lambda engine: busy.wait(10))  # the pin waits behind
+            async with grpc.aio.insecure_channel(h_node.address) as channel:
+                stream = pb_grpc.KVTransferStub(channel).Pull(
+                    pb.PullRequest(layout=layout_to_pb(h_node.service.layout),
+                                   block_hashes=hashes), metadata=((SECRET_KEY, SECRET),))
+                first = asyncio.ensure_future(stream.read())
+                await asyncio.sleep(0.5)  # the service is waiting on the pin
+                assert not first.done()
+                stream.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await first
+            await asyncio.sleep(0.2)  # the server sees the cancel
+            busy.set()
+            await asyncio.sleep(0.2)  # the pin runs, then its release
+            _check_pools((holder, receiver))
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
