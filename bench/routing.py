@@ -101,6 +101,7 @@ def serve_policies(args, loads) -> dict:
             for policy in args.policies:
                 config = base.model_copy(update=dict(
                     app_name=f"bench-{workload.name}-{policy}",
+                    route_prefix=f"/bench-{workload.name}-{policy}",
                     routing=base.routing.model_copy(update=dict(policy=policy))))
                 deploy(config)
                 wait_for_grpc(config)

@@ -147,7 +147,13 @@ def _serve_parser(sub) -> None:
                         "0.0.0.0 exposes them to the network)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     p.add_argument("--http-port", type=int, default=None,
-                   help="Ray Serve's HTTP proxy port (default 8000; mxserve does not use it)")
+                   help="HTTP port: OpenAI's API, {route prefix}/v1/... (default 8000)")
+    p.add_argument("--route-prefix", default=None,
+                   help="the app's HTTP path prefix (default /; apps sharing a Ray cluster "
+                        "need different ones)")
+    p.add_argument("--app-name", default=None,
+                   help="the Serve application's name; gRPC clients send it as `application` "
+                        "metadata (default mxserve)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Ray's Prometheus metrics port (local cluster; default 8080)")
     p.add_argument("--max-queued-requests", type=int, default=None,
@@ -352,7 +358,8 @@ def cmd_serve(args) -> int:
     flags = dict(model=args.model, model_name=args.model_name, num_workers=args.num_workers,
                  host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                  metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
-                 request_timeout_s=args.request_timeout_s, redis_url=args.redis_url)
+                 request_timeout_s=args.request_timeout_s, redis_url=args.redis_url,
+                 route_prefix=args.route_prefix, app_name=args.app_name)
     flags = {k: v for k, v in flags.items() if v is not None}
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig()
     engine = {**config.engine, **{k: getattr(args, k) for k in _ENGINE_FLAGS

@@ -159,6 +159,7 @@ class Limits(BaseModel):
     max_stop_chars: int = Field(1024, ge=1)
     max_stop_token_ids: int = Field(1024, ge=0)
     max_request_id_chars: int = Field(256, ge=1)
+    max_prompts: int = Field(64, ge=1)  # prompts in one /v1/completions request
     retry_after_s: float = Field(1.0, ge=0)
 
     def request_limits(self) -> dict:
@@ -182,7 +183,7 @@ class ServeConfig(BaseModel):
     # "0.0.0.0"); on an existing Ray cluster Serve's gRPC proxy listens on every interface.
     host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
-    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (unused by mxserve)
+    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: OpenAI's API
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
@@ -214,6 +215,9 @@ class ServeConfig(BaseModel):
     # None: the MXSERVE_API_KEY environment variable where the app is built, else no auth.
     api_key: SecretStr | None = None
     app_name: str = "mxserve"
+    # Where the app's OpenAI API is on the HTTP proxy: {route_prefix}/v1/chat/completions.
+    # Apps sharing one Ray cluster need different ones (gRPC picks an app by metadata).
+    route_prefix: str = Field("/", pattern=r"^/[A-Za-z0-9._~/-]*$")
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -20,6 +20,8 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
 
 from mxserve.api.errors import ServeError, WorkerLostError
 from mxserve.api.outputs import ResumeState, StepOutput
@@ -31,6 +33,7 @@ from mxserve.cluster.logs import rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Admission, Router, TokenAuth
+from mxserve.router.openai import OpenAIServer
 from mxserve.router.requests import ModelCard, RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -333,7 +336,8 @@ class HandleWorkers:
 
 @serve.deployment(name=ROUTER, logging_config=_LOGGING)
 class RouterDeployment:
-    """The gRPC ingress: method names are the proto's RPC names."""
+    """The ingress: gRPC (method names are the proto's RPC names) and OpenAI's HTTP API
+    (`__call__`, router/openai.py), both on the same Router."""
 
     async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
@@ -357,6 +361,10 @@ class RouterDeployment:
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
+        self.http = OpenAIServer(self.router)
+
+    async def __call__(self, request: Request) -> Response:
+        return await self.http(request)
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
                        grpc_context) -> AsyncIterator[pb.GenerateResponse]:

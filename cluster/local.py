@@ -48,7 +48,7 @@ def deploy(config: ServeConfig) -> None:
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER],
                                  request_timeout_s=config.request_timeout_s))
     # Serve publishes an application to its proxies (gRPC included) only with a route prefix.
-    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
 
 
 def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:
@@ -216,7 +216,14 @@ def ready_line(config: ServeConfig, address: str | None) -> str:
     metrics = (f"metrics http://{_url_host(config.host)}:{config.metrics_port}/metrics"
                if not address else "metrics on each node's Ray metrics export port")
     return (f"mxserve: ready: {config.served_model_name!r} on {config.num_workers} worker(s); "
-            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}); {metrics}; {routing}")
+            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}); "
+            f"OpenAI API {http_base_url(config, address)}; {metrics}; {routing}")
+
+
+def http_base_url(config: ServeConfig, address: str | None = None) -> str:
+    """The OpenAI API's base URL (what the openai client takes as base_url)."""
+    host = _url_host(config.host) if not address else "<each proxy node>"
+    return f"http://{host}:{config.http_port}{config.route_prefix.rstrip('/')}/v1"
 
 
 def _url_host(host: str) -> str:

@@ -329,7 +329,7 @@ class Router:
     async def list_models(self, metadata: Sequence[tuple[str, str | bytes]] = ()
                           ) -> pb.ListModelsResponse:
         self.authenticate(metadata)
-        loads = await self._loads()
+        loads = await self.loads()
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=self.card.name, max_model_len=self.card.max_model_len,
             vocab_size=self.card.vocab_size, num_workers=len(loads))])
@@ -337,11 +337,13 @@ class Router:
     async def health(self, metadata: Sequence[tuple[str, str | bytes]] = ()
                      ) -> pb.HealthResponse:
         self.authenticate(metadata)
-        loads = await self._loads()
+        loads = await self.loads()
         return pb.HealthResponse(healthy=bool(loads),
                                  workers=[pb.WorkerLoad(**load) for load in loads])
 
-    async def _loads(self) -> list[dict]:
+    async def loads(self) -> list[dict]:
+        """Every worker's load report, no auth (a health probe's); UNAVAILABLE when they do
+        not come in time."""
         try:
             async with asyncio.timeout(self.admission.loads_timeout_s):
                 return await self.workers.loads()

@@ -48,6 +48,7 @@ class RequestLimits:
     max_stop_chars: int = 1024  # per stop string
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
+    max_prompts: int = 64  # prompts in one /v1/completions request (router/openai.py)
 
     def prompt_chars(self, card: ModelCard) -> int:
         return self.max_prompt_chars or 32 * card.max_model_len

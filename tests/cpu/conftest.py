@@ -97,6 +97,8 @@ class Served:
         from mxserve.cluster.config import ServeConfig
         from mxserve.cluster.local import deploy, wait_for_grpc
 
+        if "app_name" in overrides:  # each app its own HTTP path (gRPC: by metadata)
+            overrides.setdefault("route_prefix", f"/{overrides['app_name']}")
         config = ServeConfig(**{**self.config.model_dump(), **overrides})
         deploy(config)
         wait_for_grpc(config)
