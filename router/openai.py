@@ -125,12 +125,10 @@ class OpenAIServer:
         self.router.authenticate(metadata)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
-            raise ServeError(RESOURCE_EXHAUSTED, f"the body has {size} bytes; the limit is "
-                                                 f"{self.max_body_bytes}")
+            raise _too_large(int(size), self.max_body_bytes)
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
-            raise ServeError(RESOURCE_EXHAUSTED, f"the body has {len(raw)} bytes; the limit "
-                                                 f"is {self.max_body_bytes}")
+            raise _too_large(len(raw), self.max_body_bytes)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -178,6 +176,12 @@ class OpenAIServer:
             if len(self._token_texts) < 1 << 18:
                 self._token_texts[token_id] = text
         return text
+
+
+def _too_large(size: int, limit: int) -> ServeError:
+    """400, not 429: a retry would not help (gRPC answers RESOURCE_EXHAUSTED, its code for it)."""
+    return ServeError(INVALID_ARGUMENT, f"the body has {size} bytes; the limit is {limit}",
+                      "body")
 
 
 def _path(request: Request) -> str:

@@ -57,7 +57,7 @@ def test_application_builds_from_its_args(serve_config):
     builder = getattr(importlib.import_module(module), name)
     assert builder is app_builder
     config = ServeConfig(**app["args"])  # every arg is a ServeConfig field with a valid value
-    assert app["route_prefix"] == f"/{config.app_name}" and app["name"] == config.app_name
+    assert app["route_prefix"] == config.route_prefix and app["name"] == config.app_name
     # as Serve calls an import_path's builder with the config's args (its own helper)
     built = call_user_app_builder_with_args_if_necessary(builder, app["args"])
     assert isinstance(built, serve.Application)
@@ -72,7 +72,7 @@ def test_grpc_proxy_serves_the_mxserve_service(serve_config, service):
     assert callable(getattr(importlib.import_module(module), name))
     for spec in pod_specs(service):  # proxy_location EveryNode: every pod exposes the port
         ports = {p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
-        assert grpc["port"] in ports
+        assert grpc["port"] in ports and serve_config["http_options"]["port"] in ports
 
 
 def test_every_pod_runs_serve_with_the_environment_mxserve_expects(service):

@@ -6,11 +6,11 @@ tested on the secure app: test_serve_reliability.py.)"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
 
-import httpx2 as httpx
 import openai
 import pytest
 
@@ -37,6 +37,20 @@ def client(served):
 
 def _model(served) -> str:
     return served.config.served_model_name
+
+
+def _http(served, method: str, path: str, body: dict | bytes | None = None
+          ) -> tuple[int, dict | None]:
+    """A raw call (what the openai client would not send): the status and the JSON body."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.config.http_port, timeout=30)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn.request(method, path, data, {"content-type": "application/json"})
+        reply = conn.getresponse()
+        raw = reply.read()
+        return reply.status, json.loads(raw) if raw else None
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("case", [GREEDY, SAMPLED])
@@ -127,8 +141,7 @@ def test_chat_logprobs_equal_offline(served, client):
 def test_models_and_health(served, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [_model(served)]
-    health = httpx.get(_base_url(served).removesuffix("/v1") + "/health", timeout=30)
-    assert health.status_code == 200
+    assert _http(served, "GET", "/health") == (200, None)
 
 
 BAD = [
@@ -153,9 +166,9 @@ BAD = [
 @pytest.mark.parametrize("fields, status, param", BAD)
 def test_bad_chat_requests_get_their_status_and_param(served, fields, status, param):
     body = {"model": _model(served), "messages": MESSAGES, "max_tokens": 4, **fields}
-    reply = httpx.post(_base_url(served) + "/chat/completions", json=body, timeout=30)
-    assert reply.status_code == status, reply.text
-    error = reply.json()["error"]
+    code, reply = _http(served, "POST", "/v1/chat/completions", body)
+    assert code == status, reply
+    error = reply["error"]
     assert error["param"] == param and error["message"], error
     assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
 
@@ -169,13 +182,11 @@ def test_bad_completion_requests_and_bodies(served, client):
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="w5", max_tokens=4)
-    url = _base_url(served)
-    for body, status in ((b"{not json", 400), (b"[1, 2]", 400), (b"x" * (5 << 20), 429)):
-        reply = httpx.post(url + "/completions", content=body, timeout=30,
-                           headers={"content-type": "application/json"})
-        assert reply.status_code == status and "error" in reply.json(), reply.text
-    assert httpx.post(url + "/embeddings", json={}, timeout=30).status_code == 404
-    assert httpx.get(url + "/completions", timeout=30).status_code == 405
+    for body, status in ((b"{not json", 400), (b"[1, 2]", 400), (b"x" * (5 << 20), 400)):
+        code, reply = _http(served, "POST", "/v1/completions", body)
+        assert code == status and "error" in reply, reply
+    assert _http(served, "POST", "/v1/embeddings", {})[0] == 404
+    assert _http(served, "GET", "/v1/completions")[0] == 405
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
@@ -188,16 +199,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
     before = aborted()
     body = {"model": _model(served), "prompt": "w5 w6 w7", "max_tokens": 480,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", _base_url(served) + "/completions", json=body,
-                      timeout=30) as reply:
-        assert reply.status_code == 200
-        lines = reply.iter_lines()
-        events = []
-        for line in lines:
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-            if len(events) >= 3:
-                break
+    conn = http.client.HTTPConnection("127.0.0.1", served.config.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"content-type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200
+    events = []
+    while len(events) < 3:
+        line = reply.readline().decode()
+        if line.startswith("data: {"):
+            events.append(json.loads(line[6:]))
+    conn.close()  # the client goes away mid-stream
     assert all(e["choices"][0]["finish_reason"] is None for e in events)
     deadline = time.monotonic() + 20
     while aborted() == before:

@@ -9,6 +9,7 @@ replays it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -269,6 +270,55 @@ def test_two_thousand_fuzzed_requests_get_clear_errors_and_nothing_restarts(serv
         done = client.generate([5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
     assert len(done.token_ids) == 4
     print(f"{len(results)} fuzzed requests in {took:.1f} s: {codes}")
+
+
+def test_http_api_takes_the_same_token_and_answers_429_past_capacity(served, secure):
+    """OpenAI's HTTP API of the secure app (its route /secure): 401 without the app's token,
+    /health open to probes; at capacity (4 streams running) a fifth request is 429 with a
+    Retry-After the openai client honours, and the streams' ends free their blocks."""
+    import http.client
+
+    import openai
+
+    base = f"http://127.0.0.1:{served.config.http_port}/secure/v1"
+    conn = http.client.HTTPConnection("127.0.0.1", served.config.http_port, timeout=30)
+    conn.request("POST", "/secure/v1/completions", '{"prompt": "w5"}',
+                 {"content-type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 401
+    assert json.loads(reply.read())["error"]["param"] == "authorization"
+    conn.request("GET", "/secure/health")
+    assert conn.getresponse().status == 200
+    conn.close()
+    with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.completions.create(model="", prompt="w5", max_tokens=2)
+        assert e.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    with openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="w5 w6", max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 3
+        time.sleep(1.5)  # the router has read the workers' capacity
+        streams = [client.completions.create(model=model, prompt="w5 w6 w7", max_tokens=480,
+                                             stream=True, extra_body={"ignore_eos": True})
+                   for _ in range(4)]
+        try:
+            for stream in streams:
+                next(iter(stream))
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=model, prompt="w5", max_tokens=2)
+            assert "at capacity" in e.value.body["message"]
+            assert e.value.response.headers["retry-after"] == "1"
+        finally:
+            for stream in streams:
+                stream.close()
+    deadline = time.monotonic() + 20
+    while any(a["in_flight"] or a["kv_blocks_used"] for a in _audits("secure", "Worker")):
+        assert time.monotonic() < deadline, _audits("secure", "Worker")
+        time.sleep(0.1)
 
 
 def test_token_auth_on_the_served_path_and_the_token_never_logged(served, secure):
