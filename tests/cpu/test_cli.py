@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from mxserve.cluster.redis_server import free_port
@@ -117,12 +119,12 @@ def test_first_run_of_serve_looks_finished():
 
     from mxserve.cluster.client import Client
 
-    grpc_port, metrics_port = free_port(), free_port()
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # as a user's shell has them: unset
         env.pop(key, None)
     proc = subprocess.Popen([*CLI, "serve", "--grpc-port", str(grpc_port), "--http-port",
-                             str(free_port()), "--metrics-port", str(metrics_port),
+                             str(http_port), "--metrics-port", str(metrics_port),
                              "--num-threads", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -133,11 +135,19 @@ def test_first_run_of_serve_looks_finished():
                 break
         assert ready, proc.stderr.read()[-3000:]
         assert f"gRPC 127.0.0.1:{grpc_port}" in ready
+        base_url = f"http://127.0.0.1:{http_port}/v1"
+        assert f"OpenAI API {base_url};" in ready
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         assert metrics_url in ready
         # 127.0.0.1 (in IPv4 or IPv4-mapped IPv6 form), no other interface
         assert _listen_addresses(grpc_port) <= {"0100007F", "0000000000000000FFFF00000100007F"}
         assert _listen_addresses(grpc_port)
+        assert _listen_addresses(http_port) <= {"0100007F", "0000000000000000FFFF00000100007F"}
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = _post(base_url + "/chat/completions", {"messages": question, "temperature": 0})
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        bad = _post(base_url + "/completions", {"prompt": "hi", "temperature": -1})
+        assert bad["error"]["param"] == "temperature", bad
         with Client(f"127.0.0.1:{grpc_port}") as client:
             for bad in (dict(prompt="hi", temperature=-1), dict(prompt="")):
                 try:
@@ -160,13 +170,24 @@ def test_first_run_of_serve_looks_finished():
     assert re.search(r"worker \w+: loading SmolLM2-135M-Instruct", err)
     assert re.search(r"loading SmolLM2-135M-Instruct.Q4_1.gguf: 100%", err)
     assert re.search(r"worker \w+: ready in [\d.]+ s \(cpu, ", err)
-    assert len(re.findall(r"INVALID_ARGUMENT: temperature: must be", err)) == 1, err
+    assert len(re.findall(r"INVALID_ARGUMENT: temperature: must be", err)) == 2, err  # +HTTP
     assert len(re.findall(r"INVALID_ARGUMENT: prompt: is empty", err)) == 1, err
     assert len(re.findall(r"request mx-\w+: cancelled", err)) == 1, err
     for noise in ("Traceback", "ERROR", "Token authentication", "graceful_shutdown",
                   "could not leave the prefix index", "is ready at http"):
         assert noise not in err + out, (noise, err[-3000:])
     assert not _listen_addresses(grpc_port)
+
+
+def _post(url: str, body: dict) -> dict:
+    """OpenAI's JSON reply, or its error body."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
 
 
 def _get(url: str) -> str:
