@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from mxserve import LLM, InvalidRequestError, SamplingParams
+from mxserve import LLM, SamplingParams
+from mxserve.api.outputs import StepOutput, merge_outputs
 
 PROMPT_LENS = [1, 2, 5, 23, 41]
 NUM_TOP = 5
@@ -167,7 +168,11 @@ def test_streamed_once_with_the_first_token(ckpt, unchunked):
     _assert_same(outs[0].prompt_logprobs, unchunked[3])
 
 
-def test_bad_prompt_logprobs_is_an_error_naming_it(ckpt):
-    with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(prompt_logprobs=21)
-    assert info.value.field == "prompt_logprobs"
+def test_merged_outputs_keep_the_prompt_logprobs_of_the_first():
+    """A slow consumer's piled-up outputs, merged into one (AsyncEngine), keep them."""
+    plp = [None, {7: -0.5, 3: -0.2}]
+    first = StepOutput("r", [4], None, False, None, 2, 0, 1, prompt_logprobs=plp)
+    then = StepOutput("r", [5], None, True, "length", 2, 0, 2)
+    assert merge_outputs(first, then).prompt_logprobs is plp
+    assert merge_outputs(then, then).prompt_logprobs is None
+
