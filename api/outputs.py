@@ -26,6 +26,10 @@ class StepOutput:
     num_accepted_tokens: int = 0
     # finish_reason "migrate": the worker is draining; the request goes on elsewhere from here
     resume: ResumeState | None = None
+    # SamplingParams.prompt_logprobs, once, on the output with the request's first token: one
+    # entry per prompt token, None for the first (nothing precedes it), else {that token's id:
+    # lp, then each top-n id: lp} (the actual token first, as new_logprobs' sampled one).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,13 @@ class ResumeState:
 
 def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
     """One delta for two consecutive ones of a request: tokens and logprobs joined, the
-    state (finished, reason, counts) of the later."""
+    state (finished, reason, counts) of the later, the prompt logprobs of whichever has them
+    (the earlier: they come with the first token)."""
     logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
         (first.new_logprobs or []) + (then.new_logprobs or [])
     return StepOutput(
         then.request_id, first.new_token_ids + then.new_token_ids,
         logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
         then.num_cached_tokens, then.num_output_tokens, then.num_drafts,
-        then.num_draft_tokens, then.num_accepted_tokens, then.resume)
+        then.num_draft_tokens, then.num_accepted_tokens, then.resume,
+        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)

@@ -35,7 +35,10 @@ class SamplingParams:
     appear in the detokenized output (not included unless include_stop_str_in_output). `seed` makes
     a sampled request reproducible regardless of what it is batched with. `logprobs` = n returns,
     per output token, the log-probability of the sampled token and of the n most likely ones (raw
-    model distribution, before temperature and filters).
+    model distribution, before temperature and filters). `prompt_logprobs` = n returns, for each
+    prompt token after the first, the log-probability of that token given the ones before it and
+    of the n most likely tokens there (raw distribution too); a request asking for them computes
+    its whole prompt (no prefix-cache hits: cached tokens have no logits).
     """
 
     temperature: float = 1.0
@@ -53,6 +56,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -81,8 +85,10 @@ class SamplingParams:
                f"must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               "logprobs", f"must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20), name,
+                   f"must be an integer in [0, 20] or None, got {value!r}")
 
     @classmethod
     def from_defaults(cls, defaults: Mapping[str, Any], **fields: Any) -> SamplingParams:

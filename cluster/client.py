@@ -39,6 +39,8 @@ class Completion:
     cached_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs: per prompt token, None for the first, else {its id: lp, top ids: lp}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # speculative decoding: steps that verified drafts, drafts verified, drafts kept
     num_drafts: int = 0
     draft_tokens: int = 0
@@ -100,6 +102,9 @@ class Client:
             if r.logprobs:
                 done.logprobs = (done.logprobs or []) + [
                     dict(zip(lp.token_ids, lp.logprobs)) for lp in r.logprobs]
+            if r.prompt_logprobs:
+                done.prompt_logprobs = [dict(zip(lp.token_ids, lp.logprobs)) if lp.logprobs
+                                        else None for lp in r.prompt_logprobs]
             if r.finish_reason:
                 done.finish_reason = r.finish_reason
                 done.stop_reason = _stop_reason(r)

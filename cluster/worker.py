@@ -109,7 +109,8 @@ class Worker:
                 migration.resume(self.engine, request, resume)
         except InvalidRequestError as e:
             raise ServeError.invalid(e) from None
-        if kv_source and self.kv_puller is not None:
+        # (a request wanting prompt logprobs computes its whole prompt: pulled blocks go unused)
+        if kv_source and self.kv_puller is not None and not request.needs_prompt_logprobs:
             await self.kv_puller.maybe_pull(request.block_hashes, request.num_tokens, kv_source)
         if self.draining:  # drained while it pulled
             yield self._handed_back(request_id, prompt_token_ids, resume)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmxserve/proto/mxserve.proto\x12\nmxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mxserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xde\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xd8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.mxserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.mxserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.mxserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_drafts\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\x05\"\xec\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.mxserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.mxserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.mxserve.v1.ModelInfo\"\x0f\n\rHealthRequest\"\xa9\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\x05\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x03\x12\x1c\n\x14num_requests_aborted\x18\x08 \x01(\x03\x12\"\n\x1anum_prefill_tokens_pending\x18\t \x01(\x03\x12\x13\n\x0breported_at\x18\n \x01(\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x0c \x01(\x05\"J\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.mxserve.v1.WorkerLoad2\xe0\x01\n\x07MxServe\x12G\n\x08Generate\x12\x1b.mxserve.v1.GenerateRequest\x1a\x1c.mxserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.mxserve.v1.ListModelsRequest\x1a\x1e.mxserve.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.mxserve.v1.HealthRequest\x1a\x1a.mxserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmxserve/proto/mxserve.proto\x12\nmxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mxserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x90\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xd8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.mxserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.mxserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.mxserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_drafts\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\x05\"\xa0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.mxserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.mxserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.mxserve.v1.TokenLogprobsB\r\n\x0bstop_reason\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.mxserve.v1.ModelInfo\"\x0f\n\rHealthRequest\"\xa9\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\x05\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x03\x12\x1c\n\x14num_requests_aborted\x18\x08 \x01(\x03\x12\"\n\x1anum_prefill_tokens_pending\x18\t \x01(\x03\x12\x13\n\x0breported_at\x18\n \x01(\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x0c \x01(\x05\"J\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.mxserve.v1.WorkerLoad2\xe0\x01\n\x07MxServe\x12G\n\x08Generate\x12\x1b.mxserve.v1.GenerateRequest\x1a\x1c.mxserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.mxserve.v1.ListModelsRequest\x1a\x1e.mxserve.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.mxserve.v1.HealthRequest\x1a\x1a.mxserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=210
   _globals['_TOKENIDS']._serialized_end=233
   _globals['_SAMPLINGPARAMS']._serialized_start=236
-  _globals['_SAMPLINGPARAMS']._serialized_end=842
-  _globals['_GENERATEREQUEST']._serialized_start=845
-  _globals['_GENERATEREQUEST']._serialized_end=1061
-  _globals['_TOKENLOGPROBS']._serialized_start=1063
-  _globals['_TOKENLOGPROBS']._serialized_end=1115
-  _globals['_USAGE']._serialized_start=1118
-  _globals['_USAGE']._serialized_end=1271
-  _globals['_GENERATERESPONSE']._serialized_start=1274
-  _globals['_GENERATERESPONSE']._serialized_end=1510
-  _globals['_LISTMODELSREQUEST']._serialized_start=1512
-  _globals['_LISTMODELSREQUEST']._serialized_end=1531
-  _globals['_MODELINFO']._serialized_start=1533
-  _globals['_MODELINFO']._serialized_end=1620
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1622
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1681
-  _globals['_HEALTHREQUEST']._serialized_start=1683
-  _globals['_HEALTHREQUEST']._serialized_end=1698
-  _globals['_WORKERLOAD']._serialized_start=1701
-  _globals['_WORKERLOAD']._serialized_end=1998
-  _globals['_HEALTHRESPONSE']._serialized_start=2000
-  _globals['_HEALTHRESPONSE']._serialized_end=2074
-  _globals['_MXSERVE']._serialized_start=2077
-  _globals['_MXSERVE']._serialized_end=2301
+  _globals['_SAMPLINGPARAMS']._serialized_end=892
+  _globals['_GENERATEREQUEST']._serialized_start=895
+  _globals['_GENERATEREQUEST']._serialized_end=1111
+  _globals['_TOKENLOGPROBS']._serialized_start=1113
+  _globals['_TOKENLOGPROBS']._serialized_end=1165
+  _globals['_USAGE']._serialized_start=1168
+  _globals['_USAGE']._serialized_end=1321
+  _globals['_GENERATERESPONSE']._serialized_start=1324
+  _globals['_GENERATERESPONSE']._serialized_end=1612
+  _globals['_LISTMODELSREQUEST']._serialized_start=1614
+  _globals['_LISTMODELSREQUEST']._serialized_end=1633
+  _globals['_MODELINFO']._serialized_start=1635
+  _globals['_MODELINFO']._serialized_end=1722
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1724
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1783
+  _globals['_HEALTHREQUEST']._serialized_start=1785
+  _globals['_HEALTHREQUEST']._serialized_end=1800
+  _globals['_WORKERLOAD']._serialized_start=1803
+  _globals['_WORKERLOAD']._serialized_end=2100
+  _globals['_HEALTHRESPONSE']._serialized_start=2102
+  _globals['_HEALTHRESPONSE']._serialized_end=2176
+  _globals['_MXSERVE']._serialized_start=2179
+  _globals['_MXSERVE']._serialized_end=2403
 # @@protoc_insertion_point(module_scope)

@@ -298,7 +298,7 @@ class Router:
                     if num_new or not moving:
                         end.first = end.first or time.monotonic()
                         end.num_tokens = out.num_tokens
-                        yield _response(request_id, out, step, num_new)
+                        yield _response(request_id, out, step, num_new, ids)
                     if out.finished:
                         end.status = out.finish_reason
                         return
@@ -395,12 +395,18 @@ def _resume_hints(state: ResumeState) -> dict:
     return hints
 
 
-def _response(request_id: str, out: OutputStream, step: StepOutput,
-              num_new: int) -> pb.GenerateResponse:
+def _response(request_id: str, out: OutputStream, step: StepOutput, num_new: int,
+              prompt_ids: list[int]) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=request_id,
                                    token_ids=step.new_token_ids[:num_new], text=out.take_text())
     for lp in (step.new_logprobs or [])[:num_new]:
         response.logprobs.add(token_ids=list(lp), logprobs=list(lp.values()))
+    if step.prompt_logprobs is not None:  # the worker sends them once, with the first token
+        for token_id, lp in zip(prompt_ids, step.prompt_logprobs):
+            if lp is None:  # the first prompt token: nothing precedes it
+                response.prompt_logprobs.add(token_ids=[token_id])
+            else:
+                response.prompt_logprobs.add(token_ids=list(lp), logprobs=list(lp.values()))
     if out.finished:
         response.finish_reason = out.finish_reason
         response.usage.CopyFrom(pb.Usage(prompt_tokens=step.num_prompt_tokens,

@@ -20,7 +20,7 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Optional scalar fields of pb.SamplingParams that map 1:1 onto SamplingParams; unset -> default.
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "min_tokens", "logprobs",
-             "skip_special_tokens")
+             "prompt_logprobs", "skip_special_tokens")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.kv_eviction import EvictionPolicy, KVEvictor
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.tp import TPGroup, check_tensor_parallel
+from mxserve.worker.prompt_logprobs import PromptLogprobs
 from mxserve.worker.request import FinishReason, Request, RequestStatus
 from mxserve.worker.runner import ModelRunner, StepResult, context_limit, load_runner, open_model
 from mxserve.worker.sampler import SampledTokens, Sampler
@@ -64,6 +65,7 @@ class LaunchedStep:
     plan: StepPlan
     samples: SampledTokens  # a row per sampling request, in plan order
     rows: dict[Request, int]  # sampling request -> its row in samples.token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # its prefill chunks', on their way
 
 
 @dataclass(frozen=True)
@@ -272,12 +274,17 @@ class Engine:
                 samples = self.sampler.sample(result.logits, sampling, result.static_logits)
         for request in sampling:
             request.num_inflight += 1
-        return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)})
+        if result.prompt_logprobs is not None:
+            result.prompt_logprobs.start_copy()
+        return LaunchedStep(plan, samples, {r: i for i, r in enumerate(sampling)},
+                            result.prompt_logprobs)
 
     def _complete(self, step: LaunchedStep) -> list[StepOutput]:
         """Take a launched step's tokens (waiting for the device): append them, check stops,
         register the blocks it filled in the prefix cache, and make the step's outputs."""
         sampled = step.samples.result()
+        if step.prompt_logprobs is not None:
+            self._take_prompt_logprobs(step)
         outputs = []
         tokens = iter(zip(sampled.token_ids, sampled.logprobs))
         bs = self.kv.block_size
@@ -307,6 +314,20 @@ class Engine:
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
+
+    def _take_prompt_logprobs(self, step: LaunchedStep) -> None:
+        """Place a completed step's prompt logprobs at their prompt positions: chunk [start,
+        end) gives the entries of prompt tokens start + 1 onwards (a request recomputing its
+        prompt after a preemption overwrites the same entries)."""
+        entries = iter(step.prompt_logprobs.result())
+        for s in step.plan.scheduled:
+            if not s.prompt_logprob_ids:
+                continue
+            lps = next(entries)
+            request = s.request
+            if request.status is not RequestStatus.FINISHED:
+                first = s.start_position + s.position_offset + 1
+                request.prompt_logprobs[first:first + len(lps)] = lps
 
     def _complete_verified(self, s: ScheduledRequest, tokens: list[int],
                            logprobs: list[dict[int, float]] | None) -> StepOutput:
@@ -372,13 +393,18 @@ class Engine:
 
     def _output(self, request: Request, new_ids: list[int], num_logprobs: int) -> StepOutput:
         reason = request.finish_reason
+        prompt_lps = None
+        if request.prompt_logprobs and new_ids and len(new_ids) == len(request.output_token_ids):
+            # with the first token, once: the request keeps no copy (finished_requests holds
+            # the last few requests, and a long prompt's entries are many)
+            prompt_lps, request.prompt_logprobs = request.prompt_logprobs, []
         return StepOutput(  # positional, in field order: this runs for every request each step
             request.request_id, new_ids,
             request.output_logprobs[-num_logprobs:] if num_logprobs else None,
             reason is not None, reason.value if reason else None,
             len(request.prompt_token_ids), request.num_cached_tokens,
             len(request.output_token_ids), request.num_drafts, request.num_draft_tokens,
-            request.num_accepted_tokens)
+            request.num_accepted_tokens, None, prompt_lps)
 
 
 def build_engine(config: EngineConfig, launcher: RankLauncher | None = None,

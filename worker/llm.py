@@ -33,6 +33,9 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: an entry per prompt token, None for the first, else
+    # {that token's id: lp, then each top-n id: lp} (StepOutput.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     # speculative decoding: steps that verified drafts, drafts verified, drafts kept
     num_drafts: int = 0
@@ -164,6 +167,8 @@ class LLM:
         """Add one engine delta to its request's output; returns the new text. A stop string
         the stream finds ends the request in the engine too."""
         out, stream = outputs[delta.request_id]
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
         if stream.finished:  # ended by a stop string; this is its in-flight token
             return ""
         num_new = stream.add(delta.new_token_ids, delta.finish_reason)

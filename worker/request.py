@@ -39,6 +39,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: an entry per prompt position computed so far (None for the
+    # first), filled as prefill chunks complete; handed out, and emptied, with the first token.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     # KV eviction (kv_eviction.py): how many of the computed tokens no longer have KV. The
     # request holds num_computed_tokens - num_evicted tokens' KV; positions stay logical.
@@ -65,6 +68,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +91,13 @@ class Request:
     def is_prefill(self) -> bool:
         """True while prompt tokens remain without KV; the step then samples nothing new."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and has not had them: no output token yet (a request
+        preempted, or resumed from another worker, after its first token recomputes its prompt
+        without them)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)

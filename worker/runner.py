@@ -24,6 +24,7 @@ from mxserve.worker.model.parallel import (
     can_pack_for_cpu,
 )
 from mxserve.worker.model.tp import TPGroup
+from mxserve.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from mxserve.worker.scheduler import StepPlan
 
 
@@ -59,6 +60,9 @@ class StepResult:
     static_logits: torch.Tensor | None = None
     # KV eviction: attention mass [num_scheduled, longest context] fp32 (plan.mass_window).
     attn_mass: torch.Tensor | None = None
+    # The prompt logprobs of the plan's prefill chunks that ask for them, on the device
+    # (plan.has_prompt_logprobs); else None.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> int:
@@ -223,8 +227,10 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> StepResult:
         for src, dst in plan.kv_moves:  # KV eviction's compaction, before any step reads the KV
             self.move_kv(src, dst)
+        # A step with prompt logprobs runs eagerly: the graphs make only the sampling rows'
+        # logits (a 1-token prompt chunk would otherwise fit the decode graphs).
         if self.graphs is not None:
-            if self.graphs.can_run(plan):
+            if self.graphs.can_run(plan) and not plan.has_prompt_logprobs:
                 logits, hidden = self.graphs.run(plan)
                 mass = self.graphs.last_mass(len(plan.scheduled))
                 return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden
@@ -233,7 +239,7 @@ class ModelRunner:
                                   attn_mass=None if mass is None else self.tp.all_reduce(mass))
             self.graphs.last_size = None
         if self.verify_graphs is not None:
-            if self.verify_graphs.can_run(plan):
+            if self.verify_graphs.can_run(plan) and not plan.has_prompt_logprobs:
                 logits, hidden = self.verify_graphs.run(plan)
                 return StepResult(logits=logits,
                                   hidden_states=hidden if plan.keep_hidden else None)
@@ -253,8 +259,11 @@ class ModelRunner:
         mass = None
         if plan.mass_window:  # each rank saw its own heads: the group sums them
             mass = self.tp.all_reduce(meta.mass)
+        prompt_lps = None
+        if plan.has_prompt_logprobs:  # (on every rank: compute_logits gathers the vocabulary)
+            prompt_lps = compute_prompt_logprobs(plan, hidden, self.model.compute_logits)
         return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None,
-                          attn_mass=mass)
+                          attn_mass=mass, prompt_logprobs=prompt_lps)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the KV of flat slots `src` to slots `dst` in every layer (all sources are read

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,11 @@ class ScheduledRequest:
     # each of the 1 + num_draft_tokens last positions.
     num_draft_tokens: int = 0
     position_offset: int = 0  # request.num_evicted when scheduled
+    # Prompt logprobs (prompt_logprobs.py): the prompt tokens this chunk's leading positions
+    # predict (the token after each, up to the last prompt token), and how many top ones to
+    # return with each; empty for a request that asks for none (or has them all).
+    prompt_logprob_ids: Sequence[int] = ()
+    num_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -79,6 +85,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        return any(s.prompt_logprob_ids for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -164,7 +174,10 @@ class Scheduler:
     def prefix_hits(self, request: Request) -> list[int]:
         """Block ids of the request's leading blocks in the prefix cache now (changes nothing).
         At least one token must be computed to produce logits, so a fully cached prompt reuses
-        all but its last block."""
+        all but its last block. A request that wants prompt logprobs takes none: every prompt
+        position's logits are needed (its blocks still go to the cache for others)."""
+        if request.needs_prompt_logprobs:
+            return []
         usable = (request.num_tokens - 1) // self.kv.block_size
         return self.kv.lookup_prefix(request.block_hashes[:usable])
 
@@ -203,8 +216,14 @@ class Scheduler:
         token_ids = request.all_token_ids[start:end]
         if drafts:
             token_ids += drafts
-        return ScheduledRequest(request, num_new + len(drafts), start - request.num_evicted,
-                                token_ids, self.kv.get_block_ids(rid), self.kv.table_version(rid),
-                                end == len(request.all_token_ids) + request.num_inflight,
-                                num_draft_tokens=len(drafts),
-                                position_offset=request.num_evicted)
+        scheduled = ScheduledRequest(
+            request, num_new + len(drafts), start - request.num_evicted, token_ids,
+            self.kv.get_block_ids(rid), self.kv.table_version(rid),
+            end == len(request.all_token_ids) + request.num_inflight,
+            num_draft_tokens=len(drafts), position_offset=request.num_evicted)
+        if start < request.num_prompt_tokens - 1 and request.needs_prompt_logprobs:
+            # position p predicts prompt token p + 1; the last prompt position predicts the
+            # first output token (sampled), so the slice stops at the prompt's end
+            scheduled.prompt_logprob_ids = request.prompt_token_ids[start + 1:end + 1]
+            scheduled.num_prompt_logprobs = request.sampling_params.prompt_logprobs
+        return scheduled

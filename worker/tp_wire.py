@@ -2,14 +2,17 @@
 
 The other ranks run the same model step as rank 0, so they need what the model runner reads of
 the plan and nothing else: per scheduled request its tokens, positions, block table (and its
-version, which the CUDA graphs keep tables by), whether it samples, and where its in-flight
-token is; and the KV moves of eviction and whether to return attention mass. One flat int64
-array:
+version, which the CUDA graphs keep tables by), whether it samples, where its in-flight
+token is, and the prompt tokens it returns logprobs of (the ranks compute them alike: the logits
+gather the vocabulary over the group); and the KV moves of eviction and whether to return
+attention mass. One flat int64 array:
 
     [num_scheduled, num_decodes, num_inflight_tokens, mass_window, num_kv_moves,
      then per request: num_new_tokens, start_position, table_version, samples, inflight_row,
                        num_draft_tokens, len(token_ids), len(block_table), position_offset,
-     then every request's token_ids, then every request's block_table,
+                       num_prompt_logprobs, len(prompt_logprob_ids),
+     then every request's token_ids, then every request's block_table, then every request's
+     prompt_logprob_ids,
      then per KV move: its length n, n source slots, n destination slots]
 
 The in-flight tokens themselves stay on the device: rank 0 broadcasts them over the group.
@@ -21,7 +24,7 @@ import numpy as np
 
 from mxserve.worker.scheduler import ScheduledRequest, StepPlan
 
-_HEADER, _PER_REQUEST = 5, 9
+_HEADER, _PER_REQUEST = 5, 11
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -33,15 +36,19 @@ def encode_plan(plan: StepPlan) -> bytes:
     rows: list[int] = []
     tokens: list[int] = []
     tables: list[int] = []
+    prompt_ids: list[int] = []
     for s in sched:
         rows += (s.num_new_tokens, s.start_position, s.table_version, s.samples, s.inflight_row,
-                 s.num_draft_tokens, len(s.token_ids), len(s.block_table), s.position_offset)
+                 s.num_draft_tokens, len(s.token_ids), len(s.block_table), s.position_offset,
+                 s.num_prompt_logprobs, len(s.prompt_logprob_ids))
         tokens += s.token_ids
         tables += s.block_table
+        prompt_ids += s.prompt_logprob_ids
     moves: list[int] = []
     for src, dst in plan.kv_moves:
         moves += [len(src), *src, *dst]
-    return np.array(head + rows + tokens + tables + moves, dtype=np.int64).tobytes()
+    return np.array(head + rows + tokens + tables + prompt_ids + moves,
+                    dtype=np.int64).tobytes()
 
 
 def decode_plan(data: bytes) -> tuple[StepPlan, int]:
@@ -58,11 +65,14 @@ def decode_plan(data: bytes) -> tuple[StepPlan, int]:
         at += row[6]
     plan = StepPlan(num_decodes=num_decodes, mass_window=mass_window)
     for row, ids in zip(rows, token_ids):
-        num_new, start, version, samples, inflight_row, num_drafts, _, num_blocks, offset = row
+        num_new, start, version, samples, inflight_row, num_drafts, _, num_blocks, offset = row[:9]
         plan.scheduled.append(ScheduledRequest(None, num_new, start, ids, rest[at:at + num_blocks],
                                                version, bool(samples), inflight_row, num_drafts,
-                                               offset))
+                                               offset, num_prompt_logprobs=row[9]))
         at += num_blocks
+    for row, s in zip(rows, plan.scheduled):
+        s.prompt_logprob_ids = rest[at:at + row[10]]
+        at += row[10]
     for _ in range(num_moves):
         n = rest[at]
         plan.kv_moves.append((rest[at + 1:at + 1 + n], rest[at + 1 + n:at + 1 + 2 * n]))

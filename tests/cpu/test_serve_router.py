@@ -131,6 +131,7 @@ BAD = [
     (dict(prompt="w5", max_tokens=0), "max_tokens"),
     (dict(prompt="w5", stop=[""]), "stop"),
     (dict(prompt="w5", logprobs=99), "logprobs"),
+    (dict(prompt="w5", prompt_logprobs=21), "prompt_logprobs"),
     (dict(prompt="w5", stop_token_ids=[-1]), "stop_token_ids"),
     (dict(prompt="w5", temperature=float("nan")), "temperature"),
     (dict(prompt="w5", temperature=float("inf")), "temperature"),
@@ -184,7 +185,8 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
 
 def test_worker_reports_the_prefill_its_prefix_cache_will_not_supply(tiny_checkpoint):
     """Routing weighs a cached prefix against the prefill work queued on a worker: a request
-    whose first 32 tokens are cached there counts only the rest, until its first output."""
+    whose first 32 tokens are cached there counts only the rest, until its first output (all
+    of them when it asks for prompt logprobs: it takes no prefix hits)."""
     engine = build_engine(EngineConfig(model=str(tiny_checkpoint("llama")), load_progress=False,
                                        dtype="float32", num_kv_blocks=64, max_num_seqs=2))
     prefix = list(range(5, 37))  # two full blocks of 16
@@ -194,8 +196,10 @@ def test_worker_reports_the_prefill_its_prefix_cache_will_not_supply(tiny_checkp
     worker = Worker(engine, max_queued_requests=4)  # not started: requests wait, admitted
 
     async def admit():
-        streams = [worker.generate(prompt, SamplingParams(max_tokens=2), rid)
-                   for rid, prompt in (("hit", prefix + [41] * 9), ("miss", [42] * 20))]
+        streams = [worker.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=plp), rid)
+                   for rid, prompt, plp in (("hit", prefix + [41] * 9, None),
+                                            ("miss", [42] * 20, None),
+                                            ("all", prefix + [41] * 9, 0))]
         tasks = [asyncio.ensure_future(anext(s)) for s in streams]
         await asyncio.sleep(0.05)
         pending = worker.load()["num_prefill_tokens_pending"]
@@ -204,8 +208,31 @@ def test_worker_reports_the_prefill_its_prefix_cache_will_not_supply(tiny_checkp
         await asyncio.gather(*tasks, return_exceptions=True)
         return pending
 
-    assert asyncio.run(admit()) == 9 + 20
+    assert asyncio.run(admit()) == 9 + 20 + 41
     assert worker.load()["num_prefill_tokens_pending"] == 0  # cancelled before any output
+
+
+def test_prompt_logprobs_come_in_the_first_response(tiny, tiny_checkpoint):
+    """One entry per prompt token: the first token's id alone, then each token's id and
+    logprob first, then the top n; as the offline LLM gives them."""
+    router, _ = tiny
+    ids = [5, 9, 14, 3, 77, 20, 31, 8]
+    case = dict(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    responses = asyncio.run(_responses(router, build_request(ids, **case)))
+    with LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=64,
+             load_progress=False) as llm:
+        expected = llm.generate(ids, SamplingParams(**case))[0].prompt_logprobs
+    got = responses[0].prompt_logprobs
+    assert [list(e.token_ids) for e in got] == [[ids[0]]] + [list(e) for e in expected[1:]]
+    assert [list(e.logprobs) for e in got[1:]] == \
+        [pytest.approx(list(e.values())) for e in expected[1:]]
+    assert not got[0].logprobs
+    assert all(not r.prompt_logprobs for r in responses[1:])
+    assert len([t for r in responses for t in r.token_ids]) == 3
+
+
+async def _responses(router: Router, request: pb.GenerateRequest) -> list:
+    return [r async for r in router.generate(request)]
 
 
 def test_prompt_token_limit_and_long_prompts_tokenized_off_the_loop(tiny):

@@ -107,12 +107,17 @@ def test_a_plan_crosses_to_the_other_ranks_intact():
     plan.scheduled = [ScheduledRequest(None, 1, 40, [5], [3, 4, 9], 17, True, -1),
                       ScheduledRequest(None, 1, 12, [], [1], 18, True, 2, position_offset=70),
                       ScheduledRequest(None, 4, 20, [7, 8, 9, 6], [1, 5], 20, True, -1, 3),
-                      ScheduledRequest(None, 30, 0, list(range(30)), [2, 6], 19, False, -1)]
+                      ScheduledRequest(None, 30, 0, list(range(30)), [2, 6], 19, False, -1,
+                                       prompt_logprob_ids=list(range(1, 31)),
+                                       num_prompt_logprobs=5)]
     got, num_inflight = decode_plan(encode_plan(plan))
     assert num_inflight == 3 and got.num_decodes == 2
     assert got.mass_window == 32 and got.kv_moves == plan.kv_moves
     fields = ("num_new_tokens", "start_position", "token_ids", "block_table", "table_version",
-              "samples", "inflight_row", "num_draft_tokens", "position_offset")
+              "samples", "inflight_row", "num_draft_tokens", "position_offset",
+              "num_prompt_logprobs")
+    assert [list(s.prompt_logprob_ids) for s in got.scheduled] == \
+        [list(s.prompt_logprob_ids) for s in plan.scheduled]
     assert [[getattr(s, f) for f in fields] for s in got.scheduled] == \
         [[getattr(s, f) for f in fields] for s in plan.scheduled]
 

@@ -248,3 +248,28 @@ def test_a_verify_graph_gives_the_eager_verify_logits(path):
     assert steps[True].shape == steps[False].shape == (18, steps[True].shape[1])
     err = (steps[False] - steps[True]).norm() / steps[True].norm()
     assert err < 5e-2, err
+
+
+@pytest.mark.parametrize("chunk", [2048, 7, 1], ids=["whole", "chunked", "one-token-chunks"])
+def test_prompt_logprobs_with_graphs_and_async_scheduling_match_eager(path, chunk):
+    """A prefill step with prompt logprobs runs eagerly, also when its chunk is one token (which
+    the decode graphs would otherwise take); the requests beside it still decode from graphs."""
+    prompts = _prompts(5)
+    plp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=4)
+    params = [plp, *_params(2), plp, plp]
+    common = dict(model=path, device="cuda", dtype="float32", load_progress=False,
+                  max_num_batched_tokens=chunk)
+    expected = LLM(enforce_eager=True, **common).generate(prompts, params)
+    llm = LLM(**common)
+    assert llm.engine.async_scheduling
+    got = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs.num_replays > 0
+    for g, e in zip(got, expected):
+        assert g.token_ids == e.token_ids
+        if e.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(g.prompt_logprobs) == len(g.prompt_token_ids) and g.prompt_logprobs[0] is None
+        assert [list(d) for d in g.prompt_logprobs[1:]] == [list(d) for d in e.prompt_logprobs[1:]]
+        assert [v for d in g.prompt_logprobs[1:] for v in d.values()] == pytest.approx(
+            [v for d in e.prompt_logprobs[1:] for v in d.values()], abs=1e-4)
