@@ -9,9 +9,12 @@ the worker replicas only, so a router replica's process loads no torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -270,6 +273,23 @@ class DraftDeployment:
             self.service.close()
 
 
+@contextlib.contextmanager
+def _apart_from_its_caller():
+    """Handle calls made inside, with an internal request id of their own. Serve gives a call
+    made while serving a request that request's internal id, and its request router keys the
+    calls it is placing by that id: two calls at once for one request (a completion's batch of
+    prompts) would lose one, which then never reaches a worker."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    token = context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
 class HandleWorkers:
     """`router.ingress.Workers` over a Serve deployment handle."""
 
@@ -288,7 +308,9 @@ class HandleWorkers:
         answering under the stream: a SIGKILLed or lost replica's gRPC stream breaks with
         ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
         self._keep_listed()
-        response = self.handle.generate.remote(prompt_token_ids, params, request_id, **hints)
+        with _apart_from_its_caller():
+            response = self.handle.generate.remote(prompt_token_ids, params, request_id,
+                                                   **hints)
         finished = False
         try:
             async for out in response:

@@ -138,6 +138,38 @@ def test_chat_logprobs_equal_offline(served, client):
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_loglikelihood_evaluation_asks(served, client):
+    """lm-eval's `local-completions` scores a context + continuation: echo, logprobs and
+    max_tokens 0 give each prompt token's logprob given those before it (the first has none),
+    nothing generated; they equal the offline engine's prompt_logprobs."""
+    prompt = [5, 9, 14, 3, 77, 120, 42, 8]
+    (expected,) = served.llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                               prompt_logprobs=2))
+    tokenizer = served.llm.tokenizer
+    for stream in (False, True):
+        reply = client.completions.create(model=_model(served), prompt=prompt, echo=True,
+                                          logprobs=2, max_tokens=0, stream=stream)
+        choices = [reply.choices[0]] if not stream else [c.choices[0] for c in reply]
+        text = "".join(c.text for c in choices)
+        logprobs = [c.logprobs for c in choices if c.logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        values = [v for lp in logprobs for v in lp.token_logprobs]
+        tops = [t for lp in logprobs for t in lp.top_logprobs]
+        assert text == tokenizer.decode(prompt, skip_special_tokens=False)
+        assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+        assert values[0] is None and tops[0] is None
+        want = [entry[token] for entry, token in zip(expected.prompt_logprobs[1:], prompt[1:])]
+        assert values[1:] == pytest.approx(want, abs=1e-5)
+        for top, entry in zip(tops[1:], expected.prompt_logprobs[1:]):
+            best = sorted(entry.values(), reverse=True)[:2]
+            assert sorted(top.values(), reverse=True)[:2] == pytest.approx(best, abs=1e-5)
+        offsets = [o for lp in logprobs for o in lp.text_offset]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+        if not stream:
+            assert reply.usage.completion_tokens == 0
+            assert reply.usage.prompt_tokens == len(prompt)
+
+
 def test_models_and_health(served, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [_model(served)]
