@@ -256,10 +256,13 @@ def markdown(report: dict) -> str:
                f"machine: "
                f"{report['machine']['loadavg_start']:.2f} at the start, "
                f"{report['machine']['loadavg_end']:.2f} at the end.")
+    note = ("The in-process engine shares this process's interpreter with the clients' event "
+            "loop; a served engine runs in a process of its own, so a served path can show a "
+            "negative overhead. HTTP clients are aiohttp, gRPC clients grpc.aio, both lean.")
     return (f"# serve_cpu: serving overhead, SmolLM2-135M-Instruct, {report['machine']['cpus']} "
             f"CPUs\n\n{report['max_tokens']} greedy output tokens per chat request; "
             f"`{report['command']}` ({report['date']}).\n\n" + "\n".join(rows) + "\n\n" + verdict
-            + "\n")
+            + "\n\n" + note + "\n")
 
 
 def main() -> int:
