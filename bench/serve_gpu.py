@@ -1,0 +1,322 @@
+"""The served path on the GPU: gRPC -> Ray Serve proxy -> router -> one GPU worker replica, vs
+the same engine in-process, in the same run, on the same requests.
+
+Model: a dummy-weight Llama shape (`--shape`, worker/model/dummy.py) in a directory with its
+config.json and a word-level tokenizer.json ("w<id>" per id, so the router can detokenize);
+prompts go as token ids. Two loads:
+- mix: bench/engine_gpu.py's 512 requests (ShareGPT-like lengths) all at t=0, greedy, exact
+  output lengths (ignore_eos); served, they are sent by `--clients` processes (grpc.aio, the
+  requests dealt round-robin) so the clients are not the limit; in-process, by one asyncio loop
+  over `AsyncEngine.generate` (the engine thread steps while the loop streams);
+- batch 1: `--b1-requests` requests one after another (256-token prompt, 128 tokens): TTFT and
+  TPOT.
+The in-process engine runs first and is freed before Serve starts its worker on the same GPU.
+
+Targets (issue 31): served output tok/s on the mix >= 90% of in-process; batch 1: served TPOT
+<= in-process TPOT + 0.2 ms, served TTFT <= in-process TTFT + 10 ms.
+
+    python bench/serve_gpu.py --out bench/results/serve_gpu.json        # on the H200
+    python bench/serve_gpu.py --shape tiny --num-requests 32 --out /tmp/s.json   # a CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from engine_gpu_mix import make_mix  # noqa: E402
+from revision import head_commit, write_result  # noqa: E402
+
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2, hidden_act="silu", tie_word_embeddings=True)
+
+
+def model_dir(shape: str, max_len: int) -> str:
+    """A directory the router can open (config + tokenizer) and the worker loads as dummy."""
+    from mxserve.worker.model.dummy import DUMMY_MODELS
+
+    config = dict(TINY if shape == "tiny" else DUMMY_MODELS[shape])
+    config["max_position_embeddings"] = max(max_len, config["max_position_embeddings"])
+    path = Path(tempfile.mkdtemp()) / shape
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
+    tokenizer = {"version": "1.0", "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+                 "decoder": None,
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    sparse_safetensors(config, path / "model.safetensors")
+    return str(path)
+
+
+def sparse_safetensors(config: dict, path: Path) -> None:
+    """A safetensors file listing every tensor of `config` whose data is a hole: the router
+    opens the checkpoint for its config and tokenizer and checks the tensors are listed, but
+    reads none (the worker draws its weights: load_format dummy)."""
+    from mxserve.worker.model import dummy
+
+    cfg = dummy.hf_model_config(config, {}, "serve-gpu")
+    header, offset = {}, 0
+    for name in dummy.expected_tensor_names(cfg):
+        shape = dummy.tensor_shape(cfg, name)
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset,
+                                                                               offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def engine_options(args) -> dict:
+    return dict(load_format="dummy", dtype="bfloat16" if args.shape != "tiny" else "float32",
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                load_progress=False)
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
+
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [r["ttft_ms"] for r in records]
+    tpot = [r["tpot_ms"] for r in records if r["tokens"] > 1]
+    return {"requests": len(records), "output_tokens": tokens, "wall_s": round(wall_s, 3),
+            "output_tok_s": round(tokens / wall_s, 1),
+            "messages_per_request": round(sum(r["messages"] for r in records) / len(records), 1),
+            "ttft_ms": {"p50": pct(ttft, .5), "p99": pct(ttft, .99)},
+            "tpot_ms": {"mean": round(sum(tpot) / max(1, len(tpot)), 3), "p50": pct(tpot, .5),
+                        "p99": pct(tpot, .99)}}
+
+
+def record(start: float, times: list[float], tokens: int, messages: int) -> dict:
+    return {"tokens": tokens, "messages": messages, "ttft_ms": (times[0] - start) * 1e3,
+            "tpot_ms": (times[-1] - times[0]) * 1e3 / max(1, tokens - 1), "start": start,
+            "end": times[-1]}
+
+
+def sequential(records: list[dict]) -> dict:
+    """Requests sent one after another: the wall time is the sum of theirs."""
+    return summarize(records, sum(r["end"] - r["start"] for r in records))
+
+
+# ---- in-process ------------------------------------------------------------------------------
+def run_inproc(args, model: str, mix, b1) -> dict:
+    from mxserve.api.sampling_params import SamplingParams
+    from mxserve.worker.async_engine import AsyncEngine
+    from mxserve.worker.config import EngineConfig
+    from mxserve.worker.engine import build_engine
+
+    engine = AsyncEngine(build_engine(EngineConfig(model=model, **engine_options(args))))
+    engine.start()
+
+    async def one(prompt: list[int], num_tokens: int) -> dict:
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        start, times, tokens, messages = time.perf_counter(), [], 0, 0
+        async for out in engine.generate(prompt, params):
+            messages += 1
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+                tokens += len(out.new_token_ids)
+        return record(start, times, tokens, messages)
+
+    async def main() -> dict:
+        await asyncio.gather(*(one(p, 8) for p in mix[0][:8]))  # warm-up
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(p, k) for p, k in zip(*mix)))
+        out = {"mix": summarize(records, time.perf_counter() - start)}
+        b1_records = [await one(p, k) for p, k in zip(*b1)]
+        out["batch1"] = sequential(b1_records)
+        return out
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+        import gc
+
+        import torch
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- served ----------------------------------------------------------------------------------
+def client_process(port: int, app: str, jobs: list, barrier, results) -> None:
+    """One load-generating process: its requests all at once once every client is ready."""
+    import grpc
+
+    from mxserve.proto import mxserve_pb2 as pb
+    from mxserve.proto import mxserve_pb2_grpc as pb_grpc
+
+    async def main() -> list[dict]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.MxServeStub(channel)
+        metadata = (("application", app),)
+
+        async def one(prompt: list[int], num_tokens: int) -> dict:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                         sampling_params=pb.SamplingParams(
+                                             max_tokens=num_tokens, temperature=0,
+                                             ignore_eos=True))
+            start, times, tokens, messages = time.perf_counter(), [], 0, 0
+            async for r in stub.Generate(request, metadata=metadata):
+                messages += 1
+                if r.token_ids:
+                    times.append(time.perf_counter())
+                    tokens += len(r.token_ids)
+            return record(start, times, tokens, messages)
+
+        await channel.channel_ready()
+        await asyncio.to_thread(barrier.wait)
+        got = await asyncio.gather(*(one(p, k) for p, k in jobs))
+        await channel.close()
+        return got
+
+    results.put(asyncio.run(main()))
+
+
+def run_served(args, model: str, mix, b1) -> dict:
+    import ray
+
+    from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
+    from mxserve.cluster.redis_server import free_port
+
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    gpu = args.shape != "tiny"
+    config = ServeConfig(model=model, engine=engine_options(args), routing=dict(
+        policy="round_robin"), grpc_port=free_port(), http_port=free_port(),
+        max_queued_requests=args.num_requests, proxy_location="HeadOnly",
+        worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
+        router_resources=Resources(num_cpus=1))
+    ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
+             include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
+    try:
+        deploy(config)
+        wait_for_grpc(config)
+        out = {"mix": load(config, list(zip(*mix)), args.clients, warm=8)}
+        b1_records = []
+        for job in zip(*b1):  # one client, one request at a time
+            b1_records += load(config, [job], 1, raw=True)
+        out["batch1"] = sequential(b1_records)
+        return out
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+def load(config, jobs: list, num_clients: int, warm: int = 0, raw: bool = False):
+    """`jobs` (prompt, tokens) dealt round-robin over num_clients processes, all at once."""
+    ctx = mp.get_context("spawn")
+    if warm:
+        load(config, [(p, 8) for p, _ in jobs[:warm]], 1, raw=True)
+    num_clients = min(num_clients, len(jobs))
+    barrier, results = ctx.Barrier(num_clients), ctx.Queue()
+    procs = [ctx.Process(target=client_process, args=(
+        config.grpc_port, config.app_name, jobs[i::num_clients], barrier, results))
+        for i in range(num_clients)]
+    for p in procs:
+        p.start()
+    records = [r for _ in procs for r in results.get(timeout=1800)]
+    for p in procs:
+        p.join()
+    if raw:
+        return records
+    start = min(r["start"] for r in records)
+    return summarize(records, max(r["end"] for r in records) - start)
+
+
+# ---- report ----------------------------------------------------------------------------------
+def targets(inproc: dict, served: dict) -> dict:
+    return {"mix_tok_s_ge_90pct": served["mix"]["output_tok_s"]
+            >= 0.9 * inproc["mix"]["output_tok_s"],
+            "b1_tpot_le_engine_plus_0.2ms": served["batch1"]["tpot_ms"]["mean"]
+            <= inproc["batch1"]["tpot_ms"]["mean"] + 0.2,
+            "b1_ttft_le_inproc_plus_10ms": served["batch1"]["ttft_ms"]["p50"]
+            <= inproc["batch1"]["ttft_ms"]["p50"] + 10}
+
+
+def markdown(result: dict) -> str:
+    rows = ["| load | path | output tok/s | TTFT p50 / p99 ms | TPOT mean / p50 / p99 ms | "
+            "messages a request |", "|---|---|---|---|---|---|"]
+    for load_name in ("mix", "batch1"):
+        for path in ("inproc", "served"):
+            r = result[path][load_name]
+            rows.append(f"| {load_name} | {path} | {r['output_tok_s']:.0f} | "
+                        f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p99']} | "
+                        f"{r['tpot_ms']['mean']} / {r['tpot_ms']['p50']} / "
+                        f"{r['tpot_ms']['p99']} | {r['messages_per_request']} |")
+    ratio = result["served"]["mix"]["output_tok_s"] / result["inproc"]["mix"]["output_tok_s"]
+    return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
+            f"({result['date']}, {result['commit']}); {result['shape']}, "
+            f"{result['num_requests']} requests, {result['clients']} client processes.\n\n"
+            + "\n".join(rows) + f"\n\nServed / in-process output tok/s on the mix: "
+            f"{ratio:.2f}. Targets: {json.dumps(result['targets_met'])}\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b", help="a DUMMY_MODELS name, or tiny")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--clients", type=int, default=8, help="load-generating processes")
+    ap.add_argument("--b1-requests", type=int, default=8)
+    ap.add_argument("--out", default="bench/results/serve_gpu.json")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import torch
+
+    from mxserve.worker.model.dummy import DUMMY_MODELS
+
+    vocab = (TINY if args.shape == "tiny" else DUMMY_MODELS[args.shape])["vocab_size"]
+    model = model_dir(args.shape, args.max_model_len)
+    mix = make_mix(args.num_requests, vocab, args.max_model_len)
+    b1 = make_mix(args.b1_requests, vocab, args.max_model_len, seed=1)
+    b1 = ([p[:256] for p in b1[0]], [128] * args.b1_requests)
+    inproc = run_inproc(args, model, mix, b1)
+    print("in-process:", json.dumps(inproc), flush=True)
+    served = run_served(args, model, mix, b1)
+    print("served:", json.dumps(served), flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    import grpc
+    import ray
+    result = {"bench": "serve_gpu", "device": device,
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "commit": head_commit(), "command": "python bench/serve_gpu.py "
+              + " ".join(sys.argv[1:]),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "ray": ray.__version__, "grpcio": grpc.__version__},
+              "shape": args.shape, "num_requests": args.num_requests, "clients": args.clients,
+              "inproc": inproc, "served": served, "targets_met": targets(inproc, served)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_result(args.out, result, markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
