@@ -34,9 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from engine_gpu_mix import make_mix  # noqa: E402
+from engine_gpu_mix import make_mix, run_mix  # noqa: E402
 from revision import head_commit, write_result  # noqa: E402
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
@@ -86,8 +87,10 @@ def sparse_safetensors(config: dict, path: Path) -> None:
 
 
 def engine_options(args) -> dict:
+    """bench/engine_gpu.py's mix configuration."""
     return dict(load_format="dummy", dtype="bfloat16" if args.shape != "tiny" else "float32",
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
                 load_progress=False)
 
 
@@ -125,7 +128,11 @@ def run_inproc(args, model: str, mix, b1) -> dict:
     from mxserve.worker.config import EngineConfig
     from mxserve.worker.engine import build_engine
 
-    engine = AsyncEngine(build_engine(EngineConfig(model=model, **engine_options(args))))
+    raw = build_engine(EngineConfig(model=model, **engine_options(args)))
+    run_mix(SimpleNamespace(engine=raw), [p[:] for p in mix[0]][:8], [8] * 8)  # warm-up
+    engine_mix = run_mix(SimpleNamespace(engine=raw), *mix)  # engine.step() in a loop
+    raw.kv.reset_prefix_cache()  # the streamed runs start as cold as the served one
+    engine = AsyncEngine(raw)
     engine.start()
 
     async def one(prompt: list[int], num_tokens: int) -> dict:
@@ -142,7 +149,9 @@ def run_inproc(args, model: str, mix, b1) -> dict:
         await asyncio.gather(*(one(p, 8) for p in mix[0][:8]))  # warm-up
         start = time.perf_counter()
         records = await asyncio.gather(*(one(p, k) for p, k in zip(*mix)))
-        out = {"mix": summarize(records, time.perf_counter() - start)}
+        out = {"engine_mix": {k: engine_mix[k] for k in (
+            "output_tok_s", "wall_s", "num_steps", "ttft_ms_p50", "tpot_ms_p50")},
+            "mix": summarize(records, time.perf_counter() - start)}
         b1_records = [await one(p, k) for p, k in zip(*b1)]
         out["batch1"] = sequential(b1_records)
         return out
@@ -251,8 +260,10 @@ def load(config, jobs: list, num_clients: int, warm: int = 0, raw: bool = False)
 
 # ---- report ----------------------------------------------------------------------------------
 def targets(inproc: dict, served: dict) -> dict:
-    return {"mix_tok_s_ge_90pct": served["mix"]["output_tok_s"]
-            >= 0.9 * inproc["mix"]["output_tok_s"],
+    """The mix against the engine stepped in a loop (no streaming at all): the stricter
+    reading of "the in-process engine"."""
+    return {"mix_tok_s_ge_90pct_of_engine": served["mix"]["output_tok_s"]
+            >= 0.9 * inproc["engine_mix"]["output_tok_s"],
             "b1_tpot_le_engine_plus_0.2ms": served["batch1"]["tpot_ms"]["mean"]
             <= inproc["batch1"]["tpot_ms"]["mean"] + 0.2,
             "b1_ttft_le_inproc_plus_10ms": served["batch1"]["ttft_ms"]["p50"]
@@ -269,12 +280,16 @@ def markdown(result: dict) -> str:
                         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p99']} | "
                         f"{r['tpot_ms']['mean']} / {r['tpot_ms']['p50']} / "
                         f"{r['tpot_ms']['p99']} | {r['messages_per_request']} |")
-    ratio = result["served"]["mix"]["output_tok_s"] / result["inproc"]["mix"]["output_tok_s"]
+    mix = {k: result[p][m]["output_tok_s"] for k, p, m in (
+        ("engine", "inproc", "engine_mix"), ("stream", "inproc", "mix"),
+        ("served", "served", "mix"))}
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
             f"{result['num_requests']} requests, {result['clients']} client processes.\n\n"
-            + "\n".join(rows) + f"\n\nServed / in-process output tok/s on the mix: "
-            f"{ratio:.2f}. Targets: {json.dumps(result['targets_met'])}\n")
+            + "\n".join(rows) + f"\n\nMix output tok/s: the engine stepped in a loop "
+            f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
+            f"served {mix['served']:.0f} ({mix['served'] / mix['engine']:.2f} of the engine's). "
+            f"Targets: {json.dumps(result['targets_met'])}\n")
 
 
 def main() -> None:
@@ -283,6 +298,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-gb", type=float, default=16.0)
     ap.add_argument("--clients", type=int, default=8, help="load-generating processes")
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--out", default="bench/results/serve_gpu.json")

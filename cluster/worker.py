@@ -23,7 +23,7 @@ from mxserve.api.errors import (
     ServeError,
     UnavailableError,
 )
-from mxserve.api.outputs import ResumeState, StepOutput
+from mxserve.api.outputs import ResumeState, StepOutput, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.logs import rss_bytes
 from mxserve.worker import migration
@@ -35,7 +35,8 @@ class Worker:
     """Serves one engine. Construct, then `start()`; `shutdown()` stops the engine loop."""
 
     def __init__(self, engine: Engine, max_queued_requests: int, worker_id: str = "worker",
-                 node_id: str = "", stall_timeout_s: float = 60.0) -> None:
+                 node_id: str = "", stall_timeout_s: float = 60.0,
+                 streams_per_token: int = 32, max_tokens_per_message: int = 16) -> None:
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
@@ -62,6 +63,13 @@ class Worker:
         self.draining = False
         self.num_migrated_out = 0  # requests handed back by drain()
         self.num_resumed = 0  # requests resumed here from another worker
+        # Under load a stream's tokens go out several to a message: one more token a message
+        # for every `streams_per_token` streams running, up to max_tokens_per_message. Each
+        # message costs the same Python work at every hop (worker -> router -> proxy), which
+        # on a GPU is more than a decode step's share per token (bench/results/serve_gpu.md);
+        # a lone stream still gets every token at once.
+        self.streams_per_token = streams_per_token
+        self.max_tokens_per_message = max_tokens_per_message
 
     def start(self, freeze_gc: bool = False) -> None:
         """Start the engine loop. freeze_gc (a process serving this one engine, as a Serve
@@ -122,9 +130,11 @@ class Worker:
         self.num_requests_total += 1
         self.num_prefill_tokens_pending += pending
         first, finished, counted = True, False, True
+        held: StepOutput | None = None  # tokens not sent yet (coalesced under load)
         try:  # (closed with this stream, not when collected: the abort goes out at once)
             async with contextlib.aclosing(self.async_engine.stream(request)) as stream:
                 async for out in stream:
+                    sent_first = not first
                     finished = out.finished
                     if finished:  # counted out before its last output leaves: a router
                         self.num_in_flight -= 1  # admitting the next one finds room here
@@ -139,7 +149,11 @@ class Worker:
                         self.num_drafts += out.num_drafts
                         self.num_draft_tokens += out.num_draft_tokens
                         self.num_accepted_tokens += out.num_accepted_tokens
-                    yield out
+                    held = out if held is None else merge_outputs(held, out)
+                    if not sent_first or out.finished or out.finish_reason or \
+                            len(held.new_token_ids) >= self.tokens_per_message():
+                        yield held
+                        held = None
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted
             raise ServeError.invalid(e) from None
@@ -150,6 +164,11 @@ class Worker:
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
+
+    def tokens_per_message(self) -> int:
+        """How many tokens a stream's message carries now (see __init__)."""
+        num_streams = self.async_engine.num_streams
+        return max(1, min(self.max_tokens_per_message, num_streams // self.streams_per_token))
 
     async def drain(self) -> int:
         """Take no more requests and hand every one here back to go on elsewhere: each stream

@@ -87,6 +87,9 @@ def test_completion_of_text_ids_and_a_batch_equals_offline(served, client):
     prompts = ["w5 w6 w7", [9, 10, 11, 12]]
     params = SamplingParams(**GREEDY, ignore_eos=True)
     expected = [o.text for o in served.llm.generate(prompts, params)]
+    with served.client() as grpc_client:
+        assert [grpc_client.generate(p, **GREEDY, ignore_eos=True).text for p in prompts] == \
+            expected
     for prompt, want in zip(prompts, expected):
         reply = client.completions.create(model=_model(served), prompt=prompt,
                                           extra_body={"ignore_eos": True}, **GREEDY)

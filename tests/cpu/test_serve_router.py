@@ -159,6 +159,35 @@ def test_bad_requests_are_invalid_argument_naming_the_field(tiny, kwargs, field)
     assert len(good["token_ids"]) == 3 and good["finish_reason"] == "length"
 
 
+def test_worker_sends_several_tokens_a_message_only_under_load(tiny_checkpoint):
+    """One stream gets each token in a message of its own; with 8 streams running (one more
+    token a message per 4 streams, at most 3) the tokens after the first go out 2 a message,
+    and every stream's tokens are offline's."""
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=128,
+              max_num_seqs=8, load_progress=False)
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    worker = Worker(llm.engine, max_queued_requests=0, streams_per_token=4,
+                    max_tokens_per_message=3)
+    worker.start()
+
+    async def run(batch: list[list[int]]) -> list[list[list[int]]]:
+        async def one(i: int, prompt: list[int]) -> list[list[int]]:
+            return [out.new_token_ids async for out in worker.generate(prompt, params, f"m{i}")]
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+
+    try:
+        (alone,) = asyncio.run(run(prompts[:1]))
+        assert alone == [[t] for t in expected[0]]  # 9 messages of one token
+        together = asyncio.run(run(prompts))
+    finally:
+        worker.shutdown()
+    for messages, want in zip(together, expected):
+        assert [t for m in messages for t in m] == want
+        assert len(messages[0]) == 1 and len(messages) <= 6, messages  # 1 + 2 + 2 + 2 + 2
+
+
 def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
     router, worker = tiny  # max_num_seqs=2, max_queued_requests=1: three fit, the fourth not
     long = build_request("w5 w6 w7", max_tokens=400, ignore_eos=True)
