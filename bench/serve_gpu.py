@@ -218,7 +218,7 @@ def run_served(args, model: str, mix, b1) -> dict:
         policy="round_robin"), grpc_port=free_port(), http_port=free_port(),
         max_queued_requests=args.num_requests, proxy_location="HeadOnly",
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
-        router_resources=Resources(num_cpus=1))
+        router_resources=Resources(num_cpus=1), num_routers=args.routers)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     try:
@@ -285,7 +285,8 @@ def markdown(result: dict) -> str:
         ("served", "served", "mix"))}
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
-            f"{result['num_requests']} requests, {result['clients']} client processes.\n\n"
+            f"{result['num_requests']} requests, {result['clients']} client processes, "
+            f"{result['routers']} router(s).\n\n"
             + "\n".join(rows) + f"\n\nMix output tok/s: the engine stepped in a loop "
             f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
             f"served {mix['served']:.0f} ({mix['served'] / mix['engine']:.2f} of the engine's). "
@@ -301,6 +302,7 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-gb", type=float, default=16.0)
     ap.add_argument("--clients", type=int, default=8, help="load-generating processes")
+    ap.add_argument("--routers", type=int, default=1, help="router replicas")
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
@@ -329,6 +331,7 @@ def main() -> None:
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "ray": ray.__version__, "grpcio": grpc.__version__},
               "shape": args.shape, "num_requests": args.num_requests, "clients": args.clients,
+              "routers": args.routers,
               "inproc": inproc, "served": served, "targets_met": targets(inproc, served)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_result(args.out, result, markdown(result))
