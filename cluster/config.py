@@ -146,6 +146,17 @@ class KVTransfer(BaseModel):
         return options
 
 
+class Streaming(BaseModel):
+    """How a worker packs a stream's tokens into messages under load (cluster/worker.py): one
+    more token a message for every `streams_per_token` streams running, up to
+    `max_tokens_per_message` (1: every token its own message). A lone stream always gets each
+    token at once."""
+
+    model_config = ConfigDict(extra="forbid")
+    streams_per_token: int = Field(32, ge=1)
+    max_tokens_per_message: int = Field(16, ge=1)
+
+
 class Limits(BaseModel):
     """Caps on one request, enforced by the router (INVALID_ARGUMENT naming the field; see
     router/requests.RequestLimits), and the retry hint an overload's RESOURCE_EXHAUSTED
@@ -211,6 +222,7 @@ class ServeConfig(BaseModel):
     drafts: Drafts = Field(default_factory=Drafts)  # used with draft_placement "replica"
     kv_transfer: KVTransfer = Field(default_factory=KVTransfer)
     limits: Limits = Field(default_factory=Limits)
+    streaming: Streaming = Field(default_factory=Streaming)
     # Bearer tokens the API accepts (comma-separated for several, e.g. during a rotation);
     # None: the MXSERVE_API_KEY environment variable where the app is built, else no auth.
     api_key: SecretStr | None = None

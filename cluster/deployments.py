@@ -60,7 +60,7 @@ class WorkerDeployment:
                        index: dict | None = None, rank_options: dict | None = None,
                        drafts: DeploymentHandle | None = None,
                        kv_transfer: dict | None = None,
-                       stall_timeout_s: float = 60.0) -> None:
+                       stall_timeout_s: float = 60.0, streaming: dict | None = None) -> None:
         from mxserve.cluster.kv_service import KVNode, TransferOptions
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
@@ -97,7 +97,7 @@ class WorkerDeployment:
                 measure_prefill_rate, engine, tokens)
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id(),
-                             stall_timeout_s=stall_timeout_s)
+                             stall_timeout_s=stall_timeout_s, **(streaming or {}))
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
         self.kv_node = None
         if kv_transfer is not None:
@@ -517,7 +517,7 @@ def build_app(config: ServeConfig) -> serve.Application:
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,
-        config.engine_stall_timeout_s)
+        config.engine_stall_timeout_s, config.streaming.model_dump())
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),

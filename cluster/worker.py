@@ -63,11 +63,10 @@ class Worker:
         self.draining = False
         self.num_migrated_out = 0  # requests handed back by drain()
         self.num_resumed = 0  # requests resumed here from another worker
-        # Under load a stream's tokens go out several to a message: one more token a message
-        # for every `streams_per_token` streams running, up to max_tokens_per_message. Each
-        # message costs the same Python work at every hop (worker -> router -> proxy), which
-        # on a GPU is more than a decode step's share per token (bench/results/serve_gpu.md);
-        # a lone stream still gets every token at once.
+        # Under load a stream's tokens go out several to a message (cluster/config.Streaming):
+        # each message costs the same Python work at every hop (worker -> router -> proxy),
+        # which on a GPU is more than a decode step's share per token
+        # (bench/results/serve_gpu.md); a lone stream still gets every token at once.
         self.streams_per_token = streams_per_token
         self.max_tokens_per_message = max_tokens_per_message
 
