@@ -218,7 +218,9 @@ def run_served(args, model: str, mix, b1) -> dict:
         policy="round_robin"), grpc_port=free_port(), http_port=free_port(),
         max_queued_requests=args.num_requests, proxy_location="HeadOnly",
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
-        router_resources=Resources(num_cpus=1), num_routers=args.routers)
+        router_resources=Resources(num_cpus=1), num_routers=args.routers,
+        streaming=dict(streams_per_token=args.streams_per_token,
+                       max_tokens_per_message=args.max_tokens_per_message))
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     try:
@@ -303,6 +305,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=16.0)
     ap.add_argument("--clients", type=int, default=8, help="load-generating processes")
     ap.add_argument("--routers", type=int, default=1, help="router replicas")
+    ap.add_argument("--streams-per-token", type=int, default=32,
+                    help="ServeConfig.streaming: one more token a message per this many streams")
+    ap.add_argument("--max-tokens-per-message", type=int, default=16)
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
@@ -331,7 +336,9 @@ def main() -> None:
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "ray": ray.__version__, "grpcio": grpc.__version__},
               "shape": args.shape, "num_requests": args.num_requests, "clients": args.clients,
-              "routers": args.routers,
+              "routers": args.routers, "streaming": {
+                  "streams_per_token": args.streams_per_token,
+                  "max_tokens_per_message": args.max_tokens_per_message},
               "inproc": inproc, "served": served, "targets_met": targets(inproc, served)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_result(args.out, result, markdown(result))
