@@ -207,7 +207,7 @@ def client_process(port: int, app: str, jobs: list, barrier, results) -> None:
     results.put(asyncio.run(main()))
 
 
-def run_served(args, model: str, mix, b1) -> dict:
+def run_served(args, model: str, mix, b1, warm) -> dict:
     import ray
 
     from mxserve.cluster.config import Resources, ServeConfig
@@ -229,7 +229,8 @@ def run_served(args, model: str, mix, b1) -> dict:
     try:
         deploy(config)
         wait_for_grpc(config)
-        out = {"mix": load(config, list(zip(*mix)), args.clients, warm=8)}
+        load(config, list(zip(*warm)), args.clients, raw=True)  # the in-process warm-up
+        out = {"mix": load(config, list(zip(*mix)), args.clients)}
         b1_records = []
         for job in zip(*b1):  # one client, one request at a time
             b1_records += load(config, [job], 1, raw=True)
@@ -242,11 +243,9 @@ def run_served(args, model: str, mix, b1) -> dict:
         ray.shutdown()
 
 
-def load(config, jobs: list, num_clients: int, warm: int = 0, raw: bool = False):
+def load(config, jobs: list, num_clients: int, raw: bool = False):
     """`jobs` (prompt, tokens) dealt round-robin over num_clients processes, all at once."""
     ctx = mp.get_context("spawn")
-    if warm:
-        load(config, [(p, 8) for p, _ in jobs[:warm]], 1, raw=True)
     num_clients = min(num_clients, len(jobs))
     barrier, results = ctx.Barrier(num_clients), ctx.Queue()
     procs = [ctx.Process(target=client_process, args=(
@@ -327,9 +326,10 @@ def main() -> None:
     b1 = ([p[:256] for p in b1[0]], [128] * args.b1_requests)
     warm_prompts, warm_outs = make_mix(min(64, args.num_requests), vocab, args.max_model_len,
                                        seed=2)
-    inproc = run_inproc(args, model, mix, b1, (warm_prompts, [min(k, 32) for k in warm_outs]))
+    warm = (warm_prompts, [min(k, 32) for k in warm_outs])
+    inproc = run_inproc(args, model, mix, b1, warm)
     print("in-process:", json.dumps(inproc), flush=True)
-    served = run_served(args, model, mix, b1)
+    served = run_served(args, model, mix, b1, warm)
     print("served:", json.dumps(served), flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import grpc
