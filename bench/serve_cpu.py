@@ -11,8 +11,10 @@ the same prompts three ways:
   grpc.aio one is: the openai package's own parsing is the caller's cost, not the server's).
 Every request is a chat question (distinct per request) with greedy decoding and exactly
 `--max-tokens` output tokens (ignore_eos). Concurrency 1: requests one after another;
-concurrency 16: `--rounds` rounds of 16 concurrent requests. The two paths alternate round by
-round (both engines stay loaded), so load from elsewhere on the machine hits both alike. After a
+concurrency 16: `--rounds` rounds of 16 concurrent requests. The three paths take turns round
+by round (both engines stay loaded), so load from elsewhere on the machine hits them alike, and
+each goes first in turn: the served path that follows an in-process round finds the worker idle
+and pays for waking it (up to ~15 ms of TTFT at 1 client when gRPC always went first). After a
 warm-up of each.
 
 Per request: TTFT = send -> first token; TPOT = (last token - first token) / (tokens - 1).
@@ -203,8 +205,10 @@ async def run_paired(args, config) -> tuple[dict, dict, dict]:
             samples: dict = {name: ([], 0.0) for name in paths}
             for r in range(args.requests if concurrency == 1 else args.rounds):
                 prompts = questions(n, offset=r * n)
-                for name, (one, _) in paths.items():
-                    got, wall = await run_load(one, prompts, concurrency)
+                names = list(paths)  # each path goes first in turn: whichever follows the
+                names = names[r % 3:] + names[:r % 3]  # in-process run finds an idle worker
+                for name in names:
+                    got, wall = await run_load(paths[name][0], prompts, concurrency)
                     samples[name] = (samples[name][0] + got, samples[name][1] + wall)
             for name, (got, wall) in samples.items():
                 results[name][f"c{concurrency}"] = summarize(got, wall)
