@@ -90,11 +90,6 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.num_active = 0  # pulls being served now
         self.last_active = time.monotonic()  # when the last one ended
 
-    def _release(self, engine, pinned) -> None:
-        """Give back a pin whose caller was cancelled before it came."""
-        if pinned is not None:
-            self.port.release(pinned)
-
     async def _check_secret(self, context) -> None:
         secret = dict(context.invocation_metadata()).get(SECRET_KEY, "")
         if not hmac.compare_digest(secret.encode(), self.options.secret.encode()):
@@ -126,7 +121,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
     async def Pull(self, request: pb.PullRequest, context) -> AsyncIterator[pb.KVMessage]:  # noqa: N802
         hashes = await self._check(request, context)
         pinned = await self.engine.call(lambda engine: self.port.pin(hashes),
-                                        self._release)
+                                        self.port.release)
         self.num_active += 1
         try:
             num_blocks = len(pinned.block_ids) if pinned else 0
@@ -205,11 +200,6 @@ class KVPuller:
         # no request a connection attempt
         self._down_until: dict[str, float] = {}
 
-    def _release(self, engine, reservation) -> None:
-        """Give back a reservation whose caller was cancelled before it came."""
-        if reservation is not None:
-            self.port.release(reservation)
-
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -279,7 +269,7 @@ class KVPuller:
 
     async def _pull(self, address: str, want: list[int], num_missing: int) -> int:
         reservation = await self.engine.call(lambda e: self.port.reserve(want, num_missing),
-                                             self._release)
+                                             self.port.release)
         if reservation is None:
             self.counts["no_blocks"] += 1
             return 0

@@ -202,13 +202,11 @@ async def _open(router: Router, requests: Sequence[pb.GenerateRequest], metadata
     try:
         async with asyncio.TaskGroup() as group:
             firsts = [group.create_task(anext(s)) for s in streams]
-    except BaseExceptionGroup as group:
+    except BaseException as e:
         for s in streams:
             await s.aclose()
-        raise group.exceptions[0] from None
-    except BaseException:
-        for s in streams:
-            await s.aclose()
+        if isinstance(e, BaseExceptionGroup):
+            raise e.exceptions[0] from None
         raise
     return [(f.result(), s) for f, s in zip(firsts, streams)]
 

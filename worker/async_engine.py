@@ -132,10 +132,10 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     async def call(self, fn: Callable[[Engine], object],
-                   undo: Callable[[Engine, object], object] | None = None) -> object:
+                   undo: Callable[[object], object] | None = None) -> object:
         """Run fn(engine) on the loop thread between two steps; its result (or exception).
-        `undo(engine, result)` runs on the loop thread when the caller is cancelled before the
-        result arrives: what fn took (blocks pinned or reserved) is given back, not leaked."""
+        `undo(result)` runs on the loop thread when the caller is cancelled before the result
+        arrives: what fn took (blocks pinned or reserved) is given back, not leaked."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._commands.put(("call", (fn, loop, future)))
@@ -147,7 +147,7 @@ class AsyncEngine:
             def give_back(done: asyncio.Future) -> None:
                 if not done.cancelled() and done.exception() is None:
                     result = done.result()
-                    self.submit(lambda engine: undo(engine, result))
+                    self.submit(lambda engine: undo(result))
             future.add_done_callback(give_back)
             raise
 

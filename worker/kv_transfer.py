@@ -198,8 +198,9 @@ class KVPort:
             self.kv.cache_blocks(reservation.entry, reservation.block_hashes, num_tokens)
         self.kv.free(reservation.entry)
 
-    def release(self, held: Pinned | Reservation) -> None:
-        self.kv.free(held.entry)
+    def release(self, held: Pinned | Reservation | None) -> None:
+        if held is not None:  # (None: a pin or reservation that got nothing)
+            self.kv.free(held.entry)
 
 
 class Exporter:

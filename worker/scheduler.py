@@ -27,6 +27,7 @@ import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from mxserve.worker.kv_cache import KVCacheManager
@@ -86,8 +87,9 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
+    @cached_property
     def has_prompt_logprobs(self) -> bool:
+        """(Cached: the runner asks up to three times a step; the plan is complete by then.)"""
         return any(s.prompt_logprob_ids for s in self.scheduled)
 
     @property
