@@ -4,6 +4,7 @@ Worker (AsyncEngine, admission, load), the config, the client's request builder 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import pickle
@@ -160,9 +161,10 @@ def test_bad_requests_are_invalid_argument_naming_the_field(tiny, kwargs, field)
 
 
 def test_worker_sends_several_tokens_a_message_only_under_load(tiny_checkpoint):
-    """One stream gets each token in a message of its own; with 8 streams running (one more
-    token a message per 4 streams, at most 3) the tokens after the first go out 2 a message,
-    and every stream's tokens are offline's."""
+    """One stream gets each engine output in a message of its own; with 8 streams running (one
+    more token a message per 4 streams, at most 3) the Worker holds outputs back until 2 tokens
+    are due, and every stream's tokens are offline's. (The engine stream itself merges what a
+    lagging consumer has not taken yet, so messages are compared with what it handed over.)"""
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=128,
               max_num_seqs=8, load_progress=False)
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -170,22 +172,37 @@ def test_worker_sends_several_tokens_a_message_only_under_load(tiny_checkpoint):
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     worker = Worker(llm.engine, max_queued_requests=0, streams_per_token=4,
                     max_tokens_per_message=3)
+    handed: dict[str, list[list[int]]] = {}  # request id -> the engine stream's outputs
+    engine_stream = worker.async_engine.stream
+
+    async def spied_stream(request):
+        async with contextlib.aclosing(engine_stream(request)) as stream:
+            async for out in stream:
+                handed.setdefault(request.request_id, []).append(out.new_token_ids)
+                yield out
+    worker.async_engine.stream = spied_stream
     worker.start()
 
-    async def run(batch: list[list[int]]) -> list[list[list[int]]]:
+    async def run(batch: list[list[int]], tag: str) -> list[list[list[int]]]:
         async def one(i: int, prompt: list[int]) -> list[list[int]]:
-            return [out.new_token_ids async for out in worker.generate(prompt, params, f"m{i}")]
+            return [out.new_token_ids
+                    async for out in worker.generate(prompt, params, f"{tag}{i}")]
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
 
     try:
-        (alone,) = asyncio.run(run(prompts[:1]))
-        assert alone == [[t] for t in expected[0]]  # 9 messages of one token
-        together = asyncio.run(run(prompts))
+        (alone,) = asyncio.run(run(prompts[:1], "alone"))
+        together = asyncio.run(run(prompts, "m"))
     finally:
         worker.shutdown()
-    for messages, want in zip(together, expected):
+    assert [t for m in alone for t in m] == expected[0]
+    assert alone == handed["alone0"]  # nothing held back
+    for i, (messages, want) in enumerate(zip(together, expected)):
         assert [t for m in messages for t in m] == want
-        assert len(messages[0]) == 1 and len(messages) <= 6, messages  # 1 + 2 + 2 + 2 + 2
+        assert messages[0] == handed[f"m{i}"][0]  # the first token is never held
+        # each later message but the last carries at least 2 tokens: held until they are due
+        assert all(len(m) >= 2 for m in messages[1:-1]), (messages, handed[f"m{i}"])
+        assert len(messages) <= 1 + (len(want) - len(messages[0]) + 1) // 2
+    assert any(len(handed[f"m{i}"]) > len(together[i]) for i in range(8))  # some were held
 
 
 def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
