@@ -22,6 +22,9 @@ after another in this run:
 - prefix: mxserve's router (cached prefix tokens from the Redis index minus the work queued);
 - round_robin: each request to the next worker;
 - power_of_two: Ray Serve's default (the less loaded of two random workers).
+`--rounds N` serves it all N times, the policies' order reversed every other round (whichever
+goes first on a fresh Ray pays its warm-up), and pools the rounds: the spread between rounds is
+the run's noise.
 
 Reported per workload and policy: prefix-cache hit rate (cached prompt tokens / prompt tokens,
 from each response's usage), TTFT p50/p99 (send -> first token), end-to-end latency p50/p99,
@@ -97,25 +100,44 @@ def serve_policies(args, loads) -> dict:
     with LocalRedis() as redis:
         base = base_config(args, redis.url)
         for workload in loads:
-            out[workload.name] = {}
-            for policy in args.policies:
-                config = base.model_copy(update=dict(
-                    app_name=f"bench-{workload.name}-{policy}",
-                    route_prefix=f"/bench-{workload.name}-{policy}",
-                    routing=base.routing.model_copy(update=dict(policy=policy))))
-                deploy(config)
-                wait_for_grpc(config)
-                print(f"{workload.name} / {policy}: {len(workload.prompts)} requests ...",
-                      flush=True)
-                records = asyncio.run(replay(config.grpc_port, config.app_name, workload,
-                                             args.max_tokens))
-                result = {**summarize(records), "requests_per_worker": per_worker_requests(config)}
-                out[workload.name][policy] = result
-                print(f"  {json.dumps(result)}", flush=True)
-                serve.delete(config.app_name)  # the next app indexes in its own namespace
+            records: dict[str, list[list[dict]]] = {p: [] for p in args.policies}
+            counts: dict[str, list[list[int]]] = {p: [] for p in args.policies}
+            for r in range(args.rounds):  # odd rounds reversed: neither policy always goes first
+                for policy in (args.policies if r % 2 == 0 else args.policies[::-1]):
+                    suffix = f"-r{r}" if args.rounds > 1 else ""
+                    name = f"bench-{workload.name}-{policy}{suffix}"
+                    config = base.model_copy(update=dict(
+                        app_name=name, route_prefix=f"/{name}",
+                        routing=base.routing.model_copy(update=dict(policy=policy))))
+                    deploy(config)
+                    wait_for_grpc(config)
+                    print(f"{workload.name} / {policy} (round {r + 1}): "
+                          f"{len(workload.prompts)} requests ...", flush=True)
+                    records[policy].append(asyncio.run(replay(
+                        config.grpc_port, config.app_name, workload, args.max_tokens)))
+                    counts[policy].append(per_worker_requests(config))
+                    print(f"  {json.dumps(summarize(records[policy][-1]))}", flush=True)
+                    serve.delete(config.app_name)  # the next app indexes in its own namespace
+            out[workload.name] = {policy: {**summarize_rounds(records[policy]),
+                                           "requests_per_worker": counts[policy] if
+                                           args.rounds > 1 else counts[policy][0]}
+                                  for policy in args.policies}
     serve.shutdown()
     ray.shutdown()
     return out
+
+
+def summarize_rounds(rounds: list[list[dict]]) -> dict:
+    """One summary of a policy's rounds: percentiles over every request, throughput as all
+    output tokens over the rounds' summed spans; with several rounds each one's own summary
+    goes under "rounds"."""
+    pooled = summarize([r for records in rounds for r in records])
+    if len(rounds) > 1:
+        span = sum(max(r["end"] for r in rs) - min(r["sent"] for r in rs) for rs in rounds)
+        pooled.update(requests_per_s=round(pooled["num_requests"] / span, 3),
+                      output_tok_s=round(sum(r["tokens"] for rs in rounds for r in rs) / span, 1),
+                      rounds=[summarize(rs) for rs in rounds])
+    return pooled
 
 
 # ---- the index at scale ----------------------------------------------------------------------
@@ -205,6 +227,11 @@ def markdown(report: dict) -> str:
                          f"{r['ttft_ms']['p99']} | {r['e2e_ms']['p50']} / {r['e2e_ms']['p99']} "
                          f"| {r['requests_per_s']} | {r['output_tok_s']} | "
                          f"{r['requests_per_worker']} |")
+        if any("rounds" in r for r in pol.values()):
+            lines += ["", "Each round's out tok/s (the policies' order reversed every other "
+                      "round): " + "; ".join(
+                          f"{policy} " + ", ".join(str(x["output_tok_s"]) for x in r["rounds"])
+                          for policy, r in pol.items())]
         ratios = report["ratios"].get(name, {})
         if ratios:
             lines += ["", "| prefix vs | TTFT p50 | TTFT p99 | throughput |", "|---|---|---|---|"]
@@ -274,6 +301,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=320)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve each workload this many times per policy, the policies' "
+                             "order reversed every other round; pooled results (spread shown)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--routing", default="{}",
                         help='routing options as JSON, e.g. \'{"request_tokens": 16}\'')

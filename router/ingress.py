@@ -14,6 +14,7 @@ worker stream, and the worker aborts the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -251,8 +252,11 @@ class Router:
             admitted, end.shed = True, False
             ids, params = await self._prepare(request)
             out = OutputStream(self.tokenizer, ids, params, self.card.eos_token_ids)
-            async for response in self._stream(request_id, ids, params, out, end):
-                yield response
+            # (closed with this stream, not when collected: the worker aborts at once)
+            async with contextlib.aclosing(self._stream(request_id, ids, params, out,
+                                                        end)) as responses:
+                async for response in responses:
+                    yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client left, or its deadline
             if end.status == "error":  # (not after its last response: then it had finished)
                 end.status = "cancelled"

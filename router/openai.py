@@ -6,8 +6,9 @@ through `Router.generate`, so auth, admission, limits, routing and the workers a
 path's; only the framing differs. A request's first response is awaited before any byte goes
 out, so a rejection (bad field, bad token, at capacity) is an HTTP status with OpenAI's error
 body; an error after that ends the stream with an `error` event. A client that disconnects
-cancels the handler (Serve's HTTP proxy does so), which closes the worker stream: the worker
-aborts the request and frees its KV blocks, as for a gRPC cancel.
+ends the response (Serve's HTTP proxy cancels it), which closes its request streams then and
+there, even one whose body never started: the workers abort the requests and free their KV
+blocks, as for a gRPC cancel.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class OpenAIServer:
             async for i, response in _merged(streams):
                 reply.add(i, response)
             return _json(reply.body())
-        return StreamingResponse(_events(reply, streams), media_type="text/event-stream")
+        return _EventStream(_events(reply, streams), streams)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -251,6 +252,24 @@ async def _merged(streams: Opened) -> AsyncIterator[tuple[int, pb.GenerateRespon
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response; however it ends, its request streams are closed at once (so the
+    workers free the requests' KV blocks): a client gone before the first byte leaves the body
+    iterator unstarted, and one gone while a chunk is being sent leaves it suspended."""
+
+    def __init__(self, events: AsyncIterator[str], streams: Opened) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._streams = events, streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            for _, stream in self._streams:
+                await stream.aclose()
 
 
 async def _events(reply, streams: Opened) -> AsyncIterator[str]:
