@@ -235,9 +235,7 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
-        engine = self.engine_config()  # raises ValueError on a bad engine option
-        if self.kv_transfer.enabled and engine.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer: tensor-parallel workers cannot transfer KV yet")
+        self.engine_config()  # raises ValueError on a bad engine option
         return self
 
     @classmethod

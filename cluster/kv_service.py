@@ -39,7 +39,7 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
-    engine_layout,
+    engine_block_io,
     leading_verified,
     split,
 )
@@ -362,12 +362,7 @@ class KVNode:
         """Serve `worker`'s (cluster/worker.Worker, started) blocks on host:port and let it
         pull from peers. prefill_tokens_per_s: `measure_prefill_rate`'s, before it started."""
         engine = worker.engine
-        if engine.config.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer: tensor-parallel workers cannot transfer KV yet")
-        runner = engine.runner
-        caches = [c for pair in runner.kv_caches + runner.extra_kv_caches for c in pair]
-        io, port_ = BlockIO(caches), KVPort(engine.kv)
-        layout = engine_layout(engine.model_config.model_id, caches)
+        (io, layout), port_ = engine_block_io(engine), KVPort(engine.kv)
         service = KVTransferService(worker.async_engine, port_, io, layout, options)
         server, address = await start_server(service, host, port)
         policy = PullPolicy(prefill_tokens_per_s, min_blocks=options.min_pull_blocks)

@@ -22,6 +22,7 @@ missing, so a transfer can cost time but never change an output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -124,10 +125,8 @@ class BlockIO:
 
     def write(self, block_ids: Sequence[int], payload: bytes) -> None:
         cache = self.caches[0]
-        with warnings.catch_warnings():  # read-only bytes: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(payload, dtype=torch.uint8)
-        data = raw.view(cache.dtype).view(len(self.caches), len(block_ids), *self.block_shape)
+        data = _tensor(payload, cache.dtype).view(len(self.caches), len(block_ids),
+                                                  *self.block_shape)
         data = data.to(self.device)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -135,6 +134,79 @@ class BlockIO:
                 c.index_copy_(0, ids, data[i])
         if self.device.type == "cuda":  # written before a step may read them
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _tensor(payload: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes as a flat tensor of dtype, without a copy (read-only: only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+
+
+class TPBlockIO:
+    """BlockIO for rank 0 of a tensor-parallel group. The wire carries every KV head, as from
+    one rank, so workers of any tensor-parallel size exchange blocks: a read gathers rank 0's
+    shard here and the other ranks' over their block channels (tp_executor.RankGroup) and lays
+    them side by side by head; a write hands each rank its heads. With fewer KV heads than
+    ranks, each head is read from the first rank holding it and written to every one. Rank 0's
+    extra caches (a local EAGLE head's layer, unsharded) go whole."""
+
+    def __init__(self, runner, num_kv_heads: int) -> None:
+        from mxserve.worker.model.tp import TPGroup
+
+        self.group = runner.followers
+        self.local = BlockIO([c for pair in runner.kv_caches for c in pair])
+        extra = [c for pair in runner.extra_kv_caches for c in pair]
+        self.extra = BlockIO(extra) if extra else None
+        self.num_model_caches = len(self.local.caches)
+        self.heads = [TPGroup(r, runner.tp.size).kv_heads(num_kv_heads)
+                      for r in range(runner.tp.size)]  # each rank's [start, stop)
+        self.sources = {}  # head range -> the first rank holding it
+        for rank, heads in enumerate(self.heads):
+            self.sources.setdefault(heads, rank)
+        block_size, _, head_dim = self.local.block_shape
+        self.block_shape = (block_size, num_kv_heads, head_dim)
+        self.dtype = self.local.caches[0].dtype
+
+    def _shard(self, payload: bytes, rank: int, n: int) -> torch.Tensor:
+        start, stop = self.heads[rank]
+        return _tensor(payload, self.dtype).view(self.num_model_caches, n, self.block_shape[0],
+                                                 stop - start, self.block_shape[2])
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        n = len(block_ids)
+        shards = [self.local.read(block_ids), *self.group.read_blocks(block_ids)]
+        num_caches = self.num_model_caches + (len(self.extra.caches) if self.extra else 0)
+        out = torch.empty((num_caches, n, *self.block_shape), dtype=self.dtype)
+        for (start, stop), rank in self.sources.items():
+            out[:self.num_model_caches, :, :, start:stop] = self._shard(shards[rank], rank, n)
+        if self.extra is not None:
+            out[self.num_model_caches:] = _tensor(self.extra.read(block_ids), self.dtype).view(
+                out[self.num_model_caches:].shape)
+        return out.view(torch.uint8).numpy().tobytes()
+
+    def write(self, block_ids: Sequence[int], payload: bytes) -> None:
+        data = _tensor(payload, self.dtype).view(-1, len(block_ids), *self.block_shape)
+        shards = [data[:self.num_model_caches, :, :, start:stop].contiguous()
+                  .view(torch.uint8).numpy().tobytes() for start, stop in self.heads]
+        self.group.write_blocks(block_ids, shards[1:])
+        self.local.write(block_ids, shards[0])
+        if self.extra is not None:
+            self.extra.write(block_ids, data[self.num_model_caches:].contiguous()
+                             .view(torch.uint8).numpy().tobytes())
+
+
+def engine_block_io(engine) -> tuple[BlockIO | TPBlockIO, KVLayout]:
+    """The engine's pool as transfers read and write it, and its layout (every KV head, as
+    one rank holds them, whatever the tensor-parallel size)."""
+    runner = engine.runner
+    caches = [c for pair in runner.kv_caches + runner.extra_kv_caches for c in pair]
+    layout = engine_layout(engine.model_config.model_id, caches)
+    if runner.followers is None:
+        return BlockIO(caches), layout
+    num_kv_heads = engine.model_config.num_key_value_heads
+    return TPBlockIO(runner, num_kv_heads), dataclasses.replace(layout,
+                                                                num_kv_heads=num_kv_heads)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
@@ -39,6 +39,12 @@ class Followers(Protocol):
 
     def check(self) -> None:
         """RankFailure once any rank has exited, failed or hung."""
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each other rank's shard of these KV blocks (KV transfers, worker/kv_transfer.py)."""
+
+    def write_blocks(self, block_ids: Sequence[int], shards: Sequence[bytes]) -> None:
+        """Write each other rank's shard of these KV blocks."""
 
     def close(self) -> None:
         """Stop them; the group takes no step after."""

@@ -14,9 +14,14 @@ model step as rank 0, every step.
 
 The plan travels over a plain socket per rank, not a collective: a rank can wait for the next
 step for ever (an idle engine sends nothing), and a socket that closes tells either side that
-the other has gone. Collectives run under `tp_timeout_s`, so a rank that hangs fails the step
-instead of hanging it; a failed group fails the engine for good (RankFailure), its replica
-reports unhealthy and is replaced as a whole.
+the other has gone. A second socket per rank carries KV blocks for transfers between workers
+(worker/kv_transfer.py): rank 0 asks for, or hands over, each rank's shard of some blocks, and a
+thread on the rank gathers or scatters them beside its steps (the blocks are pinned or not yet
+visible to any request, so no step touches them meanwhile).
+
+Collectives run under `tp_timeout_s`, so a rank that hangs fails the step instead of hanging
+it; a failed group fails the engine for good (RankFailure), its replica reports unhealthy and
+is replaced as a whole.
 
 Where the other ranks run is the launcher's business: `LocalRankLauncher` starts them as local
 processes (offline `LLM`, one machine); cluster/tp_ranks.py starts Ray actors in the worker
@@ -31,7 +36,10 @@ import hmac
 import logging
 import secrets
 import socket
+import struct
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -60,10 +68,13 @@ class RankSpec:
     config: EngineConfig  # this rank's (its device may differ from rank 0's)
     rank: int
     size: int
-    host: str  # where rank 0 listens: its TCPStore and its plan channel
+    host: str  # where rank 0 listens: its TCPStore and its plan and KV channels
     store_port: int
     channel_port: int
     authkey: bytes
+
+
+PLAN, BLOCKS = 0, 1  # a rank's two channels to rank 0 (the hello says which)
 
 
 class RankLauncher(Protocol):
@@ -134,7 +145,9 @@ class RankGroup:
     def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None) -> None:
         self.config, self.size = config, config.tensor_parallel_size
         self.launcher = launcher or LocalRankLauncher()
-        self.conns: list[Connection] = []
+        self.conns: list[Connection] = []  # plan channels, ranks 1..N-1
+        self.block_conns: list[Connection] = []  # KV block channels, likewise
+        self._blocks_lock = threading.Lock()  # one block request on the channels at a time
         self.failure: str | None = None
         startup = datetime.timedelta(seconds=config.tp_startup_timeout_s)
         host = self.launcher.host
@@ -148,7 +161,8 @@ class RankGroup:
             self.tp = TPGroup(0, self.size, process_group(store, 0, self.size,
                                                           config.torch_device,
                                                           config.tp_timeout_s))
-            self.conns = _accept(server, self.size - 1, authkey, config.tp_startup_timeout_s)
+            channels = _accept(server, self.size - 1, authkey, config.tp_startup_timeout_s)
+            self.conns, self.block_conns = channels[PLAN], channels[BLOCKS]
         except BaseException:
             server.close()
             self.launcher.stop(0)
@@ -182,6 +196,46 @@ class RankGroup:
         if any(s.inflight_row >= 0 for s in plan.scheduled):
             self.tp.broadcast(plan.inflight_tokens)
 
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Ranks 1..N-1's shards of these blocks: each rank's model layers, K then V, each
+        [n, block_size, its KV heads, head_dim], as bytes. RankFailure when a rank has gone."""
+        request = b"R" + _ids_bytes(block_ids)
+        with self._blocks_lock:
+            self._send_all(request)
+            return [self._answer(rank, conn) for rank, conn in
+                    enumerate(self.block_conns, start=1)]
+
+    def write_blocks(self, block_ids: Sequence[int], shards: Sequence[bytes]) -> None:
+        """Write each rank's shard (as `read_blocks` gives them) into its pool; returns once
+        every rank has written it."""
+        request = b"W" + _ids_bytes(block_ids)
+        with self._blocks_lock:
+            try:
+                for conn, shard in zip(self.block_conns, shards, strict=True):
+                    conn.send_bytes(request)
+                    conn.send_bytes(shard)
+            except OSError as e:
+                raise RankFailure(f"a tensor-parallel rank went away ({e!r})") from None
+            for rank, conn in enumerate(self.block_conns, start=1):
+                self._answer(rank, conn)
+
+    def _send_all(self, message: bytes) -> None:
+        try:
+            for conn in self.block_conns:
+                conn.send_bytes(message)
+        except OSError as e:
+            raise RankFailure(f"a tensor-parallel rank went away ({e!r})") from None
+
+    @staticmethod
+    def _answer(rank: int, conn: Connection) -> bytes:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise RankFailure(f"tensor-parallel rank {rank} went away") from None
+        if data[:1] != b"+":
+            raise RankFailure(f"tensor-parallel rank {rank}: {data[1:].decode()}")
+        return data[1:]
+
     def check(self) -> None:
         """Raise RankFailure once any rank has exited or failed (a rank writes to its channel
         only to report an error, and a channel that closes reads as ready too)."""
@@ -201,13 +255,13 @@ class RankGroup:
         takes no step after; a failed group's ranks are killed at once."""
         failed = self.failure is not None
         self.failure = self.failure or "the tensor-parallel group was shut down"
-        for conn in self.conns:
+        for conn in self.conns + self.block_conns:
             try:
                 conn.send_bytes(b"")
                 conn.close()
             except OSError:
                 pass
-        self.conns = []
+        self.conns, self.block_conns = [], []
         self.launcher.stop(timeout_s=0 if failed else 10)
 
 
@@ -229,11 +283,7 @@ def run_rank(spec: RankSpec) -> None:
     """Rank spec.rank's whole life: join the group, load its shard, then run each step rank 0
     sends until it says stop or goes away. Load errors go back to rank 0 (RankGroup.wait_ready)."""
     logging.basicConfig(level=logging.WARNING)
-    sock = socket.create_connection((spec.host, spec.channel_port),
-                                    timeout=spec.config.tp_startup_timeout_s)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    conn.send_bytes(spec.authkey + spec.rank.to_bytes(4, "little"))
+    conn, blocks = (_connect(spec, kind) for kind in (PLAN, BLOCKS))
     try:
         store = dist.TCPStore(spec.host, spec.store_port, spec.size, False, timeout=(
             datetime.timedelta(seconds=spec.config.tp_startup_timeout_s)))
@@ -244,7 +294,54 @@ def run_rank(spec: RankSpec) -> None:
     except BaseException as e:
         conn.send_bytes(f"{type(e).__name__}: {e}".encode())
         raise
+    server = threading.Thread(target=serve_blocks, args=(runner, blocks), daemon=True,
+                              name=f"mxserve-tp-rank{spec.rank}-blocks")
+    server.start()
     follow(runner, conn)
+    server.join(10)  # rank 0 closes both channels; the process exits with no thread left
+
+
+def _connect(spec: RankSpec, kind: int) -> Connection:
+    sock = socket.create_connection((spec.host, spec.channel_port),
+                                    timeout=spec.config.tp_startup_timeout_s)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    conn.send_bytes(spec.authkey + spec.rank.to_bytes(4, "little") + bytes([kind]))
+    return conn
+
+
+def serve_blocks(runner, conn: Connection) -> None:
+    """A rank's KV block channel: answer rank 0's reads ("R" + block ids -> "+" + this rank's
+    shard) and writes ("W" + block ids, then the shard -> "+") until an empty message or EOF.
+    A failure is answered "-" + what failed, and the channel goes on."""
+    from mxserve.worker.kv_transfer import BlockIO
+
+    io = BlockIO([c for pair in runner.kv_caches for c in pair])
+    while True:
+        try:
+            request = conn.recv_bytes()
+            if not request:
+                return
+            ids = _ids_of(request[1:])
+            try:
+                if request[:1] == b"R":
+                    answer = b"+" + io.read(ids)
+                else:
+                    io.write(ids, conn.recv_bytes())
+                    answer = b"+"
+            except Exception as e:  # (a bad block id: rank 0's transfer fails, not the rank)
+                answer = b"-" + f"{type(e).__name__}: {e}".encode()
+            conn.send_bytes(answer)
+        except (EOFError, OSError):
+            return  # rank 0 went away
+
+
+def _ids_bytes(block_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(block_ids)}q", *block_ids)
+
+
+def _ids_of(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 8}q", data))
 
 
 def follow(runner, conn: Connection) -> None:
@@ -264,25 +361,27 @@ def follow(runner, conn: Connection) -> None:
 
 
 def _accept(server: socket.socket, n: int, authkey: bytes, timeout_s: float
-            ) -> list[Connection]:
-    """The plan channels of ranks 1..n, in rank order, each proven by the group's key."""
+            ) -> tuple[list[Connection], list[Connection]]:
+    """The plan and KV block channels of ranks 1..n, each in rank order, each proven by the
+    group's key."""
     deadline = time.monotonic() + timeout_s
-    by_rank: dict[int, Connection] = {}
-    while len(by_rank) < n:
+    by_rank: dict[tuple[int, int], Connection] = {}
+    while len(by_rank) < 2 * n:
         server.settimeout(max(0.1, deadline - time.monotonic()))
         try:
             sock, _ = server.accept()
         except TimeoutError:
-            raise RankFailure(f"{n - len(by_rank)} tensor-parallel rank(s) did not connect "
-                              f"within {timeout_s:.0f} s") from None
+            raise RankFailure(f"{2 * n - len(by_rank)} tensor-parallel rank channel(s) did "
+                              f"not connect within {timeout_s:.0f} s") from None
         sock.settimeout(None)
         conn = Connection(sock.detach())
         hello = conn.recv_bytes() if conn.poll(5) else b""
-        if len(hello) != len(authkey) + 4 or not hmac.compare_digest(hello[:-4], authkey):
+        if len(hello) != len(authkey) + 5 or not hmac.compare_digest(hello[:-5], authkey) \
+                or hello[-1] not in (PLAN, BLOCKS):
             conn.close()  # not one of ours
             continue
-        by_rank[int.from_bytes(hello[-4:], "little")] = conn
-    return [by_rank[r] for r in range(1, n + 1)]
+        by_rank[int.from_bytes(hello[-5:-1], "little"), hello[-1]] = conn
+    return tuple([by_rank[r, kind] for r in range(1, n + 1)] for kind in (PLAN, BLOCKS))
 
 
 def _recv(conn: Connection, rank: int) -> bytes:

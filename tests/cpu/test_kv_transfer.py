@@ -25,6 +25,7 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
+    engine_block_io,
     engine_layout,
 )
 
@@ -92,6 +93,41 @@ def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(c
     receiver.engine.kv.check_integrity()
 
 
+@pytest.mark.parametrize("holder_tp, receiver_tp, kv_heads", [
+    (2, 1, 2), (1, 2, 2), (2, 2, 1)])  # (kv_heads 1: each rank holds the one head)
+def test_blocks_move_between_workers_of_any_tensor_parallel_size(tiny_checkpoint, holder_tp,
+                                                                 receiver_tp, kv_heads):
+    """The wire carries every KV head: a TP=2 worker's blocks (each rank's shard, gathered
+    over the ranks' block channels) serve a TP=1 worker and the other way round, and with one
+    KV head held by both ranks; greedy tokens equal a cold run's, the pulled blocks count as
+    cached, and both pools stay consistent."""
+    path = str(tiny_checkpoint("llama", num_key_value_heads=kv_heads))
+    with LLM(model=path, enable_prefix_caching=False, **ENGINE) as cold:
+        want = [o.token_ids for o in cold.generate(PROMPTS[1:], GREEDY)]
+    with LLM(model=path, tensor_parallel_size=holder_tp, **ENGINE) as holder, \
+            LLM(model=path, tensor_parallel_size=receiver_tp, **ENGINE) as receiver:
+        holder.generate(PROMPTS[:1], GREEDY)
+        (h_io, layout), (r_io, r_layout) = (engine_block_io(x.engine) for x in (holder,
+                                                                                receiver))
+        assert layout == r_layout and layout.num_kv_heads == kv_heads
+        hashes = receiver.engine.make_request(PROMPTS[1], GREEDY).block_hashes[:6]
+        h_port, r_port = KVPort(holder.engine.kv), KVPort(receiver.engine.kv)
+        pinned, reservation = h_port.pin(hashes), r_port.reserve(hashes, 6)
+        importer = Importer(r_io, r_layout, reservation)
+        importer.accept(layout, 6, layout.bytes_per_block)
+        for chunk in Exporter(h_io, layout, pinned, chunk_bytes=4 * layout.bytes_per_block
+                              ).chunks():
+            importer.add(*chunk)
+        importer.finish()
+        h_port.release(pinned)
+        r_port.commit(reservation, importer.close())
+        out = receiver.generate(PROMPTS[1:], GREEDY)
+        assert [o.token_ids for o in out] == want
+        assert [o.num_cached_tokens for o in out] == [96, 96]
+        _no_transfer_entries(holder)
+        _no_transfer_entries(receiver)
+
+
 def test_importer_checks_layout_order_size_and_checksum(ckpt):
     llm = LLM(model=ckpt, **ENGINE)
     port, io, layout = _parts(llm)
@@ -141,10 +177,11 @@ def test_pull_policy_compares_link_time_with_prefill_time():
 
 
 @contextlib.asynccontextmanager
-async def _workers(ckpt, **options):
-    """Two started Workers (holder, receiver), each serving its blocks on 127.0.0.1."""
+async def _workers(ckpt, tp: tuple[int, int] = (1, 1), **options):
+    """Two started Workers (holder, receiver), each serving its blocks on 127.0.0.1; tp: their
+    tensor-parallel sizes."""
     opts = TransferOptions(**{"secret": SECRET, "chunk_bytes": 20_000, **options})
-    llms = [LLM(model=ckpt, **ENGINE) for _ in range(2)]
+    llms = [LLM(model=ckpt, tensor_parallel_size=size, **ENGINE) for size in tp]
     workers = [Worker(llm.engine, max_queued_requests=8, worker_id=f"w{i}")
                for i, llm in enumerate(llms)]
     nodes = []
@@ -159,6 +196,8 @@ async def _workers(ckpt, **options):
             await node.stop()
         for w in workers:
             w.shutdown()
+        for llm in llms:
+            llm.shutdown()
 
 
 async def _generate(worker: Worker, prompt: list[int], source=None) -> tuple[list[int], int]:
@@ -394,10 +433,12 @@ def pb_generate(prompt: list[int], max_tokens: int, **sampling):
         sampling_params=mpb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
 
 
-def test_drain_hands_running_streams_to_the_peer_with_identical_output(ckpt):
+@pytest.mark.parametrize("tp", [(1, 1), (2, 1)])
+def test_drain_hands_running_streams_to_the_peer_with_identical_output(ckpt, tp):
     """Four streams (greedy and seeded sampling) run on one worker; it drains mid-stream. Each
     stream goes on on the other worker through the router: the tokens are the undisturbed
-    run's, none repeated or missing; the peer pulled the blocks; the drained pool is empty."""
+    run's, none repeated or missing; the peer pulled the blocks; the drained pool is empty.
+    (2, 1): a tensor-parallel worker drains to a single-rank one."""
     prompts = [_ids(40 + 9 * i, 20 + i) for i in range(4)]
     sampling = [dict(temperature=0.0), dict(temperature=0.0),
                 dict(temperature=0.9, seed=7), dict(temperature=0.8, top_p=0.9, seed=11)]
@@ -406,7 +447,7 @@ def test_drain_hands_running_streams_to_the_peer_with_identical_output(ckpt):
         SamplingParams(max_tokens=64, ignore_eos=True, **s) for s in sampling])]
 
     async def main():
-        async with _workers(ckpt) as ((a, b), (a_node, b_node)):
+        async with _workers(ckpt, tp) as ((a, b), (a_node, b_node)):
             workers = _LocalWorkers({"w0": a, "w1": b}, first="w0")
             router = _router(ckpt, workers)
             tasks = [asyncio.create_task(_routed(router, p, 64, **s))
