@@ -131,6 +131,10 @@ class KVTransfer(BaseModel):
     calibration_tokens: int = Field(512, ge=16)  # the start-up prefill the cost model times
     # the prefill rate the cost model assumes instead of timing one at start-up (tokens/s)
     prefill_tokens_per_s: float | None = Field(None, gt=0)
+    # what this worker's pulls ask for: "raw" (the cache's bytes) or MX-compressed payloads
+    # ("mxfp8": 8 bits a value, "mxfp6": 6, plus a scale per 32) for slow links; MX changes
+    # the pulled KV's numbers (bench/results/kv_transfer.md gives the effect)
+    encoding: Literal["raw", "mxfp8", "mxfp6"] = "raw"
 
     @model_validator(mode="after")
     def _check(self) -> KVTransfer:

@@ -32,6 +32,7 @@ from mxserve.proto import kv_transfer_pb2 as pb
 from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
 from mxserve.worker.async_engine import AsyncEngine
 from mxserve.worker.kv_transfer import (
+    ENCODINGS,
     BlockIO,
     Exporter,
     Importer,
@@ -39,9 +40,11 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
+    encodable,
     engine_block_io,
     leading_verified,
     split,
+    wire_bytes_per_block,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class TransferOptions:
     tls_cert: str | None = None  # PEM files: this worker's certificate and key, and the CA
     tls_key: str | None = None  # that signed every worker's (then mutual TLS)
     tls_ca: str | None = None
+    encoding: str = "raw"  # what this worker's pulls ask for (worker/kv_transfer.ENCODINGS)
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
@@ -116,10 +120,17 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             self.counts["refused"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block_hashes: need one or more of {_HASH_BYTES} bytes each")
+        encoding = request.encoding or "raw"
+        if encoding not in ENCODINGS or not encodable(self.layout, encoding):
+            self.counts["refused"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"encoding: {request.encoding!r} is not one of "
+                                f"{sorted(ENCODINGS)} this worker's blocks can take")
         return [int.from_bytes(h, "big") for h in request.block_hashes]
 
     async def Pull(self, request: pb.PullRequest, context) -> AsyncIterator[pb.KVMessage]:  # noqa: N802
         hashes = await self._check(request, context)
+        encoding = request.encoding or "raw"
         pinned = await self.engine.call(lambda engine: self.port.pin(hashes),
                                         self.port.release)
         self.num_active += 1
@@ -127,11 +138,11 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             num_blocks = len(pinned.block_ids) if pinned else 0
             yield pb.KVMessage(header=pb.KVHeader(
                 layout=layout_to_pb(self.layout), num_blocks=num_blocks,
-                bytes_per_block=self.layout.bytes_per_block))
+                bytes_per_block=wire_bytes_per_block(self.layout, encoding), encoding=encoding))
             if pinned is None:
                 return
             chunks = Exporter(self.io, self.layout, pinned, self.options.chunk_bytes,
-                              self.faults).chunks()
+                              self.faults, encoding).chunks()
             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                 if self.faults.get("delay_s"):
                     await asyncio.sleep(self.faults["delay_s"])
@@ -276,9 +287,12 @@ class KVPuller:
         num_blocks = len(reservation.block_ids)
         # several streams over one channel, over consecutive block ranges: one range is
         # gathered or scattered while another is on the wire
-        blocks_per_chunk = max(1, self.options.chunk_bytes // self.layout.bytes_per_block)
+        encoding = self.options.encoding
+        blocks_per_chunk = max(1, self.options.chunk_bytes
+                               // wire_bytes_per_block(self.layout, encoding))
         streams = split(self.io, self.layout, reservation,
-                        min(self.options.num_streams, -(-num_blocks // blocks_per_chunk)))
+                        min(self.options.num_streams, -(-num_blocks // blocks_per_chunk)),
+                        encoding)
         pull_s, _ = self.policy.estimate(address, num_blocks, self.layout)
         timeout = min(self.options.timeout_s, max(1.0, 4 * pull_s))
         start, failed = self.clock(), False
@@ -306,7 +320,8 @@ class KVPuller:
         hashes = [h.to_bytes(_HASH_BYTES, "big") for h in
                   reservation.block_hashes[lo:lo + importer.size]]
         stream = pb_grpc.KVTransferStub(self._channel(address)).Pull(
-            pb.PullRequest(layout=layout_to_pb(self.layout), block_hashes=hashes),
+            pb.PullRequest(layout=layout_to_pb(self.layout), block_hashes=hashes,
+                           encoding=importer.encoding),
             metadata=self._metadata)
         try:
             header = None
@@ -315,6 +330,9 @@ class KVPuller:
                     if not message.HasField("header"):
                         raise TransferError("order", "the stream did not start with a header")
                     header = message.header
+                    if (header.encoding or "raw") != importer.encoding:
+                        raise TransferError("layout", f"the peer sends {header.encoding!r}, "
+                                                      f"{importer.encoding!r} was asked")
                     importer.accept(layout_from_pb(header.layout), header.num_blocks,
                                     header.bytes_per_block)
                     continue
@@ -365,7 +383,11 @@ class KVNode:
         (io, layout), port_ = engine_block_io(engine), KVPort(engine.kv)
         service = KVTransferService(worker.async_engine, port_, io, layout, options)
         server, address = await start_server(service, host, port)
-        policy = PullPolicy(prefill_tokens_per_s, min_blocks=options.min_pull_blocks)
+        if options.encoding not in ENCODINGS or not encodable(layout, options.encoding):
+            raise ValueError(f"kv_transfer.encoding: {options.encoding!r} does not fit this "
+                             f"model's KV blocks (MX needs whole groups of 32 values)")
+        policy = PullPolicy(prefill_tokens_per_s, min_blocks=options.min_pull_blocks,
+                            encoding=options.encoding)
         puller = KVPuller(worker.async_engine, port_, io, layout, policy, options, address)
         worker.kv_puller = puller
         return cls(service, puller, server, address)

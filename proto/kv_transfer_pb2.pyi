@@ -25,22 +25,26 @@ class KVLayout(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("layout", "block_hashes")
+    __slots__ = ("layout", "block_hashes", "encoding")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    encoding: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("layout", "num_blocks", "bytes_per_block")
+    __slots__ = ("layout", "num_blocks", "bytes_per_block", "encoding")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     num_blocks: int
     bytes_per_block: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    encoding: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("first_block", "num_blocks", "payload", "checksum")

@@ -65,8 +65,8 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * _itemsize(self.dtype))
 
     def mismatch(self, other: KVLayout) -> str | None:
         """The first field on which the two differ (None: compatible)."""
@@ -80,6 +80,82 @@ class KVLayout:
 def checksum(payload: bytes) -> int:
     """XXH3-64: a transfer's integrity check, several times faster than CRC-32 on a CPU."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+# Payload encodings: "raw" sends the cache's own bytes; the MX ones (OCP microscaling, blocks
+# of 32 consecutive values of the canonical layout sharing one E8M0 scale, the "ceil" rule so
+# nothing clips) send 8 or 6 bits a value plus a scale byte per 32, for slow links. They change
+# the numbers, so they are off unless the receiver asks for one (TransferOptions.encoding).
+ENCODINGS = {"raw": None, "mxfp8": "e4m3", "mxfp6": "e2m3"}
+
+
+def wire_bytes_per_block(layout: KVLayout, encoding: str) -> int:
+    """Bytes a block takes on the wire in `encoding`."""
+    fmt = ENCODINGS[encoding]
+    if fmt is None:
+        return layout.bytes_per_block
+    from mxserve.kernels.mx import get_format
+
+    values = layout.bytes_per_block // _itemsize(layout.dtype)
+    return values * get_format(fmt).bits // 8 + values // 32
+
+
+def encodable(layout: KVLayout, encoding: str) -> bool:
+    """Whether a block of this layout splits into whole MX blocks (always for "raw")."""
+    return ENCODINGS[encoding] is None or \
+        (layout.bytes_per_block // _itemsize(layout.dtype)) % 32 == 0
+
+
+def encode(payload: bytes, dtype: str, encoding: str) -> bytes:
+    """The canonical bytes of whole blocks as `encoding`'s: MX element codes, then scales."""
+    fmt = ENCODINGS[encoding]
+    if fmt is None:
+        return payload
+    values = _tensor(payload, getattr(torch, dtype)).view(-1, 32)
+    if fmt == "e4m3":  # torch's float8_e4m3fn is OCP E4M3: a cast does the rounding
+        data, scales = _quantize_e4m3(values.float())
+    else:
+        from mxserve.kernels.mx import quantize_mx
+
+        mx = quantize_mx(values, fmt, scale_mode="ceil")
+        data, scales = mx.data, mx.scales
+    return data.numpy().tobytes() + scales.numpy().tobytes()
+
+
+def _quantize_e4m3(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.mx.quantize_mx(values, "e4m3", scale_mode="ceil"), bit for bit, in a few torch
+    passes: the smallest scale 2^s with amax <= 1.75 * 2^(8 + s) (amax = m * 2^e, m in
+    [0.5, 1): s = e - 9, one more when m > 0.875), then a round-to-nearest-even cast (nothing
+    exceeds the largest code, so nothing saturates)."""
+    mantissa, exponent = torch.frexp(values.abs().amax(-1, keepdim=True))
+    s = (exponent - 9 + (mantissa > 0.875).to(exponent.dtype)).clamp_(-127, 127)
+    codes = torch.ldexp(values, -s).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, (s + 127).to(torch.uint8)
+
+
+def decode(payload: bytes, dtype: str, encoding: str) -> bytes:
+    """`encode`'s inverse: the canonical bytes (in the cache dtype) the codes stand for."""
+    fmt = ENCODINGS[encoding]
+    if fmt is None:
+        return payload
+    from mxserve.kernels.mx import MXTensor, dequantize_mx, get_format
+
+    bits = get_format(fmt).bits
+    num_groups = len(payload) // (4 * bits + 1)  # 32 values of `bits` and a scale byte each
+    raw = _tensor(payload, torch.uint8)
+    data = raw[:num_groups * 4 * bits].view(num_groups, 4 * bits)
+    scales = raw[num_groups * 4 * bits:].view(num_groups, 1)
+    if fmt == "e4m3":  # exact in fp32: a code's value times a power of two
+        values = torch.ldexp(data.view(torch.float8_e4m3fn).float(), scales.int() - 127)
+        values = values.to(getattr(torch, dtype))
+    else:
+        values = dequantize_mx(MXTensor(data, scales, fmt, (num_groups, 32)),
+                               getattr(torch, dtype))
+    return values.view(torch.uint8).numpy().tobytes()
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 class BlockIO:
@@ -281,9 +357,9 @@ class Exporter:
     checksum is taken, {"truncate_after": i} stops after chunk i."""
 
     def __init__(self, io: BlockIO, layout: KVLayout, pinned: Pinned, chunk_bytes: int,
-                 faults: dict | None = None) -> None:
-        self.io, self.layout, self.pinned = io, layout, pinned
-        self.blocks_per_chunk = max(1, chunk_bytes // layout.bytes_per_block)
+                 faults: dict | None = None, encoding: str = "raw") -> None:
+        self.io, self.layout, self.pinned, self.encoding = io, layout, pinned, encoding
+        self.blocks_per_chunk = max(1, chunk_bytes // wire_bytes_per_block(layout, encoding))
         self.faults = faults or {}
 
     def chunks(self) -> Iterator[tuple[int, int, bytes, int]]:
@@ -293,7 +369,7 @@ class Exporter:
             if i > self.faults.get("truncate_after", len(ids)):
                 return
             block_ids = ids[first:first + self.blocks_per_chunk]
-            payload = self.io.read(block_ids)
+            payload = encode(self.io.read(block_ids), self.layout.dtype, self.encoding)
             digest = checksum(payload)
             if self.faults.get("corrupt_chunk") == i:
                 payload = bytes([payload[0] ^ 0x01]) + payload[1:]
@@ -327,6 +403,7 @@ class Importer:
     lo: int = 0
     hi: int | None = None  # None: to the reservation's end
     gate: WriteGate = field(default_factory=WriteGate)
+    encoding: str = "raw"  # the payload's (asked by the receiver)
     num_blocks: int = 0  # what the sender will send (its header)
     num_verified: int = 0
     num_bytes: int = 0
@@ -341,9 +418,10 @@ class Importer:
         if name is not None:
             raise TransferError("layout", f"the peer's {name} is {getattr(layout, name)!r}, "
                                           f"ours {getattr(self.layout, name)!r}")
-        if bytes_per_block != self.layout.bytes_per_block:
+        want = wire_bytes_per_block(self.layout, self.encoding)
+        if bytes_per_block != want:
             raise TransferError("layout", f"the peer sends {bytes_per_block} bytes a block, "
-                                          f"ours are {self.layout.bytes_per_block}")
+                                          f"{self.encoding} blocks of ours are {want}")
         if not 0 <= num_blocks <= self.size:
             raise TransferError("order", f"the peer sends {num_blocks} blocks, {self.size} "
                                          "were asked")
@@ -354,17 +432,18 @@ class Importer:
                 or first + num_blocks > self.num_blocks:
             raise TransferError("order", f"chunk of blocks {first}..{first + num_blocks} "
                                          f"after {self.num_verified} of {self.num_blocks}")
-        if len(payload) != num_blocks * self.layout.bytes_per_block:
+        if len(payload) != num_blocks * wire_bytes_per_block(self.layout, self.encoding):
             raise TransferError("truncated", f"chunk of {num_blocks} blocks has "
                                              f"{len(payload)} bytes")
         if checksum(payload) != digest:
             raise TransferError("checksum", f"blocks {first}..{first + num_blocks}: checksum "
                                             "mismatch")
         start = self.lo + first
+        values = decode(payload, self.layout.dtype, self.encoding)
         with self.gate.lock:
             if self.gate.closed:
                 raise TransferError("timeout", "the pull ended before this chunk was written")
-            self.io.write(self.reservation.block_ids[start:start + num_blocks], payload)
+            self.io.write(self.reservation.block_ids[start:start + num_blocks], values)
             self.num_verified += num_blocks
             self.num_bytes += len(payload)
 
@@ -379,14 +458,14 @@ class Importer:
                                              f"{self.num_blocks} blocks")
 
 
-def split(io: BlockIO, layout: KVLayout, reservation: Reservation, num_streams: int
-          ) -> list[Importer]:
+def split(io: BlockIO, layout: KVLayout, reservation: Reservation, num_streams: int,
+          encoding: str = "raw") -> list[Importer]:
     """One Importer per stream, over consecutive ranges of the reservation, sharing a gate."""
     n = len(reservation.block_ids)
     num_streams = max(1, min(num_streams, n))
     gate = WriteGate()
     bounds = [n * i // num_streams for i in range(num_streams + 1)]
-    return [Importer(io, layout, reservation, lo, hi, gate)
+    return [Importer(io, layout, reservation, lo, hi, gate, encoding)
             for lo, hi in zip(bounds, bounds[1:])]
 
 
@@ -414,12 +493,14 @@ class PullPolicy:
     min_blocks: int = 2  # fewer blocks are never worth a round trip
     latency_s: float = 0.002
     smoothing: float = 0.3
+    encoding: str = "raw"  # what pulls ask for: the bytes on the wire a block
     # peer -> seconds a byte (averaged as time, not rate, so one slow pull counts fully)
     links: dict[str, float] = field(default_factory=dict)
 
     def estimate(self, peer: str, num_blocks: int, layout: KVLayout) -> tuple[float, float]:
         """(seconds to pull, seconds to compute) for num_blocks blocks."""
-        pull = self.latency_s + num_blocks * layout.bytes_per_block * self.links[peer]
+        num_bytes = num_blocks * wire_bytes_per_block(layout, self.encoding)
+        pull = self.latency_s + num_bytes * self.links[peer]
         return pull, num_blocks * layout.block_size / self.prefill_tokens_per_s
 
     def should_pull(self, peer: str, num_blocks: int, layout: KVLayout) -> bool:

@@ -25,8 +25,11 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
+    decode,
+    encode,
     engine_block_io,
     engine_layout,
+    wire_bytes_per_block,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -274,6 +277,57 @@ def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, refe
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
+@pytest.mark.parametrize("encoding, bits", [("mxfp8", 8), ("mxfp6", 6)])
+def test_mx_encodings_are_the_mx_round_trip_of_the_blocks(encoding, bits):
+    """An MX payload is each 32 values' codes then the scales ("ceil" rule: nothing clips);
+    decoded, it is exactly the MX quantize-dequantize of the canonical bytes, in the cache's
+    dtype, and the wire carries bits / 8 + 1 / 32 bytes a value."""
+    from mxserve.kernels.mx import dequantize_mx, quantize_mx
+
+    layout = KVLayout("m", "bfloat16", 16, 2, 2, 64)
+    n = 3 * layout.bytes_per_block // 2  # three blocks of bf16 values
+    scale = torch.logspace(-3, 3, n // 32).repeat_interleave(32)  # a range per group of 32
+    values = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * scale).bfloat16()
+    values[:32] = 0  # a group of zeros
+    raw = values.view(torch.uint8).numpy().tobytes()
+    wire = encode(raw, "bfloat16", encoding)
+    assert len(wire) == 3 * wire_bytes_per_block(layout, encoding)
+    num_values = layout.bytes_per_block // 2
+    assert wire_bytes_per_block(layout, encoding) * 32 == num_values * (4 * bits + 1)
+    want = dequantize_mx(quantize_mx(values.view(-1, 32), ENCODING_FORMATS[encoding],
+                                     scale_mode="ceil"), torch.bfloat16)
+    assert decode(wire, "bfloat16", encoding) == want.view(torch.uint8).numpy().tobytes()
+    error = (want.view(-1).float() - values.float()).abs() / values.float().abs().clamp(min=1e-3)
+    assert error.median() < (0.07 if bits == 8 else 0.13)  # (3 mantissa bits; e2m3 less range)
+    assert encode(raw, "bfloat16", "raw") is raw and decode(raw, "bfloat16", "raw") is raw
+
+
+ENCODING_FORMATS = {"mxfp8": "e4m3", "mxfp6": "e2m3"}
+
+
+def test_a_pull_asking_for_mxfp8_imports_the_mx_round_trip_of_the_holders_blocks(ckpt):
+    """Both sides in fp32: the receiver's pulled blocks are exactly the holder's after MX
+    encoding and decoding, the wire carried about a quarter of the raw bytes, the blocks count
+    as cached and the request completes."""
+    async def main():
+        async with _workers(ckpt, encoding="mxfp8") as ((holder, receiver), (h_node, r_node)):
+            await _generate(holder, PROMPTS[0])
+            tokens, cached = await _generate(receiver, PROMPTS[1], _source(h_node))
+            assert len(tokens) == 12 and cached == 96
+            layout = r_node.puller.layout
+            assert r_node.puller.counts["ok"] == 1
+            assert r_node.puller.counts["bytes"] == 6 * wire_bytes_per_block(layout, "mxfp8")
+            assert 3.5 < layout.bytes_per_block / wire_bytes_per_block(layout, "mxfp8") < 4
+            hashes = receiver.engine.make_request(PROMPTS[1]).block_hashes[:6]
+            held = h_node.service.io.read(holder.engine.kv.lookup_prefix(hashes))
+            pulled = r_node.puller.io.read(receiver.engine.kv.lookup_prefix(hashes))
+            assert pulled != held
+            assert pulled == decode(encode(held, "float32", "mxfp8"), "float32", "mxfp8")
+            await asyncio.sleep(0.05)
+            _check_pools((holder, receiver))
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_the_transfer_port_refuses_bad_calls_with_a_clear_status(ckpt):
     async def call(node: KVNode, request: pb.PullRequest, secret: str | None = SECRET):
         async with grpc.aio.insecure_channel(node.address) as channel:
@@ -308,6 +362,9 @@ def test_the_transfer_port_refuses_bad_calls_with_a_clear_status(ckpt):
             code, details = await call(h_node, pb.PullRequest(
                 layout=layout_to_pb(layout), block_hashes=[b"short"]))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "block_hashes" in details
+            code, details = await call(h_node, pb.PullRequest(
+                layout=layout_to_pb(layout), block_hashes=hashes, encoding="zip"))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("encoding")
             huge = pb.PullRequest(layout=layout_to_pb(layout), block_hashes=[bytes(16)] * 9)
             huge.layout.model_id = "x" * (2 << 20)  # past the port's message cap
             assert (await call(h_node, huge))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
