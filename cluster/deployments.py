@@ -9,29 +9,26 @@ the worker replicas only, so a router replica's process loads no torch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 import ray
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mxserve.api.errors import ServeError, WorkerLostError
+from mxserve.api.errors import ServeError
 from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.grpc_proxy import publish_admission
+from mxserve.cluster.handles import DraftAddress, HandleWorkers
 from mxserve.cluster.logs import rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.proto import mxserve_pb2 as pb
@@ -45,7 +42,6 @@ WORKER, ROUTER, DRAFT = "Worker", "Router", "Draft"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 DRAFT_POLICY = "mxserve.cluster.autoscaling:DraftLoadPolicy"
-LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
 
 
 # The router logs every request in one line (router/ingress.py), so Serve's access log is off.
@@ -191,41 +187,6 @@ class WorkerDeployment:
             self.worker.shutdown()
 
 
-class DraftAddress:
-    """Where a worker's drafter (worker/draft_channel.RemoteDrafter) finds a draft replica:
-    answered at once with the address the last handle call gave. Each call (a connection being
-    made: the first, or one after a failure) asks for a fresh one in the background, and
-    `keep_fresh` asks every period_s, so a replica Serve has replaced is found within one retry
-    or period. The engine's thread never waits on Serve."""
-
-    def __init__(self, handle: DeploymentHandle, loop: asyncio.AbstractEventLoop,
-                 period_s: float = 2.0) -> None:
-        self.handle, self.loop, self.period_s = handle, loop, period_s
-        self.value: str | None = None
-        self._refreshing = False
-
-    async def keep_fresh(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            if not self._refreshing:
-                self._refreshing = True
-                await self.refresh(timeout_s=5 * self.period_s)
-
-    async def refresh(self, timeout_s: float = 60.0) -> None:
-        try:
-            self.value = await asyncio.wait_for(self.handle.address.remote(), timeout_s)
-        except Exception as e:  # no replica yet, or it died on the way
-            logger.warning("no draft replica address (%r); drafting resumes once one answers", e)
-        finally:
-            self._refreshing = False
-
-    def __call__(self) -> str | None:
-        if not self._refreshing:
-            self._refreshing = True
-            asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
-        return self.value
-
-
 @serve.deployment(name=DRAFT, logging_config=_LOGGING)
 class DraftDeployment:
     """A draft replica: the workers' EAGLE head (worker/draft_server.py) behind its socket
@@ -273,89 +234,6 @@ class DraftDeployment:
             self.service.close()
 
 
-@contextlib.contextmanager
-def _apart_from_its_caller():
-    """Handle calls made inside, with an internal request id of their own. Serve gives a call
-    made while serving a request that request's internal id, and its request router keys the
-    calls it is placing by that id: two calls at once for one request (a completion's batch of
-    prompts) would lose one, which then never reaches a worker."""
-    from ray.serve import context
-
-    current = context._get_serve_request_context()
-    token = context._serve_request_context.set(
-        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
-    try:
-        yield
-    finally:
-        context._serve_request_context.reset(token)
-
-
-class HandleWorkers:
-    """`router.ingress.Workers` over a Serve deployment handle."""
-
-    def __init__(self, handle: DeploymentHandle, app_name: str) -> None:
-        self.handle = handle.options(stream=True)
-        self.replica_prefix = f"SERVE_REPLICA::{app_name}#{WORKER}#"
-        # replica actor id (hex) -> worker id, to name the worker a lost stream was on: the
-        # error names the actor, and a dead actor's name can no longer be looked up
-        self.worker_ids: dict[str, str] = {}
-        self._listed_at = float("-inf")
-        self._listing: asyncio.Task | None = None
-
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, **hints) -> AsyncIterator[StepOutput]:
-        """Raises WorkerLostError, naming the worker, when the worker's replica died or stopped
-        answering under the stream: a SIGKILLed or lost replica's gRPC stream breaks with
-        ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
-        self._keep_listed()
-        with _apart_from_its_caller():
-            response = self.handle.generate.remote(prompt_token_ids, params, request_id,
-                                                   **hints)
-        finished = False
-        try:
-            async for out in response:
-                finished = out.finished
-                yield out
-        except (RayActorError, ActorUnavailableError) as e:
-            worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
-            raise WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
-                                  f"({type(e).__name__})", worker_id) from None
-        finally:
-            if not finished:  # closed early (cancel, deadline, stop string): abort there
-                response.cancel()
-
-    def _keep_listed(self, max_age_s: float = 5.0) -> None:
-        """Refresh `worker_ids` in the background when older than max_age_s (replicas come and
-        go only when Serve replaces or scales them)."""
-        if time.monotonic() - self._listed_at > max_age_s and (
-                self._listing is None or self._listing.done()):
-            self._listed_at = time.monotonic()
-            self._listing = asyncio.create_task(asyncio.to_thread(self._replica_actors))
-
-    async def loads(self) -> list[dict]:
-        """Ask every worker replica directly: a handle call would reach only one. Replicas are
-        Ray actors named SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace."""
-        actors = await asyncio.to_thread(self._replica_actors)
-        results = await asyncio.gather(
-            *(asyncio.wait_for(a.record_routing_stats.remote(), LOAD_TIMEOUT_S) for a in actors),
-            return_exceptions=True)  # a replica that does not answer in time is left out
-        return sorted((r for r in results if isinstance(r, dict) and r),
-                      key=lambda r: r["worker_id"])
-
-    def _replica_actors(self) -> list:  # blocking GCS calls: run off the event loop
-        names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-                 if n["namespace"] == "serve" and n["name"].startswith(self.replica_prefix)]
-        actors = []
-        for name in names:
-            try:
-                actor = ray.get_actor(name, namespace="serve")
-            except ValueError:  # gone since it was listed
-                continue
-            self.worker_ids[actor._actor_id.hex()] = name.removeprefix(self.replica_prefix)
-            actors.append(actor)
-        return actors
-
-
 @serve.deployment(name=ROUTER, logging_config=_LOGGING)
 class RouterDeployment:
     """The ingress: gRPC (method names are the proto's RPC names) and OpenAI's HTTP API
@@ -379,7 +257,7 @@ class RouterDeployment:
             await asyncio.to_thread(publish_admission, app_name, capacity,
                                     admission.retry_after_s)
 
-        self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name),
+        self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name, WORKER),
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)

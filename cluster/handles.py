@@ -1,0 +1,143 @@
+"""Deployment handles as the router and the workers use them: `HandleWorkers` (the router's
+`router.ingress.Workers` over the worker deployment's handle: streams, lost workers named,
+every replica's load report) and `DraftAddress` (where a worker's drafter finds a draft
+replica). Thin: Serve calls and their failure modes only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from mxserve.api.errors import WorkerLostError
+from mxserve.api.outputs import StepOutput
+from mxserve.api.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
+
+
+class DraftAddress:
+    """Where a worker's drafter (worker/draft_channel.RemoteDrafter) finds a draft replica:
+    answered at once with the address the last handle call gave. Each call (a connection being
+    made: the first, or one after a failure) asks for a fresh one in the background, and
+    `keep_fresh` asks every period_s, so a replica Serve has replaced is found within one retry
+    or period. The engine's thread never waits on Serve."""
+
+    def __init__(self, handle: DeploymentHandle, loop: asyncio.AbstractEventLoop,
+                 period_s: float = 2.0) -> None:
+        self.handle, self.loop, self.period_s = handle, loop, period_s
+        self.value: str | None = None
+        self._refreshing = False
+
+    async def keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            if not self._refreshing:
+                self._refreshing = True
+                await self.refresh(timeout_s=5 * self.period_s)
+
+    async def refresh(self, timeout_s: float = 60.0) -> None:
+        try:
+            self.value = await asyncio.wait_for(self.handle.address.remote(), timeout_s)
+        except Exception as e:  # no replica yet, or it died on the way
+            logger.warning("no draft replica address (%r); drafting resumes once one answers", e)
+        finally:
+            self._refreshing = False
+
+    def __call__(self) -> str | None:
+        if not self._refreshing:
+            self._refreshing = True
+            asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
+        return self.value
+
+
+@contextlib.contextmanager
+def _apart_from_its_caller():
+    """Handle calls made inside, with an internal request id of their own. Serve gives a call
+    made while serving a request that request's internal id, and its request router keys the
+    calls it is placing by that id: two calls at once for one request (a completion's batch of
+    prompts) would lose one, which then never reaches a worker."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    token = context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
+class HandleWorkers:
+    """`router.ingress.Workers` over a Serve deployment handle."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str, deployment: str) -> None:
+        self.handle = handle.options(stream=True)
+        self.replica_prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+        # replica actor id (hex) -> worker id, to name the worker a lost stream was on: the
+        # error names the actor, and a dead actor's name can no longer be looked up
+        self.worker_ids: dict[str, str] = {}
+        self._listed_at = float("-inf")
+        self._listing: asyncio.Task | None = None
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, **hints) -> AsyncIterator[StepOutput]:
+        """Raises WorkerLostError, naming the worker, when the worker's replica died or stopped
+        answering under the stream: a SIGKILLed or lost replica's gRPC stream breaks with
+        ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
+        self._keep_listed()
+        with _apart_from_its_caller():
+            response = self.handle.generate.remote(prompt_token_ids, params, request_id,
+                                                   **hints)
+        finished = False
+        try:
+            async for out in response:
+                finished = out.finished
+                yield out
+        except (RayActorError, ActorUnavailableError) as e:
+            worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
+            raise WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
+                                  f"({type(e).__name__})", worker_id) from None
+        finally:
+            if not finished:  # closed early (cancel, deadline, stop string): abort there
+                response.cancel()
+
+    def _keep_listed(self, max_age_s: float = 5.0) -> None:
+        """Refresh `worker_ids` in the background when older than max_age_s (replicas come and
+        go only when Serve replaces or scales them)."""
+        if time.monotonic() - self._listed_at > max_age_s and (
+                self._listing is None or self._listing.done()):
+            self._listed_at = time.monotonic()
+            self._listing = asyncio.create_task(asyncio.to_thread(self._replica_actors))
+
+    async def loads(self) -> list[dict]:
+        """Ask every worker replica directly: a handle call would reach only one. Replicas are
+        Ray actors named SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace."""
+        actors = await asyncio.to_thread(self._replica_actors)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.record_routing_stats.remote(), LOAD_TIMEOUT_S) for a in actors),
+            return_exceptions=True)  # a replica that does not answer in time is left out
+        return sorted((r for r in results if isinstance(r, dict) and r),
+                      key=lambda r: r["worker_id"])
+
+    def _replica_actors(self) -> list:  # blocking GCS calls: run off the event loop
+        names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                 if n["namespace"] == "serve" and n["name"].startswith(self.replica_prefix)]
+        actors = []
+        for name in names:
+            try:
+                actor = ray.get_actor(name, namespace="serve")
+            except ValueError:  # gone since it was listed
+                continue
+            self.worker_ids[actor._actor_id.hex()] = name.removeprefix(self.replica_prefix)
+            actors.append(actor)
+        return actors
