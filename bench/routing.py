@@ -22,9 +22,9 @@ after another in this run:
 - prefix: mxserve's router (cached prefix tokens from the Redis index minus the work queued);
 - round_robin: each request to the next worker;
 - power_of_two: Ray Serve's default (the less loaded of two random workers).
-`--rounds N` serves it all N times, the policies' order reversed every other round (whichever
-goes first on a fresh Ray pays its warm-up), and pools the rounds: the spread between rounds is
-the run's noise.
+`--rounds N` serves it all N times, the policies' order reversed every other round, and pools
+the rounds: the spread between rounds is the run's noise. `--warmup-requests N` first serves N
+requests unmeasured (whichever policy went first on a fresh Ray paid for its warm-up).
 
 Reported per workload and policy: prefix-cache hit rate (cached prompt tokens / prompt tokens,
 from each response's usage), TTFT p50/p99 (send -> first token), end-to-end latency p50/p99,
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -99,6 +100,17 @@ def serve_policies(args, loads) -> dict:
     out = {}
     with LocalRedis() as redis:
         base = base_config(args, redis.url)
+        if args.warmup_requests:  # a fresh Ray's first app pays for warming up: not measured
+            warm = dataclasses.replace(loads[0], prompts=loads[0].prompts[:args.warmup_requests],
+                                       arrivals=None if loads[0].arrivals is None else
+                                       loads[0].arrivals[:args.warmup_requests])
+            config = base.model_copy(update=dict(app_name="bench-warmup",
+                                                 route_prefix="/bench-warmup"))
+            deploy(config)
+            wait_for_grpc(config)
+            print(f"warm-up: {len(warm.prompts)} requests ...", flush=True)
+            asyncio.run(replay(config.grpc_port, config.app_name, warm, args.max_tokens))
+            serve.delete(config.app_name)
         for workload in loads:
             records: dict[str, list[list[dict]]] = {p: [] for p in args.policies}
             counts: dict[str, list[list[int]]] = {p: [] for p in args.policies}
@@ -301,6 +313,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=320)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-requests", type=int, default=0,
+                        help="first serve this many of the first workload's requests, "
+                             "unmeasured (a fresh Ray's first app pays for warming up)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="serve each workload this many times per policy, the policies' "
                              "order reversed every other round; pooled results (spread shown)")
