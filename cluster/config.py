@@ -133,7 +133,7 @@ class KVTransfer(BaseModel):
     prefill_tokens_per_s: float | None = Field(None, gt=0)
     # what this worker's pulls ask for: "raw" (the cache's bytes) or MX-compressed payloads
     # ("mxfp8": 8 bits a value, "mxfp6": 6, plus a scale per 32) for slow links; MX changes
-    # the pulled KV's numbers (bench/results/kv_transfer.md gives the effect)
+    # the pulled KV's numbers (bench/results/kv_transfer_mx.md gives the effect)
     encoding: Literal["raw", "mxfp8", "mxfp6"] = "raw"
 
     @model_validator(mode="after")

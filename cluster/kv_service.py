@@ -121,7 +121,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"block_hashes: need one or more of {_HASH_BYTES} bytes each")
         encoding = request.encoding or "raw"
-        if encoding not in ENCODINGS or not encodable(self.layout, encoding):
+        if not encodable(self.layout, encoding):
             self.counts["refused"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"encoding: {request.encoding!r} is not one of "
@@ -381,11 +381,11 @@ class KVNode:
         pull from peers. prefill_tokens_per_s: `measure_prefill_rate`'s, before it started."""
         engine = worker.engine
         (io, layout), port_ = engine_block_io(engine), KVPort(engine.kv)
-        service = KVTransferService(worker.async_engine, port_, io, layout, options)
-        server, address = await start_server(service, host, port)
-        if options.encoding not in ENCODINGS or not encodable(layout, options.encoding):
+        if not encodable(layout, options.encoding):
             raise ValueError(f"kv_transfer.encoding: {options.encoding!r} does not fit this "
                              f"model's KV blocks (MX needs whole groups of 32 values)")
+        service = KVTransferService(worker.async_engine, port_, io, layout, options)
+        server, address = await start_server(service, host, port)
         policy = PullPolicy(prefill_tokens_per_s, min_blocks=options.min_pull_blocks,
                             encoding=options.encoding)
         puller = KVPuller(worker.async_engine, port_, io, layout, policy, options, address)

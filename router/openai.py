@@ -260,14 +260,14 @@ class _EventStream(StreamingResponse):
     iterator unstarted, and one gone while a chunk is being sent leaves it suspended."""
 
     def __init__(self, events: AsyncIterator[str], streams: Opened) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._events, self._streams = events, streams
+        super().__init__(events, media_type="text/event-stream")  # (body_iterator = events)
+        self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._events.aclose()
+            await self.body_iterator.aclose()
             for _, stream in self._streams:
                 await stream.aclose()
 

@@ -101,7 +101,10 @@ def wire_bytes_per_block(layout: KVLayout, encoding: str) -> int:
 
 
 def encodable(layout: KVLayout, encoding: str) -> bool:
-    """Whether a block of this layout splits into whole MX blocks (always for "raw")."""
+    """Whether `encoding` is one of ENCODINGS that blocks of this layout can take (MX: whole
+    groups of 32 values)."""
+    if encoding not in ENCODINGS:
+        return False
     return ENCODINGS[encoding] is None or \
         (layout.bytes_per_block // _itemsize(layout.dtype)) % 32 == 0
 

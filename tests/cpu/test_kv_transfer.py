@@ -305,6 +305,20 @@ def test_mx_encodings_are_the_mx_round_trip_of_the_blocks(encoding, bits):
 ENCODING_FORMATS = {"mxfp8": "e4m3", "mxfp6": "e2m3"}
 
 
+def test_a_worker_asking_for_an_unknown_encoding_does_not_start_its_port(ckpt):
+    async def main():
+        worker = Worker(LLM(model=ckpt, **ENGINE).engine, 8, "w")
+        worker.start()
+        try:
+            with pytest.raises(ValueError, match="kv_transfer.encoding"):
+                await KVNode.start(worker, TransferOptions(secret=SECRET, encoding="zip"),
+                                   "127.0.0.1", prefill_tokens_per_s=10.0)
+            assert worker.kv_puller is None
+        finally:
+            worker.shutdown()
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_a_pull_asking_for_mxfp8_imports_the_mx_round_trip_of_the_holders_blocks(ckpt):
     """Both sides in fp32: the receiver's pulled blocks are exactly the holder's after MX
     encoding and decoding, the wire carried about a quarter of the raw bytes, the blocks count
