@@ -12,6 +12,8 @@ bench/mx_quality.py reads them), under budgets of 10%, 20% and 50% of 2,048 toke
 Capacity, one pool of 512 blocks (4 requests of 2,048 tokens at full length): 16 requests of
 1,792 prompt + 256 output tokens, at once; the most running together, preemptions, output tok/s,
 with a 20% H2O budget vs the full cache (which preempts when the pool runs out).
+With `--fit`: the most such requests that run together to the end with no preemption (N that
+fits, N + 1 that does not), each policy; `--capacity-requests` bounds the search.
 
 Targets (issue 25): at 20%, H2O perplexity within 10% of the full cache's and below
 StreamingLLM's; >= 4x the concurrent 2k-token requests with a 20% budget.
@@ -119,6 +121,9 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/h2o.json")
     p.add_argument("--capacity-only", action="store_true",
                    help="only the capacity section, into --out (e.g. h2o.capacity32.json)")
+    p.add_argument("--fit", action="store_true",
+                   help="the most requests each policy runs at once without a preemption, "
+                        "into --out (e.g. h2o.fit.json)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -126,6 +131,9 @@ def main() -> None:
     ids = kjv_tokens(full.engine.tokenizer, PASSAGE * max(args.passages, args.capacity_requests))
     if args.capacity_only:
         capacity_only(args, ids, t0)
+        return
+    if args.fit:
+        fit_only(args, ids, t0)
         return
     passages = [ids[i * PASSAGE:(i + 1) * PASSAGE] for i in range(args.passages)]
     configs = [(None, None)] + [(pol, f) for f in BUDGETS for pol in ("h2o", "streaming")]
@@ -221,6 +229,76 @@ def capacity_only(args, ids: list[int], t0: float) -> None:
           "most running at once | preemptions | output tok/s | seconds |\n|---|---|---|---|---|\n"
           + rows + f"\n\nConcurrency {result['concurrency_ratio']}x, output tok/s "
           f"{result['output_tok_s_ratio']}x. Targets: {result['targets_met']}\n")
+    write_result(args.out, result, md)
+    print(md)
+
+
+def largest_fit(policy: str | None, threads: int, prompts, guess: int) -> tuple[dict, dict]:
+    """(the run of the most requests that all ran at once and finished with no preemption,
+    the run of one more), searched up or down from `guess`."""
+    def run(n: int) -> dict:
+        row = capacity(policy, threads, n, prompts)
+        row["requests"] = n
+        print(row, flush=True)
+        return row
+
+    def fits(row: dict) -> bool:
+        return row["preemptions"] == 0 and row["peak_running"] == row["requests"]
+
+    n, row = guess, run(guess)
+    if fits(row):
+        while True:
+            over = run(n + 1)
+            if not fits(over):
+                return row, over
+            n, row = n + 1, over
+    while n > 1:
+        under = run(n - 1)
+        if fits(under):
+            return under, row
+        n, row = n - 1, under
+    raise RuntimeError(f"{policy or 'full'}: not even one request fits")
+
+
+def fit_only(args, ids: list[int], t0: float) -> None:
+    """How many 2k-token requests fit at once in 512 blocks, full cache vs H2O at 20%: the most
+    that run together to the end with no preemption (the steady fit), found by running N and
+    N + 1. The guess is the pool over each request's peak blocks: 2,048 tokens are 128 blocks;
+    a 20% budget (410 tokens) is 26 blocks plus the block being written."""
+    block, pool = 16, 512
+    prompts = [ids[i * PASSAGE:i * PASSAGE + PASSAGE - args.generate]
+               for i in range(args.capacity_requests)]  # at least one more than fits
+    guesses = {None: pool // math.ceil(PASSAGE / block),
+               "h2o": pool // (math.ceil(round(0.2 * PASSAGE) / block) + 1)}
+    rows = {}
+    for policy, guess in guesses.items():
+        fit, over = largest_fit(policy, args.threads, prompts, guess)
+        rows[policy or "full"] = dict(fits=fit, one_more=over)
+    ratio = rows["h2o"]["fits"]["requests"] / rows["full"]["fits"]["requests"]
+    command = "python " + " ".join(sys.argv)
+    result = dict(benchmark="h2o fit", device=platform.processor() or platform.machine(),
+                  cpus=os.cpu_count(), date=datetime.datetime.now(datetime.UTC).isoformat(),
+                  commit=head_commit(), versions=dict(torch=torch.__version__,
+                                                      python=platform.python_version()),
+                  command=command, pool_blocks=pool, block_size=block, runs=rows,
+                  concurrency_ratio=round(ratio, 2), seconds=round(time.perf_counter() - t0),
+                  targets_met={"concurrent_2k_requests_4x_at_20pct": ratio >= 4.0})
+    lines = []
+    for policy, r in rows.items():
+        for label in ("fits", "one_more"):
+            x = r[label]
+            lines.append(f"| {policy} | {x['requests']} | {x['peak_running']} | "
+                         f"{x['preemptions']} | {x['output_tok_s']} | {x['seconds']} |")
+    md = (f"# h2o fit ({result['device']}, {result['cpus']} cores, {result['date'][:10]}, "
+          f"{result['commit']})\n\n`{command}`: N requests of {PASSAGE - args.generate} + "
+          f"{args.generate} tokens at once on {pool} blocks of {block} tokens, SmolLM2-135M-"
+          "Instruct fp32, the full cache vs H2O at a 20% budget; for each, the most requests "
+          "that ran together to the end with no preemption, and one more.\n\n| policy | "
+          "requests | most running at once | preemptions | output tok/s | seconds |\n"
+          "|---|---|---|---|---|---|\n" + "\n".join(lines)
+          + f"\n\nFit: full {rows['full']['fits']['requests']}, H2O "
+          f"{rows['h2o']['fits']['requests']}: {result['concurrency_ratio']}x. "
+          f"Targets: {result['targets_met']}\n")
     write_result(args.out, result, md)
     print(md)
 
