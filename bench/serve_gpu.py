@@ -116,6 +116,17 @@ def record(start: float, times: list[float], tokens: int, messages: int) -> dict
             "end": times[-1]}
 
 
+def loop_delta(before: dict, after: dict) -> dict:
+    """The engine loop thread over a run (AsyncEngine.loop_stats): steps, and a step's wall
+    and CPU time in ms. Wall well over CPU (beyond the device's share) is waiting for the GIL."""
+    steps = after["num_steps"] - before["num_steps"]
+    wall = after["step_wall_s"] - before["step_wall_s"]
+    cpu = after["step_cpu_s"] - before["step_cpu_s"]
+    return {"num_steps": steps, "step_wall_ms": round(1e3 * wall / max(1, steps), 3),
+            "step_cpu_ms": round(1e3 * cpu / max(1, steps), 3), "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3)}
+
+
 def sequential(records: list[dict]) -> dict:
     """Requests sent one after another: the wall time is the sum of theirs."""
     return summarize(records, sum(r["end"] - r["start"] for r in records))
@@ -133,7 +144,9 @@ def run_inproc(args, model: str, mix, b1, warm) -> dict:
     # the measured loop (an 8-request warm-up left the loop's rate anywhere in 18-31k tok/s)
     run_mix(SimpleNamespace(engine=raw), *warm)
     raw.kv.reset_prefix_cache()
+    cpu = time.thread_time()
     engine_mix = run_mix(SimpleNamespace(engine=raw), *mix)  # engine.step() in a loop
+    engine_mix["cpu_s"] = time.thread_time() - cpu
     raw.kv.reset_prefix_cache()  # the streamed runs start as cold as the served one
     engine = AsyncEngine(raw)
     engine.start()
@@ -150,11 +163,12 @@ def run_inproc(args, model: str, mix, b1, warm) -> dict:
 
     async def main() -> dict:
         await asyncio.gather(*(one(p, 8) for p in mix[0][:8]))  # warm-up
-        start = time.perf_counter()
+        before, start = engine.loop_stats(), time.perf_counter()
         records = await asyncio.gather(*(one(p, k) for p, k in zip(*mix)))
         out = {"engine_mix": {k: engine_mix[k] for k in (
-            "output_tok_s", "wall_s", "num_steps", "ttft_ms_p50", "tpot_ms_p50")},
+            "output_tok_s", "wall_s", "num_steps", "ttft_ms_p50", "tpot_ms_p50", "cpu_s")},
             "mix": summarize(records, time.perf_counter() - start)}
+        out["mix"]["engine_loop"] = loop_delta(before, engine.loop_stats())
         b1_records = [await one(p, k) for p, k in zip(*b1)]
         out["batch1"] = sequential(b1_records)
         return out
@@ -209,8 +223,10 @@ def client_process(port: int, app: str, jobs: list, barrier, results) -> None:
 
 def run_served(args, model: str, mix, b1, warm) -> dict:
     import ray
+    from ray import serve
 
     from mxserve.cluster.config import Resources, ServeConfig
+    from mxserve.cluster.deployments import WORKER
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
     from mxserve.cluster.redis_server import free_port
 
@@ -230,15 +246,19 @@ def run_served(args, model: str, mix, b1, warm) -> dict:
         deploy(config)
         wait_for_grpc(config)
         load(config, list(zip(*warm)), args.clients, raw=True)  # the in-process warm-up
+        worker = serve.get_deployment_handle(WORKER, config.app_name)
+        before = worker.audit.remote().result()
         out = {"mix": load(config, list(zip(*mix)), args.clients)}
+        after = worker.audit.remote().result()
+        out["mix"]["engine_loop"] = loop_delta(before["engine_loop"], after["engine_loop"])
+        out["mix"]["worker_process_cpu_s"] = round(
+            after["process_cpu_s"] - before["process_cpu_s"], 3)
         b1_records = []
         for job in zip(*b1):  # one client, one request at a time
             b1_records += load(config, [job], 1, raw=True)
         out["batch1"] = sequential(b1_records)
         return out
     finally:
-        from ray import serve
-
         serve.shutdown()
         ray.shutdown()
 
@@ -287,11 +307,23 @@ def markdown(result: dict) -> str:
     mix = {k: result[p][m]["output_tok_s"] for k, p, m in (
         ("engine", "inproc", "engine_mix"), ("stream", "inproc", "mix"),
         ("served", "served", "mix"))}
+    em = result["inproc"]["engine_mix"]
+    loops = [("engine loop", em["num_steps"], 1e3 * em["wall_s"] / em["num_steps"],
+              1e3 * em["cpu_s"] / em["num_steps"], None)]
+    for path in ("inproc", "served"):
+        lp = result[path]["mix"]["engine_loop"]
+        loops.append((f"{path} streams", lp["num_steps"], lp["step_wall_ms"], lp["step_cpu_ms"],
+                      result[path]["mix"].get("worker_process_cpu_s")))
+    loop_rows = ["| mix | engine steps | step wall ms | engine thread CPU ms a step | worker "
+                 "process CPU s |", "|---|---|---|---|---|"] + [
+        f"| {name} | {n} | {wall:.3f} | {cpu:.3f} | {'' if proc is None else proc} |"
+        for name, n, wall, cpu, proc in loops]
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
             f"{result['num_requests']} requests, {result['clients']} client processes, "
             f"{result['routers']} router(s).\n\n"
-            + "\n".join(rows) + f"\n\nMix output tok/s: the engine stepped in a loop "
+            + "\n".join(rows) + "\n\n" + "\n".join(loop_rows)
+            + "\n\nMix output tok/s: the engine stepped in a loop "
             f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
             f"served {mix['served']:.0f} ({mix['served'] / mix['engine']:.2f} of the engine's). "
             f"Targets: {json.dumps(result['targets_met'])}\n")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -207,7 +208,9 @@ class Worker:
         return dict(state, worker_id=self.worker_id, in_flight=self.num_in_flight,
                     streams=self.async_engine.num_streams,
                     prefill_tokens_pending=self.num_prefill_tokens_pending,
-                    tasks=len(asyncio.all_tasks()), rss_bytes=rss_bytes())
+                    tasks=len(asyncio.all_tasks()), rss_bytes=rss_bytes(),
+                    engine_loop=self.async_engine.loop_stats(),
+                    process_cpu_s=sum(os.times()[:2]))
 
     def check_health(self) -> None:
         """Raise when this worker can serve no more (Serve then replaces the replica, and the

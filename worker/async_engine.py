@@ -56,6 +56,10 @@ class AsyncEngine:
         # time.monotonic() when the loop thread last finished a step or found nothing to do:
         # with work pending and this old, the engine is wedged (`stalled_s`)
         self.progress_at = time.monotonic()
+        # The loop thread's steps so far: how many, their wall time and the thread's CPU time
+        # in them (each step with its hand-over of outputs). Wall well over CPU plus the
+        # device's time is the thread waiting for the GIL (`loop_stats`).
+        self.num_steps, self.step_wall_s, self.step_cpu_s = 0, 0.0, 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -79,6 +83,11 @@ class AsyncEngine:
         if not self.engine.has_unfinished_requests():
             return 0.0
         return max(0.0, time.monotonic() - self.progress_at)
+
+    def loop_stats(self) -> dict:
+        """The loop thread's steps so far (see __init__); read from any thread."""
+        return dict(num_steps=self.num_steps, step_wall_s=self.step_wall_s,
+                    step_cpu_s=self.step_cpu_s)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -187,6 +196,7 @@ class AsyncEngine:
             self._drain_commands(block=idle)
             if self.fatal is not None or not self.engine.has_unfinished_requests():
                 continue
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # fail every stream; keep the thread alive for aborts
@@ -195,6 +205,9 @@ class AsyncEngine:
             self.progress_at = time.monotonic()
             self._flush_kv_events()
             self._deliver_all(outputs)
+            self.num_steps += 1
+            self.step_wall_s += time.perf_counter() - wall
+            self.step_cpu_s += time.thread_time() - cpu
 
     def _drain_commands(self, block: bool) -> None:
         try:
