@@ -24,7 +24,7 @@ from mxserve.api.errors import (
     ServeError,
     UnavailableError,
 )
-from mxserve.api.outputs import ResumeState, StepOutput, merge_outputs
+from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.logs import rss_bytes
 from mxserve.worker import migration
@@ -41,7 +41,7 @@ class Worker:
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, tokens_per_wake=self.tokens_per_message)
         self.capacity = engine.config.max_num_seqs + max_queued_requests
         self.worker_id, self.node_id = worker_id, node_id
         # work pending and no step finished for this long: the engine is wedged (check_health)
@@ -64,9 +64,10 @@ class Worker:
         self.draining = False
         self.num_migrated_out = 0  # requests handed back by drain()
         self.num_resumed = 0  # requests resumed here from another worker
-        # Under load a stream's tokens go out several to a message (cluster/config.Streaming):
-        # each message costs the same Python work at every hop (worker -> router -> proxy),
-        # which on a GPU is more than a decode step's share per token
+        # Under load a stream's tokens go out several to a message (cluster/config.Streaming;
+        # the engine stream wakes its consumer only once they are due): each message costs the
+        # same Python work at every hop (worker -> router -> proxy), and each wake-up of a
+        # stream's task the worker's event loop, which shares the GIL with the engine thread
         # (bench/results/serve_gpu.md); a lone stream still gets every token at once.
         self.streams_per_token = streams_per_token
         self.max_tokens_per_message = max_tokens_per_message
@@ -130,11 +131,9 @@ class Worker:
         self.num_requests_total += 1
         self.num_prefill_tokens_pending += pending
         first, finished, counted = True, False, True
-        held: StepOutput | None = None  # tokens not sent yet (coalesced under load)
         try:  # (closed with this stream, not when collected: the abort goes out at once)
             async with contextlib.aclosing(self.async_engine.stream(request)) as stream:
                 async for out in stream:
-                    sent_first = not first
                     finished = out.finished
                     if finished:  # counted out before its last output leaves: a router
                         self.num_in_flight -= 1  # admitting the next one finds room here
@@ -149,11 +148,7 @@ class Worker:
                         self.num_drafts += out.num_drafts
                         self.num_draft_tokens += out.num_draft_tokens
                         self.num_accepted_tokens += out.num_accepted_tokens
-                    held = out if held is None else merge_outputs(held, out)
-                    if not sent_first or out.finished or out.finish_reason or \
-                            len(held.new_token_ids) >= self.tokens_per_message():
-                        yield held
-                        held = None
+                    yield out
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted
             raise ServeError.invalid(e) from None
@@ -165,9 +160,9 @@ class Worker:
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
 
-    def tokens_per_message(self) -> int:
-        """How many tokens a stream's message carries now (see __init__)."""
-        num_streams = self.async_engine.num_streams
+    def tokens_per_message(self, num_streams: int) -> int:
+        """How many tokens a stream's message carries with num_streams open (see __init__);
+        called on the engine thread."""
         return max(1, min(self.max_tokens_per_message, num_streams // self.streams_per_token))
 
     async def drain(self) -> int:

@@ -1,18 +1,25 @@
 """Drives an Engine from a background thread and streams each request's outputs to asyncio.
 
 The engine is single-threaded: only the loop thread touches it. Callers on the event loop hand
-it new requests and aborts through a command queue, and get per-request `asyncio.Queue`s that the
-loop thread fills with `StepOutput`s via `call_soon_threadsafe`. The KV cache's events (for the
-global prefix index) leave the loop thread the same way, through a sink (`watch_kv_events`).
+it new requests and aborts through a command queue. Each request's outputs go to its stream
+(`_Stream`): the loop thread appends them and wakes the consumer (one `call_soon_threadsafe` per
+event loop per step, for every stream woken) when a message is due; the consumer takes all
+that piled up as one (`merge_outputs`). The KV cache's events (for the global prefix index)
+leave the loop thread through a sink (`watch_kv_events`).
 
-A consumer slower than the engine (a Serve stream, a gRPC client) gets the outputs that piled
-up since it last took one merged into one (`merge_outputs`): the number of messages follows
-what the consumer can take, not the engine's step rate, and no token is delayed.
+When a message is due: by default at every output, so a consumer slower than the engine (a
+Serve stream, a gRPC client) gets what piled up merged, and no token is delayed. With
+`tokens_per_wake` (the Worker's streaming policy) a stream is woken once that many tokens are
+due, and always for its first output, its last and an error: under load each wake-up of a
+consumer task costs the event loop more than a step's share per token, and the event loop
+holds the GIL the loop thread steps with (bench/results/serve_gpu.md). vLLM's
+`--stream-interval` is the same trade.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -42,11 +49,37 @@ class KVSnapshot:
 KVSink = Callable[[list[KVEvent] | KVSnapshot], None]
 
 
+class _Stream:
+    """A request's outputs (or the error that ends it) on their way to its consumer: the loop
+    thread gathers them in `pending` until a message is due, then moves them to `items` (a
+    deque: safe across the two threads) and sets `ready` on the consumer's loop; the consumer
+    takes everything in `items` as one message."""
+
+    __slots__ = ("loop", "items", "ready", "pending", "tokens_due", "woken")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.ready = asyncio.Event()
+        self.pending: list = []  # not due yet (loop thread only)
+        self.tokens_due = 0  # tokens in `pending` (loop thread only)
+        self.woken = False  # woken at least once (loop thread only)
+
+    def hand_over(self) -> None:
+        """Move what is pending to the consumer's side (loop thread); the caller wakes it."""
+        self.items.extend(self.pending)
+        self.pending, self.tokens_due, self.woken = [], 0, True
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine,
+                 tokens_per_wake: Callable[[int], int] | None = None) -> None:
+        """tokens_per_wake(number of streams) -> how many tokens a stream's wake-up waits for
+        (the module's docstring); None: every output wakes its stream."""
         self.engine = engine
+        self.tokens_per_wake = tokens_per_wake
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Why the engine can step no more (a tensor-parallel rank failed), once it can't:
@@ -113,17 +146,21 @@ class AsyncEngine:
         if rid in self._streams:
             from mxserve.api.errors import InvalidRequestError
             raise InvalidRequestError("request_id", f"{rid!r} is already running")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), stream)
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[rid] = stream
         self._commands.put(("add", request))
         finished, error = False, None
         try:
             while not finished:
-                item = await stream.get()
+                await stream.ready.wait()
+                stream.ready.clear()
+                if not stream.items:  # taken with an earlier wake-up
+                    continue
+                item = stream.items.popleft()
                 if isinstance(item, BaseException):
                     raise item
-                while not item.finished and not stream.empty():  # piled up: one message
-                    later = stream.get_nowait()
+                while not item.finished and stream.items:  # piled up: one message
+                    later = stream.items.popleft()
                     if isinstance(later, BaseException):
                         error = later  # after what came before it
                         break
@@ -257,23 +294,32 @@ class AsyncEngine:
                 self._kv_sink(events)
 
     def _deliver(self, request_id: str, item: object) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        """One output or error for a stream, its consumer woken at once."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.pending.append(item)
+            stream.hand_over()
+            stream.loop.call_soon_threadsafe(stream.ready.set)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
-        """A step's outputs, one hand-over per event loop. A call_soon_threadsafe per output
-        (a wake-up of the loop each, and the loop thread contending for the GIL) cost the
-        engine thread milliseconds a step at large batches (bench/results/host_overhead.md,
-        "deliver")."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """A step's outputs, the streams a message is due for woken with one hand-over per
+        event loop. A call_soon_threadsafe per output (a wake-up of the loop each, and the loop
+        thread contending for the GIL) cost the engine thread milliseconds a step at large
+        batches (bench/results/host_overhead.md, "deliver")."""
+        due = 1 if self.tokens_per_wake is None else self.tokens_per_wake(len(self._streams))
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
         for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.pending.append(out)
+            stream.tokens_due += len(out.new_token_ids)
+            if stream.tokens_due >= due or not stream.woken or out.finished \
+                    or out.finish_reason:
+                stream.hand_over()
+                by_loop.setdefault(stream.loop, []).append(stream.ready)
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_set_all, events)
 
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: every request ends with an error. A bug fails those requests; a
@@ -297,6 +343,6 @@ def _settle(future: asyncio.Future, result: object, error: BaseException | None)
         future.set_result(result)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()

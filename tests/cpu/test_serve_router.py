@@ -10,6 +10,7 @@ import json
 import logging
 import pickle
 import re
+import threading
 
 import pytest
 
@@ -162,10 +163,11 @@ def test_bad_requests_are_invalid_argument_naming_the_field(tiny, kwargs, field)
 
 
 def test_worker_sends_several_tokens_a_message_only_under_load(tiny_checkpoint):
-    """One stream gets each engine output in a message of its own; with 8 streams running (one
-    more token a message per 4 streams, at most 3) the Worker holds outputs back until 2 tokens
-    are due, and every stream's tokens are offline's. (The engine stream itself merges what a
-    lagging consumer has not taken yet, so messages are compared with what it handed over.)"""
+    """With 8 streams running (one more token a message per 4 streams, at most 3) the engine
+    stream wakes a consumer only once 2 tokens are due: every message but the first and the
+    last carries at least 2, and every stream's tokens are offline's. A lone stream is due at
+    every token (a consumer that lags still gets what piled up merged, so its message count is
+    not fixed)."""
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=128,
               max_num_seqs=8, load_progress=False)
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -173,37 +175,42 @@ def test_worker_sends_several_tokens_a_message_only_under_load(tiny_checkpoint):
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     worker = Worker(llm.engine, max_queued_requests=0, streams_per_token=4,
                     max_tokens_per_message=3)
-    handed: dict[str, list[list[int]]] = {}  # request id -> the engine stream's outputs
-    engine_stream = worker.async_engine.stream
+    due: list[tuple[int, int]] = []  # (streams open, tokens a wake-up waits for), each step
+    policy = worker.async_engine.tokens_per_wake
 
-    async def spied_stream(request):
-        async with contextlib.aclosing(engine_stream(request)) as stream:
-            async for out in stream:
-                handed.setdefault(request.request_id, []).append(out.new_token_ids)
-                yield out
-    worker.async_engine.stream = spied_stream
+    def recorded(num_streams: int) -> int:
+        due.append((num_streams, policy(num_streams)))
+        return due[-1][1]
+    worker.async_engine.tokens_per_wake = recorded
     worker.start()
 
     async def run(batch: list[list[int]], tag: str) -> list[list[list[int]]]:
         async def one(i: int, prompt: list[int]) -> list[list[int]]:
             return [out.new_token_ids
                     async for out in worker.generate(prompt, params, f"{tag}{i}")]
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+        # the engine thread waits until every stream is open: all run from the first step
+        gate = threading.Event()
+        worker.async_engine.submit(lambda engine: gate.wait(10))
+        streams = asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+        await asyncio.sleep(0.2)
+        gate.set()
+        return await streams
 
     try:
         (alone,) = asyncio.run(run(prompts[:1], "alone"))
+        alone_due, due[:] = list(due), []
         together = asyncio.run(run(prompts, "m"))
     finally:
         worker.shutdown()
     assert [t for m in alone for t in m] == expected[0]
-    assert alone == handed["alone0"]  # nothing held back
-    for i, (messages, want) in enumerate(zip(together, expected)):
+    assert alone_due and all(d == (1, 1) for d in alone_due)  # nothing held back
+    assert set(due[:-1]) == {(8, 2)}  # (the last step's streams may be closing)
+    for messages, want in zip(together, expected):
         assert [t for m in messages for t in m] == want
-        assert messages[0] == handed[f"m{i}"][0]  # the first token is never held
-        # each later message but the last carries at least 2 tokens: held until they are due
-        assert all(len(m) >= 2 for m in messages[1:-1]), (messages, handed[f"m{i}"])
-        assert len(messages) <= 1 + (len(want) - len(messages[0]) + 1) // 2
-    assert any(len(handed[f"m{i}"]) > len(together[i]) for i in range(8))  # some were held
+        # each message but the first and the last carries at least 2 tokens (a consumer that
+        # lags gets more, merged): held until they are due
+        assert all(len(m) >= 2 for m in messages[1:-1]), messages
+        assert len(messages) <= 1 + (len(want) - 1 + 1) // 2
 
 
 def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
