@@ -50,26 +50,23 @@ KVSink = Callable[[list[KVEvent] | KVSnapshot], None]
 
 
 class _Stream:
-    """A request's outputs (or the error that ends it) on their way to its consumer: the loop
-    thread gathers them in `pending` until a message is due, then moves them to `items` (a
-    deque: safe across the two threads) and sets `ready` on the consumer's loop; the consumer
-    takes everything in `items` as one message."""
+    """A request's outputs (or the error that ends it) on their way to its consumer. The loop
+    thread appends each to `items` at once (a deque: safe across the two threads) and sets
+    `ready` on the consumer's loop when a message is due; the consumer takes everything in
+    `items` as one message, so one that lags gets all that piled up, not only what was due."""
 
-    __slots__ = ("loop", "items", "ready", "pending", "tokens_due", "woken")
+    __slots__ = ("loop", "items", "ready", "tokens_due", "wake_pending", "woken")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
-        self.pending: list = []  # not due yet (loop thread only)
-        self.tokens_due = 0  # tokens in `pending` (loop thread only)
-        self.woken = False  # woken at least once (loop thread only)
-
-    def hand_over(self) -> None:
-        """Move what is pending to the consumer's side (loop thread); the caller wakes it."""
-        self.items.extend(self.pending)
-        self.pending, self.tokens_due, self.woken = [], 0, True
-
+        # Tokens in `items` not yet taken, and whether a wake-up is on its way: the loop thread
+        # adds and sets, the consumer zeroes and clears after it takes (a race between the two
+        # only makes a message larger: a token counted after the take was not taken).
+        self.tokens_due = 0
+        self.wake_pending = False
+        self.woken = False  # the first output went (loop thread only)
 
 class AsyncEngine:
     def __init__(self, engine: Engine,
@@ -155,6 +152,7 @@ class AsyncEngine:
                 await stream.ready.wait()
                 stream.ready.clear()
                 if not stream.items:  # taken with an earlier wake-up
+                    stream.wake_pending = False
                     continue
                 item = stream.items.popleft()
                 if isinstance(item, BaseException):
@@ -165,6 +163,7 @@ class AsyncEngine:
                         error = later  # after what came before it
                         break
                     item = merge_outputs(item, later)
+                stream.tokens_due, stream.wake_pending = 0, False  # (after the take)
                 finished = item.finished
                 yield item
                 if error is not None:
@@ -297,8 +296,8 @@ class AsyncEngine:
         """One output or error for a stream, its consumer woken at once."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.pending.append(item)
-            stream.hand_over()
+            stream.items.append(item)
+            stream.woken = stream.wake_pending = True
             stream.loop.call_soon_threadsafe(stream.ready.set)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
@@ -312,11 +311,13 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.pending.append(out)
+            stream.items.append(out)
             stream.tokens_due += len(out.new_token_ids)
-            if stream.tokens_due >= due or not stream.woken or out.finished \
-                    or out.finish_reason:
-                stream.hand_over()
+            # the last output (or a stop) always wakes: a wake-up on its way may find the
+            # stream before this output is in it
+            if out.finished or out.finish_reason or not stream.woken or (
+                    not stream.wake_pending and stream.tokens_due >= due):
+                stream.woken = stream.wake_pending = True
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
