@@ -57,7 +57,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench", "lib"))
 from routing_load import pct, replay, summarize, workloads  # noqa: E402
 
-POLICIES = ("prefix", "round_robin", "power_of_two")
+# prefix_no_index: mxserve's router without the Redis index (its load term alone): what the
+# index and its KV-event publishing cost or gain, with the policy's balance unchanged
+POLICIES = ("prefix", "round_robin", "power_of_two", "prefix_no_index")
 WORKLOADS = ("poisson", "bursts", "closed", "closed_unrelated")
 TARGETS = {"hit_rate": 0.85, "ttft_p50_speedup_vs_round_robin": 2.0, "lookup_p99_ms": 2.0,
            "closed_throughput_vs_round_robin": 1.3, "closed_ttft_p50_speedup_vs_round_robin": 2.0,
@@ -77,11 +79,13 @@ def base_config(args, redis_url: str):
         routing=dict(json.loads(args.routing)))
 
 
-def per_worker_requests(config) -> list[int]:
+def per_worker(config) -> tuple[list[int], list[int]]:
+    """(requests each worker got, most first; the preemptions each of them made)."""
     from mxserve.cluster.client import Client
 
     with Client(f"localhost:{config.grpc_port}", config.app_name) as client:
-        return sorted((w.num_requests_total for w in client.health().workers), reverse=True)
+        workers = sorted(client.health().workers, key=lambda w: -w.num_requests_total)
+    return [w.num_requests_total for w in workers], [w.num_preemptions for w in workers]
 
 
 def serve_policies(args, loads) -> dict:
@@ -114,25 +118,33 @@ def serve_policies(args, loads) -> dict:
         for workload in loads:
             records: dict[str, list[list[dict]]] = {p: [] for p in args.policies}
             counts: dict[str, list[list[int]]] = {p: [] for p in args.policies}
+            preempted: dict[str, list[list[int]]] = {p: [] for p in args.policies}
             for r in range(args.rounds):  # odd rounds reversed: neither policy always goes first
                 for policy in (args.policies if r % 2 == 0 else args.policies[::-1]):
                     suffix = f"-r{r}" if args.rounds > 1 else ""
                     name = f"bench-{workload.name}-{policy}{suffix}"
                     config = base.model_copy(update=dict(
                         app_name=name, route_prefix=f"/{name}",
-                        routing=base.routing.model_copy(update=dict(policy=policy))))
+                        routing=base.routing.model_copy(update=dict(
+                            policy="prefix" if policy == "prefix_no_index" else policy))))
+                    if policy == "prefix_no_index":
+                        config = config.model_copy(update=dict(redis_url=None))
                     deploy(config)
                     wait_for_grpc(config)
                     print(f"{workload.name} / {policy} (round {r + 1}): "
                           f"{len(workload.prompts)} requests ...", flush=True)
                     records[policy].append(asyncio.run(replay(
                         config.grpc_port, config.app_name, workload, args.max_tokens)))
-                    counts[policy].append(per_worker_requests(config))
+                    requests, preemptions = per_worker(config)
+                    counts[policy].append(requests)
+                    preempted[policy].append(preemptions)
                     print(f"  {json.dumps(summarize(records[policy][-1]))}", flush=True)
                     serve.delete(config.app_name)  # the next app indexes in its own namespace
             out[workload.name] = {policy: {**summarize_rounds(records[policy]),
                                            "requests_per_worker": counts[policy] if
-                                           args.rounds > 1 else counts[policy][0]}
+                                           args.rounds > 1 else counts[policy][0],
+                                           "preemptions_per_worker": preempted[policy] if
+                                           args.rounds > 1 else preempted[policy][0]}
                                   for policy in args.policies}
     serve.shutdown()
     ray.shutdown()
@@ -233,12 +245,14 @@ def markdown(report: dict) -> str:
     for name, pol in report["policies"].items():
         lines += [f"## {name}: {report['workloads'][name]}", "",
                   "| policy | hit rate | TTFT p50 / p99 ms | e2e p50 / p99 ms | req/s | out tok/s "
-                  "| requests per worker |", "|---|---|---|---|---|---|---|"]
+                  "| requests per worker | preemptions per worker |",
+                  "|---|---|---|---|---|---|---|---|"]
         for policy, r in pol.items():
             lines.append(f"| {policy} | {r['hit_rate']:.1%} | {r['ttft_ms']['p50']} / "
                          f"{r['ttft_ms']['p99']} | {r['e2e_ms']['p50']} / {r['e2e_ms']['p99']} "
                          f"| {r['requests_per_s']} | {r['output_tok_s']} | "
-                         f"{r['requests_per_worker']} |")
+                         f"{r['requests_per_worker']} | "
+                         f"{r.get('preemptions_per_worker', '-')} |")
         if any("rounds" in r for r in pol.values()):
             lines += ["", "Each round's out tok/s (the policies' order reversed every other "
                       "round): " + "; ".join(
@@ -271,7 +285,7 @@ def ratios_of(policies: dict) -> dict:
             ttft_p50_speedup=round(pol[base]["ttft_ms"]["p50"] / p["ttft_ms"]["p50"], 2),
             ttft_p99_speedup=round(pol[base]["ttft_ms"]["p99"] / p["ttft_ms"]["p99"], 2),
             throughput_ratio=round(p["output_tok_s"] / pol[base]["output_tok_s"], 2))
-            for base in ("round_robin", "power_of_two") if base in pol}
+            for base in ("round_robin", "power_of_two", "prefix_no_index") if base in pol}
     return out
 
 

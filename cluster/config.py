@@ -38,6 +38,7 @@ class Autoscaling(BaseModel):
     model_config = ConfigDict(extra="forbid")
     min_workers: int = Field(1, ge=0)
     max_workers: int = Field(1, ge=1)
+    initial_workers: int | None = Field(None, ge=1)  # at deploy; None: min_workers (at least 1)
     target_ongoing_requests: float = Field(16.0, gt=0)
     upscale_delay_s: float = Field(30.0, ge=0)  # load must stay high this long to add a worker
     downscale_delay_s: float = Field(600.0, ge=0)  # and low this long to remove one
@@ -47,6 +48,10 @@ class Autoscaling(BaseModel):
     def _check(self) -> Autoscaling:
         if self.max_workers < self.min_workers:
             raise ValueError("autoscaling.max_workers must be >= min_workers")
+        if self.initial_workers is not None and not \
+                self.min_workers <= self.initial_workers <= self.max_workers:
+            raise ValueError("autoscaling.initial_workers must be within min_workers .. "
+                             "max_workers")
         return self
 
 

@@ -346,7 +346,7 @@ def build_app(config: ServeConfig) -> serve.Application:
         a = config.autoscaling
         worker_options["autoscaling_config"] = dict(
             min_replicas=a.min_workers, max_replicas=a.max_workers,
-            initial_replicas=max(a.min_workers, 1),
+            initial_replicas=a.initial_workers or max(a.min_workers, 1),
             target_ongoing_requests=a.target_ongoing_requests,
             upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
             look_back_period_s=a.look_back_period_s)

@@ -80,6 +80,9 @@ class WorkerMetricsExporter:
         self.evicted = counter("mxserve_kv_evicted_tokens_total",
                                "Cached tokens dropped by KV eviction (kv_eviction)")
         self._last_evicted = 0
+        self.preemptions = counter("mxserve_num_preemptions_total",
+                                   "Requests preempted: KV blocks freed, recomputed later")
+        self._last_preemptions = 0
         self.kv_pulls = counter("mxserve_kv_pulls_total",
                                 "Prefix pulls from peers by outcome: ok, skipped (computing was "
                                 "cheaper), checksum, truncated, timeout, peer, layout, refused, "
@@ -126,6 +129,9 @@ class WorkerMetricsExporter:
         if evicted > self._last_evicted:
             self.evicted.inc(evicted - self._last_evicted)
         self._last_evicted = evicted
+        if load["num_preemptions"] > self._last_preemptions:
+            self.preemptions.inc(load["num_preemptions"] - self._last_preemptions)
+        self._last_preemptions = load["num_preemptions"]
         self._export_pulls()
         stats = w.draft_stats()
         if stats:

@@ -235,7 +235,8 @@ class Worker:
                     num_requests_total=self.num_requests_total,
                     num_requests_aborted=self.num_requests_aborted,
                     num_prefill_tokens_pending=self.num_prefill_tokens_pending,
-                    reported_at=time.time(), draining=self.draining, capacity=self.capacity)
+                    reported_at=time.time(), draining=self.draining, capacity=self.capacity,
+                    num_preemptions=self.engine.scheduler.num_preemptions)
 
     @property
     def num_evicted_tokens(self) -> int:

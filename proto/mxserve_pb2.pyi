@@ -155,7 +155,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "node_id", "num_requests_total", "num_requests_aborted", "num_prefill_tokens_pending", "reported_at", "draining", "capacity")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "node_id", "num_requests_total", "num_requests_aborted", "num_prefill_tokens_pending", "reported_at", "draining", "capacity", "num_preemptions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class WorkerLoad(_message.Message):
     REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -180,7 +181,8 @@ class WorkerLoad(_message.Message):
     reported_at: float
     draining: bool
     capacity: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., node_id: _Optional[str] = ..., num_requests_total: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ..., num_prefill_tokens_pending: _Optional[int] = ..., reported_at: _Optional[float] = ..., draining: _Optional[bool] = ..., capacity: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., node_id: _Optional[str] = ..., num_requests_total: _Optional[int] = ..., num_requests_aborted: _Optional[int] = ..., num_prefill_tokens_pending: _Optional[int] = ..., reported_at: _Optional[float] = ..., draining: _Optional[bool] = ..., capacity: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("healthy", "workers")

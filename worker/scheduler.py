@@ -108,6 +108,7 @@ class Scheduler:
         self.max_model_len = max_model_len if max_model_len is not None else sys.maxsize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # requests preempted (their KV freed, to be recomputed)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -206,6 +207,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_evicted = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         plan.preempted.append(request)

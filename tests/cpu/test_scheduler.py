@@ -114,6 +114,7 @@ def test_no_free_block_preempts_the_latest_admitted_request():
     assert counts(plan) == {"old": 1}
     assert plan.preempted == [new] and new.status is RequestStatus.WAITING
     assert new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert sched.num_preemptions == 1  # the worker's load report and metrics count these
     assert sched.waiting[0] is new and sched.running == [old]
     assert not sched.kv.get_block_ids("new")
     complete(sched, plan)

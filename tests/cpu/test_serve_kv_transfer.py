@@ -218,3 +218,49 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
         serve.delete(app.app_name)
         for node in nodes:
             served.cluster.remove_node(node)
+
+
+def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_checkpoint):
+    """Two workers under autoscaling (min 1, max 2, 8 ongoing requests wanted a worker) run
+    four streams, one at a time each: the load wants one worker, so Serve stops one of them
+    mid-stream; the router asks it to drain as it leaves the routing set, and its streams go
+    on on the other worker with the undisturbed run's tokens."""
+    from ray import serve
+
+    from mxserve import LLM
+    from mxserve.cluster.config import Autoscaling
+
+    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
+    engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
+    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
+                                     object_store_memory=128 * MB) for _ in range(2)]
+    served.cluster.wait_for_nodes()
+    app = served.deploy(
+        app_name="scaledown", model=model, engine=engine,
+        worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
+        autoscaling=Autoscaling(min_workers=1, max_workers=2, initial_workers=2,
+                                target_ongoing_requests=8, downscale_delay_s=5,
+                                look_back_period_s=1),
+        routing=dict(lookup_timeout_s=2.0, stats_period_s=0.25),
+        kv_transfer=dict(enabled=True, prefill_tokens_per_s=50.0))
+    try:
+        rng = random.Random(11)
+        prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
+        llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+        pending = _streams(served, app.app_name, prompts, 1800)
+        running = _wait_running(served, app.app_name, 2)  # one on each worker
+        assert len(running) == 2 and all(w.num_running == 1 for w in running), running
+        assert [f.result(timeout=300) for f in pending] == want
+        (survivor,) = _kv_stats(app.app_name, 1).values()
+        assert survivor["resumed"] >= 1, survivor
+        deadline = time.monotonic() + 60
+        with served.client(app.app_name) as client:
+            while len(client.health().workers) > 1:  # the stopped one lingers for its peers
+                assert time.monotonic() < deadline, "still 2 workers"
+                time.sleep(0.5)
+    finally:
+        serve.delete(app.app_name)
+        for node in nodes:
+            served.cluster.remove_node(node)

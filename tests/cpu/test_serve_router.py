@@ -234,6 +234,7 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
     (load,) = health.workers
     assert load.num_running == load.num_waiting == load.num_kv_blocks_used == 0
     assert load.num_requests_aborted == aborted + 3
+    assert load.num_preemptions == worker.engine.scheduler.num_preemptions
     worker.engine.kv.check_integrity()
 
 
