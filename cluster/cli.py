@@ -173,6 +173,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--kv-transfer", action="store_true", default=None,
                    help="workers pull cached prefixes from each other over gRPC when that "
                         "beats computing them (kv_transfer in the config file for its options)")
+    p.add_argument("--num-routers", type=int, default=None,
+                   help="router replicas (default 1; on a GPU worker 2 or more keep the "
+                        "served path up with the engine: bench/results/serve_gpu.md)")
+    p.add_argument("--streams-per-token", type=int, default=None,
+                   help="under load a stream's message carries one more token per this many "
+                        "streams running (default 32; docs/serving.md)")
+    p.add_argument("--max-tokens-per-message", type=int, default=None,
+                   help="the most tokens a message carries under load (default 16; 1: one "
+                        "token a message)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")
@@ -359,7 +368,8 @@ def cmd_serve(args) -> int:
                  host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                  metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
                  request_timeout_s=args.request_timeout_s, redis_url=args.redis_url,
-                 route_prefix=args.route_prefix, app_name=args.app_name)
+                 route_prefix=args.route_prefix, app_name=args.app_name,
+                 num_routers=args.num_routers)
     flags = {k: v for k, v in flags.items() if v is not None}
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig()
     engine = {**config.engine, **{k: getattr(args, k) for k in _ENGINE_FLAGS
@@ -381,9 +391,15 @@ def cmd_serve(args) -> int:
     for flag, key in ((args.draft_cpus, "num_cpus"), (args.draft_gpus, "num_gpus")):
         if flag is not None:
             drafts["resources"][key] = flag
+    streaming = config.streaming.model_dump()
+    for flag, key in ((args.streams_per_token, "streams_per_token"),
+                      (args.max_tokens_per_message, "max_tokens_per_message")):
+        if flag is not None:
+            streaming[key] = flag
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,
                             "worker_resources": Resources(**resources), "routing": routing,
-                            "drafts": drafts, "kv_transfer": kv_transfer})
+                            "drafts": drafts, "kv_transfer": kv_transfer,
+                            "streaming": streaming})
     return serve_until_stopped(config, args.address, ask=args.ask)
 
 

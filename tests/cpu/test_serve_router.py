@@ -490,13 +490,16 @@ def test_serve_cli_builds_the_config(monkeypatch):
     assert cli.main(["serve", "--num-workers", "2", "--grpc-port", "9001", "--worker-cpus", "0.5",
                      "--max-num-seqs", "8", "--address", "auto", "--routing", "round_robin",
                      "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?",
-                     "--tensor-parallel-size", "2"]) == 0
+                     "--tensor-parallel-size", "2", "--num-routers", "2",
+                     "--streams-per-token", "8", "--max-tokens-per-message", "4"]) == 0
     config = seen["config"]
     assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
     assert config.worker_resources.num_cpus == 0.5
     assert config.engine == {"max_num_seqs": 8, "tensor_parallel_size": 2}
     assert config.routing.policy == "round_robin" and not config.uses_prefix_index
     assert config.redis_url == "redis://:pw@redis:6379/0" and seen["ask"] == "hi?"
+    assert config.num_routers == 2
+    assert (config.streaming.streams_per_token, config.streaming.max_tokens_per_message) == (8, 4)
 
 
 def test_build_request_covers_each_prompt_kind():
