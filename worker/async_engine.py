@@ -19,7 +19,6 @@ holds the GIL the loop thread steps with (bench/results/serve_gpu.md). vLLM's
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
@@ -51,22 +50,41 @@ KVSink = Callable[[list[KVEvent] | KVSnapshot], None]
 
 class _Stream:
     """A request's outputs (or the error that ends it) on their way to its consumer. The loop
-    thread appends each to `items` at once (a deque: safe across the two threads) and sets
-    `ready` on the consumer's loop when a message is due; the consumer takes everything in
-    `items` as one message, so one that lags gets all that piled up, not only what was due."""
+    thread `put`s each at once and sets `ready` on the consumer's loop when a message is due;
+    the consumer `take`s everything put so far as one message, so one that lags gets all
+    that piled up, not only what was due."""
 
-    __slots__ = ("loop", "items", "ready", "tokens_due", "wake_pending", "woken")
+    __slots__ = ("loop", "ready", "_lock", "_items", "_tokens", "_wake_pending", "_woken")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
-        # Tokens in `items` not yet taken, and whether a wake-up is on its way: the loop thread
-        # adds and sets, the consumer zeroes and clears after it takes (a race between the two
-        # only makes a message larger: a token counted after the take was not taken).
-        self.tokens_due = 0
-        self.wake_pending = False
-        self.woken = False  # the first output went (loop thread only)
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._tokens = 0  # tokens put and not yet taken
+        self._wake_pending = False  # a wake-up is on its way and nothing was taken since
+        self._woken = False  # the first output went
+
+    def put(self, item: object, num_tokens: int, due: int | None) -> bool:
+        """Add an output (loop thread); True when the consumer is to be woken now: always
+        for the first, for due None (the last output, a stop, an error), else once due
+        tokens wait and no wake-up is on its way."""
+        with self._lock:
+            self._items.append(item)
+            self._tokens += num_tokens
+            if due is None or not self._woken or (
+                    not self._wake_pending and self._tokens >= due):
+                self._woken = self._wake_pending = True
+                return True
+            return False
+
+    def take(self) -> list:
+        """Everything put so far (consumer)."""
+        with self._lock:
+            items, self._items = self._items, []
+            self._tokens, self._wake_pending = 0, False
+            return items
+
 
 class AsyncEngine:
     def __init__(self, engine: Engine,
@@ -151,19 +169,17 @@ class AsyncEngine:
             while not finished:
                 await stream.ready.wait()
                 stream.ready.clear()
-                if not stream.items:  # taken with an earlier wake-up
-                    stream.wake_pending = False
+                items = stream.take()
+                if not items:  # taken with an earlier wake-up
                     continue
-                item = stream.items.popleft()
+                item = items[0]
                 if isinstance(item, BaseException):
                     raise item
-                while not item.finished and stream.items:  # piled up: one message
-                    later = stream.items.popleft()
+                for later in items[1:]:  # piled up: one message
                     if isinstance(later, BaseException):
                         error = later  # after what came before it
                         break
                     item = merge_outputs(item, later)
-                stream.tokens_due, stream.wake_pending = 0, False  # (after the take)
                 finished = item.finished
                 yield item
                 if error is not None:
@@ -296,8 +312,7 @@ class AsyncEngine:
         """One output or error for a stream, its consumer woken at once."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.items.append(item)
-            stream.woken = stream.wake_pending = True
+            stream.put(item, 0, None)
             stream.loop.call_soon_threadsafe(stream.ready.set)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
@@ -311,13 +326,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.items.append(out)
-            stream.tokens_due += len(out.new_token_ids)
-            # the last output (or a stop) always wakes: a wake-up on its way may find the
-            # stream before this output is in it
-            if out.finished or out.finish_reason or not stream.woken or (
-                    not stream.wake_pending and stream.tokens_due >= due):
-                stream.woken = stream.wake_pending = True
+            last = out.finished or out.finish_reason
+            if stream.put(out, len(out.new_token_ids), None if last else due):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
