@@ -10,8 +10,9 @@ waits for. This measures the device-independent part of it, per step and per req
 - sample: the sampler's host side on greedy requests (its argmax over a tiny vocabulary);
 - update: `Engine._complete` (append tokens, stop checks, block hashes, step outputs; `_update`
   before async scheduling);
-- deliver: `AsyncEngine` handing the step's outputs to the requests' asyncio queues, on an
-  event loop running in another thread (as in a Serve replica), engine-thread side.
+- deliver: `AsyncEngine` handing the step's outputs to the requests' streams, on an event loop
+  running in another thread (as in a Serve replica), engine-thread side (nothing takes them:
+  a revision that wakes a stream only when a message is due wakes each once here).
 
 Then the cyclic garbage collector's pauses over `--gc-steps` steps at the largest batch, timed
 with `gc.callbacks`: with the heap as the engine leaves it, and frozen (`gc.freeze()`) before
@@ -89,8 +90,9 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
     async_engine = AsyncEngine(engine)  # its thread is not started: this loop drives the engine
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    for rid in engine.requests:
-        async_engine._streams[rid] = (loop, asyncio.Queue())
+    stream_of = getattr(sys.modules[AsyncEngine.__module__], "_Stream", None)
+    for rid in engine.requests:  # (no consumer takes: the engine thread's side alone)
+        async_engine._streams[rid] = stream_of(loop) if stream_of else (loop, asyncio.Queue())
     deliver_all = getattr(async_engine, "_deliver_all", None)
     graphs = DecodeGraphs(engine.runner, engine.max_model_len)
     size = next(s for s in graphs.sizes if s >= batch)

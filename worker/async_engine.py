@@ -12,7 +12,7 @@ Serve stream, a gRPC client) gets what piled up merged, and no token is delayed.
 `tokens_per_wake` (the Worker's streaming policy) a stream is woken once that many tokens are
 due, and always for its first output, its last and an error: under load each wake-up of a
 consumer task costs the event loop more than a step's share per token, and the event loop
-holds the GIL the loop thread steps with (bench/results/serve_gpu.md). vLLM's
+holds the GIL the loop thread steps with (bench/results/serve_gpu.engine_loop.md). vLLM's
 `--stream-interval` is the same trade.
 """
 
