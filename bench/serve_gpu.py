@@ -117,6 +117,25 @@ def record(start: float, times: list[float], tokens: int, messages: int) -> dict
             "end": times[-1]}
 
 
+def ray_process_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) so far of each Ray process on this host, by its title
+    ("ray::ServeReplica:mxserve:Router", "ray::ProxyActor", ...; several of one title summed),
+    read from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if title.startswith("ray::"):
+            out[title] = out.get(title, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def loop_delta(before: dict, after: dict) -> dict:
     """The engine loop thread over a run (AsyncEngine.loop_stats): steps, and a step's wall
     and CPU time in ms. Wall well over CPU (beyond the device's share) is waiting for the GIL."""
@@ -255,9 +274,12 @@ def run_served(args, model: str, mix, b1, warm) -> dict:
         wait_for_grpc(config)
         load(config, list(zip(*warm)), args.clients, raw=True)  # the in-process warm-up
         worker = serve.get_deployment_handle(WORKER, config.app_name)
-        before = worker.audit.remote().result()
+        before, cpu_before = worker.audit.remote().result(), ray_process_cpu()
         out = {"mix": load(config, list(zip(*mix)), args.clients)}
-        after = worker.audit.remote().result()
+        after, cpu_after = worker.audit.remote().result(), ray_process_cpu()
+        out["mix"]["process_cpu_s"] = {  # the served path's processes over the mix
+            title: round(cpu_after[title] - cpu_before.get(title, 0.0), 2)
+            for title in sorted(cpu_after) if cpu_after[title] - cpu_before.get(title, 0.0) > 0.05}
         out["mix"]["engine_loop"] = loop_delta(before["engine_loop"], after["engine_loop"])
         out["mix"]["worker_process_cpu_s"] = round(
             after["process_cpu_s"] - before["process_cpu_s"], 3)
@@ -325,11 +347,15 @@ def markdown(result: dict) -> str:
                  "process CPU s |", "|---|---|---|---|---|"] + [
         f"| {name} | {n} | {wall:.3f} | {cpu:.3f} | {'' if proc is None else proc} |"
         for name, n, wall, cpu, proc in loops]
+    served_mix = result["served"]["mix"]
+    cpu_rows = ["| process | CPU s over the mix | cores |", "|---|---|---|"] + [
+        f"| {title} | {s} | {s / served_mix['wall_s']:.2f} |"
+        for title, s in served_mix.get("process_cpu_s", {}).items()]
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
             f"{result['num_requests']} requests, {result['clients']} client processes, "
             f"{result['routers']} router(s).\n\n"
-            + "\n".join(rows) + "\n\n" + "\n".join(loop_rows)
+            + "\n".join(rows) + "\n\n" + "\n".join(loop_rows) + "\n\n" + "\n".join(cpu_rows)
             + "\n\nMix output tok/s: the engine stepped in a loop "
             f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
             f"served {mix['served']:.0f} ({mix['served'] / mix['engine']:.2f} of the engine's). "
