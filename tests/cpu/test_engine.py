@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -179,6 +180,61 @@ def test_async_stream_merges_what_a_slow_consumer_has_not_taken(ckpt):
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 24
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("due", [1, 3])
+def test_a_stream_hands_over_every_output_once_in_order_across_threads(due):
+    """The hand-over between the engine's thread and a stream's consumer, raced: a thread puts
+    one-token outputs as fast as it can (waking as _deliver_all does, due tokens a wake-up)
+    while the consumer takes on its event loop, yielding between takes; one long stream, then
+    300 short ones (each a chance for the last output to land just after a take). Every token
+    arrives once, in order; the last output always wakes the consumer (a stranded one times
+    out); with due 3 no message but the first and the last carries fewer than 3 tokens."""
+    from mxserve.api.outputs import StepOutput, merge_outputs
+    from mxserve.worker.async_engine import _Stream
+
+    async def one_stream(n: int, pause_every: int) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+
+        def produce() -> None:
+            for i in range(n):
+                last = i == n - 1
+                out = StepOutput("r", [i], None, last, "length" if last else None, 1, 0, i + 1)
+                if stream.put(out, 1, None if last else due):
+                    loop.call_soon_threadsafe(stream.ready.set)
+                if i % pause_every == pause_every - 1:
+                    time.sleep(0.0002)  # the engine's step: the consumer catches up
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        messages, finished = [], False
+        while not finished:
+            await asyncio.wait_for(stream.ready.wait(), 5)  # a lost wake-up fails here
+            stream.ready.clear()
+            items = stream.take()
+            if not items:
+                continue
+            item = items[0]
+            for later in items[1:]:
+                item = merge_outputs(item, later)
+            messages.append(item.new_token_ids)
+            finished = item.finished
+            await asyncio.sleep(0)
+        producer.join()
+        return messages
+
+    async def main() -> list[list[list[int]]]:
+        return [await one_stream(4000, 97)] + [await one_stream(5 + i % 7, 2 + i % 3)
+                                                for i in range(300)]
+
+    runs = asyncio.run(main())
+    for messages in runs:
+        assert [t for m in messages for t in m] == list(range(len(
+            [t for m in messages for t in m])))
+        assert all(len(m) >= due for m in messages[1:-1])
+    assert sum(len(m) for m in runs[0]) == 4000 and len(runs[0]) > 10  # it did interleave
+    assert [sum(len(m) for m in r) for r in runs[1:]] == [5 + i % 7 for i in range(300)]
 
 
 def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
