@@ -72,11 +72,10 @@ class _Stream:
         with self._lock:
             self._items.append(item)
             self._tokens += num_tokens
-            if due is None or not self._woken or (
-                    not self._wake_pending and self._tokens >= due):
-                self._woken = self._wake_pending = True
-                return True
-            return False
+            if due is not None and self._woken and (self._wake_pending or self._tokens < due):
+                return False
+            self._woken = self._wake_pending = True
+            return True
 
     def take(self) -> list:
         """Everything put so far (consumer)."""
@@ -322,12 +321,12 @@ class AsyncEngine:
         batches (bench/results/host_overhead.md, "deliver")."""
         due = 1 if self.tokens_per_wake is None else self.tokens_per_wake(len(self._streams))
         by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            last = out.finished or out.finish_reason
-            if stream.put(out, len(out.new_token_ids), None if last else due):
+            stream = streams.get(out.request_id)
+            if stream is not None and stream.put(
+                    out, len(out.new_token_ids),
+                    None if out.finished or out.finish_reason else due):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
