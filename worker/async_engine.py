@@ -185,8 +185,8 @@ class AsyncEngine:
                     raise error
         finally:
             self._streams.pop(rid, None)
-            if not finished:
-                self._commands.put(("abort", rid))
+            if not finished:  # its output goes nowhere: a new stream may have taken its id
+                self._commands.put(("drop", rid))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -278,6 +278,8 @@ class AsyncEngine:
                 out = self.engine.abort(arg)
                 if out is not None:
                     self._deliver(arg, out)
+            elif kind == "drop":  # a closed stream's request
+                self.engine.abort(arg)
             elif kind == "call":
                 self._call(*arg)
             elif kind == "watch":

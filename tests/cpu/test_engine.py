@@ -237,6 +237,48 @@ def test_a_stream_hands_over_every_output_once_in_order_across_threads(due):
     assert [sum(len(m) for m in r) for r in runs[1:]] == [5 + i % 7 for i in range(300)]
 
 
+def test_a_stream_closed_then_reopened_under_its_id_gets_only_its_own_outputs(ckpt):
+    """A router re-issues a request under its id on the worker it just left (a lost stream,
+    round robin). The old stream's request is aborted on the engine's thread; should the new
+    stream open between that abort and the next step, the old request's last output must not
+    end the new one. The engine's abort is held until the new stream is open, so the race is
+    forced every run."""
+    llm = LLM(model=ckpt, load_progress=False)
+    prompt = _prompts(1, (12,))[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].token_ids
+    engine = AsyncEngine(llm.engine)
+    opened = threading.Event()
+    abort = llm.engine.abort
+
+    def abort_then_wait(request_id):
+        out = abort(request_id)
+        opened.wait(10)  # the new stream opens now, before this abort's output goes anywhere
+        return out
+    llm.engine.abort = abort_then_wait
+    engine.start()
+
+    async def main() -> list[int]:
+        old = engine.generate(prompt, params, request_id="x")
+        await anext(old)  # running
+        await old.aclose()
+        while "x" in llm.engine.requests:  # the engine's thread took the old one out
+            await asyncio.sleep(0.01)
+        new = engine.generate(prompt, params, request_id="x")
+        first = asyncio.ensure_future(anext(new))
+        await asyncio.sleep(0.1)  # open, waiting
+        opened.set()
+        outs = [await first] + [o async for o in new]
+        assert outs[-1].finish_reason == "length", outs[-1]
+        return [t for o in outs for t in o.new_token_ids]
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        engine.shutdown()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_async_stream_matches_offline_and_cancel_frees_blocks(ckpt):
     llm = LLM(model=ckpt, load_progress=False)
     prompt = _prompts(1, (40,))[0]
