@@ -181,6 +181,21 @@ def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served
             served.cluster.remove_node(node)
 
 
+def _one_at_a_time(served, tiny_checkpoint, seed: int):
+    """(model, engine options, 4 prompts, their offline greedy 1,800 tokens each) for workers
+    that run one request at a time (max_num_seqs 1): the streams stay alive across a replica
+    being stopped."""
+    from mxserve import LLM
+
+    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
+    engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
+    llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
+    return model, engine, prompts, [o.token_ids for o in llm.generate(prompts, params)]
+
+
 def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_checkpoint):
     """The app deployed again with streams running: Serve starts new workers and stops the
     old ones (the path a scale-down takes); each old one, asked by the router to drain when it
@@ -189,10 +204,7 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
     the redeploy."""
     from ray import serve
 
-    from mxserve import LLM
-
-    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
-    engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
+    model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=9)
     nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
                                      object_store_memory=128 * MB) for _ in range(2)]
     served.cluster.wait_for_nodes()
@@ -202,11 +214,6 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
                    kv_transfer=dict(enabled=True, prefill_tokens_per_s=50.0))
     app = served.deploy(**options)
     try:
-        rng = random.Random(9)
-        prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
-        params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
-        llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
-        want = [o.token_ids for o in llm.generate(prompts, params)]
         (old,) = _kv_stats(app.app_name, 1)
         pending = _streams(served, app.app_name, prompts, 1800)
         _wait_running(served, app.app_name, 1)
@@ -227,11 +234,9 @@ def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_che
     on on the other worker with the undisturbed run's tokens."""
     from ray import serve
 
-    from mxserve import LLM
     from mxserve.cluster.config import Autoscaling
 
-    model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
-    engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
+    model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=11)
     nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
                                      object_store_memory=128 * MB) for _ in range(2)]
     served.cluster.wait_for_nodes()
@@ -244,11 +249,6 @@ def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_che
         routing=dict(lookup_timeout_s=2.0, stats_period_s=0.25),
         kv_transfer=dict(enabled=True, prefill_tokens_per_s=50.0))
     try:
-        rng = random.Random(11)
-        prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
-        params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
-        llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
-        want = [o.token_ids for o in llm.generate(prompts, params)]
         pending = _streams(served, app.app_name, prompts, 1800)
         running = _wait_running(served, app.app_name, 2)  # one on each worker
         assert len(running) == 2 and all(w.num_running == 1 for w in running), running
