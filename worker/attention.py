@@ -19,6 +19,7 @@ window, as SnapKV's: a long prompt costs no full extra pass).
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -96,7 +97,8 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int
     decode_groups: list[DecodeGroup]  # TorchAttention: SDPA per group of similar lengths
-    # CPUAttention instead: int32 block tables [num_decodes, max_blocks] and seq_lens [num_decodes]
+    # CPUAttention instead: int32 block tables [rows, max_blocks] and seq_lens [rows] of the
+    # kernel's query rows: the decodes, then each short chunk's tokens (MAX_ROWS_AS_DECODES)
     decode_index: tuple[torch.Tensor, torch.Tensor] | None
     # (first token, query_len, context blocks [ceil(end / block_size)], end, mask [query_len,
     # end] or None when the chunk starts the request: plain causal) per prefill chunk
@@ -106,7 +108,13 @@ class TorchAttentionMetadata:
     mass: torch.Tensor | None = None
     mass_window: int = 0
     decode_mass: torch.Tensor | None = None  # CPUAttention's per-head buffer, made once a step
+    # CPUAttention: the kernel rows' token indices when they are not tokens 0 .. rows - 1
+    decode_rows: torch.Tensor | None = None
 
+
+# CPUAttention runs a chunk of at most this many queries as decode rows (a verify's k + 1 with
+# k <= 16, the largest num_speculative_tokens); longer chunks gather their context for SDPA.
+MAX_ROWS_AS_DECODES = 17
 
 # Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
 # group costs one more gather + SDPA call, about as much as this many padded (request, token)
@@ -176,15 +184,31 @@ class TorchAttention(AttentionBackend):
             slots = slot_table(tables[nd:], bs)  # [R - nd, L]
             new_slots += [slots[i, start:end] for i, (start, end)
                           in enumerate(zip(batch.start_positions[nd:], ends[nd:]))]
-        groups, index = [], None
+        groups, index, rows = [], None, None
+        # CPUAttention: a short chunk's queries (a speculative verify's k + 1) run as decode
+        # rows of the kernel, each its own context length: exactly a decode's arithmetic, and
+        # cheaper than gathering the context for SDPA
+        as_rows = [] if self.grouped_decodes or batch.mass_window else \
+            [i for i in range(nd, len(ends)) if batch.query_lens[i] <= MAX_ROWS_AS_DECODES]
         if self.grouped_decodes:
             groups = [self._decode_group(tables, ends, rows, bs, dev)
                       for rows in group_by_length(ends[:nd], self.group_cost_tokens)]
-        elif nd:
-            index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
+        elif nd or as_rows:
+            starts = [0] + list(itertools.accumulate(batch.query_lens))
+            row_ids = list(range(nd)) + [starts[i] + j for i in as_rows
+                                         for j in range(batch.query_lens[i])]
+            which = list(range(nd)) + [i for i in as_rows for _ in range(batch.query_lens[i])]
+            lens = ends[:nd] + [ends[i] - batch.query_lens[i] + j + 1 for i in as_rows
+                                for j in range(batch.query_lens[i])]
+            index = (tables[which].to(torch.int32), torch.tensor(lens, dtype=torch.int32))
+            if row_ids != list(range(len(row_ids))):
+                rows = torch.tensor(row_ids, dtype=torch.long, device=dev)
         spans, first = [], nd
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]
+            if qlen <= MAX_ROWS_AS_DECODES and as_rows:  # in the kernel's rows
+                first += qlen
+                continue
             mask = None
             if qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
                 q_pos = torch.arange(end - qlen, end, device=dev)
@@ -197,7 +221,7 @@ class TorchAttention(AttentionBackend):
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
                                       decode_groups=groups, decode_index=index,
                                       prefill_spans=spans, mass=mass,
-                                      mass_window=batch.mass_window)
+                                      mass_window=batch.mass_window, decode_rows=rows)
 
     @staticmethod
     def _decode_group(tables: torch.Tensor, ends: list[int], rows: list[int], block_size: int,
@@ -272,17 +296,26 @@ class CPUAttention(TorchAttention):
     grouped_decodes = False
 
     def _decodes(self, q, k_cache, v_cache, meta, out) -> None:
-        if meta.num_decode_tokens:  # shapes and dtypes were checked when the runner chose us
-            nd = meta.num_decode_tokens
-            if meta.mass is not None and meta.decode_mass is None:
-                # one buffer for every layer: each overwrites positions < seq_len, the rest
-                # stay 0
-                meta.decode_mass = torch.zeros(nd, q.shape[1], meta.mass.shape[1])
+        if meta.decode_index is None:
+            return
+        # shapes and dtypes were checked when the runner chose us
+        n = meta.decode_index[1].shape[0]
+        if meta.mass is not None and meta.decode_mass is None:
+            # one buffer for every layer: each overwrites positions < seq_len, the rest stay 0
+            # (no short chunks as rows under mass: rows are the decodes)
+            meta.decode_mass = torch.zeros(n, q.shape[1], meta.mass.shape[1])
+        if meta.decode_rows is None:
             cpu_attention.paged_decode_attention_cpu_unchecked(
-                q[:nd], k_cache, v_cache, *meta.decode_index, out[:nd], q.shape[-1] ** -0.5,
+                q[:n], k_cache, v_cache, *meta.decode_index, out[:n], q.shape[-1] ** -0.5,
                 meta.decode_mass)
-            if meta.decode_mass is not None:
-                meta.mass[:nd] += meta.decode_mass.sum(1)
+        else:
+            rows_out = torch.empty(n, *q.shape[1:], dtype=q.dtype)
+            cpu_attention.paged_decode_attention_cpu_unchecked(
+                q.index_select(0, meta.decode_rows), k_cache, v_cache, *meta.decode_index,
+                rows_out, q.shape[-1] ** -0.5, None)
+            out.index_copy_(0, meta.decode_rows, rows_out)
+        if meta.decode_mass is not None:
+            meta.mass[:n] += meta.decode_mass.sum(1)
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -39,6 +39,7 @@ from mxserve.worker.eagle import (
     draft_round,
     load_embedding_and_head,
     load_head,
+    pack_head_for_cpu,
 )
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.runner import open_model
@@ -85,6 +86,7 @@ class DraftServer:
         self.head = load_head(spec.model or DEFAULT_HEAD, target, self.dtype, self.device)
         embed, lm_head = load_embedding_and_head(checkpoint, target, self.dtype, self.device)
         self.head.attach(embed, lm_head)
+        pack_head_for_cpu(self.head, config)
         cfg = self.head.config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -264,8 +264,10 @@ def test_write_kv_cache_bit_exact(dtype, slot_dtype):
     assert torch.equal(want[0][5, 3], k[3]) and torch.equal(want[1][0, 0], v[4])
 
 
-def attention_batch(gen, block_size=4, num_blocks=40, consecutive=False):
-    query_lens, starts = [1, 1, 1, 6, 3], [6, 17, 0, 0, 11]  # three decodes, then two chunks
+def attention_batch(gen, block_size=4, num_blocks=48, consecutive=False):
+    # three decodes, then chunks: CPUAttention runs the short ones as kernel rows (a
+    # prompt's 6, a verify-sized 3), SDPA the 20 between them
+    query_lens, starts = [1, 1, 1, 6, 20, 3], [6, 17, 0, 0, 5, 11]
     ids = (list(range(num_blocks)) if consecutive
            else torch.randperm(num_blocks, generator=gen).tolist())
     tables = []
@@ -296,7 +298,7 @@ def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecut
     if consecutive:  # (random ids may happen to be consecutive too)
         assert any(g.first_block is not None and g.blocks.shape[1] > 1 for g in groups)
     num_heads, num_kv_heads, head_dim, tokens = 4, 2, 16, sum(batch.query_lens)
-    caches = [torch.randn(40, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
+    caches = [torch.randn(48, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
               for _ in range(2)]
     qkv = torch.randn(tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
@@ -314,6 +316,26 @@ def test_triton_and_cpu_backends_match_torch_backend(dtype, group_cost, consecut
         assert got.shape == (tokens, num_heads * head_dim) and got.dtype == dtype
         torch.testing.assert_close(got, want, **tol)
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_gives_a_short_chunk_the_bits_of_one_decode_at_a_time(dtype):
+    # A speculative verify (k + 1 queries) must compute what k + 1 decode steps would, bit for
+    # bit, or greedy outputs with speculation drift from those without in bf16
+    gen = seeded("verify rows", dtype)
+    backend, block_size, start, qlen = get_attention_backend("cpu"), 4, 13, 4
+    table = torch.randperm(12, generator=gen).tolist()[:5]
+    k_cache, v_cache = (torch.randn(12, block_size, 3, 64, generator=gen).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(qlen, 9, 64, generator=gen).to(dtype)
+    chunk = AttentionBatch(query_lens=[qlen], start_positions=[start], block_tables=[table],
+                           num_decodes=0, block_size=block_size, device=torch.device("cpu"))
+    together = backend.forward(q, k_cache, v_cache, backend.build_metadata(chunk))
+    for i in range(qlen):
+        one = AttentionBatch(query_lens=[1], start_positions=[start + i], block_tables=[table],
+                             num_decodes=1, block_size=block_size, device=torch.device("cpu"))
+        alone = backend.forward(q[i:i + 1], k_cache, v_cache, backend.build_metadata(one))
+        assert torch.equal(together[i], alone[0])
 
 
 def test_backends_by_name():

@@ -22,6 +22,7 @@ from mxserve.worker.drafters import ngram_lookup
 from mxserve.worker.eagle import save_head
 from mxserve.worker.eagle_train import init_head
 from mxserve.worker.model.loader import open_checkpoint
+from mxserve.worker.model.parallel import can_pack_for_cpu
 
 ENGINE = dict(dtype="float32", num_kv_blocks=20, max_num_batched_tokens=24, max_num_seqs=8,
               load_progress=False, num_threads=1)
@@ -103,6 +104,25 @@ def test_the_shipped_head_on_smollm2_equals_plain_decoding():
         outs = llm.chat(questions, params)
         assert [o.token_ids for o in outs] == want
         assert sum(o.num_accepted_tokens for o in outs) > 0  # it is a trained head
+        _check_pool(llm)
+
+
+def test_the_shipped_head_in_the_default_cpu_engine_equals_plain_decoding_at_batch_1():
+    """bf16, the GGUF's 4-bit linears, the head packed to int4: a verify's k + 1 rows compute
+    what k + 1 decode steps would, bit for bit (int4 GEMMs of up to 4 rows, the attention
+    kernel's rows, float32 logits are row-exact), so greedy output does not drift."""
+    questions = [[{"role": "user", "content": q}] for q in
+                 ("Name three uses of copper.", "Why is the sky blue?")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    with LLM(load_progress=False, num_threads=2) as plain:
+        want = [plain.chat([q], params)[0].token_ids for q in questions]
+    with LLM(load_progress=False, num_threads=2,
+             speculative_config={"method": "eagle", "num_speculative_tokens": 3}) as llm:
+        if can_pack_for_cpu(torch.bfloat16, "cpu"):
+            assert llm.engine.drafter.head.fc.int4 is not None
+        outs = [llm.chat([q], params)[0] for q in questions]
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.num_accepted_tokens for o in outs) > 0
         _check_pool(llm)
 
 
