@@ -78,7 +78,7 @@ class DraftServer:
         spec = config.speculative_config
         if spec is None or spec.method != "eagle":
             raise ValueError("a draft server needs speculative_config with method 'eagle'")
-        self.k = spec.num_speculative_tokens
+        self.k, self.min_confidence = spec.num_speculative_tokens, spec.min_draft_confidence
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
         checkpoint = open_model(config)
@@ -137,7 +137,7 @@ class DraftServer:
         if spans:
             feats = features if len(rows) == features.shape[0] else features[rows]
             out = draft_round(self.head, self.kv_cache, self.attn, self.block_size, spans,
-                              tokens, feats, nums)
+                              tokens, feats, nums, self.min_confidence)
             for i, d in zip(placed, out):
                 drafts[i] = d
                 self._computed(rounds[i], model_id)

@@ -121,16 +121,19 @@ class EagleHead(nn.Module):
         if self._draft_weight is not None and cpu_linear.available():
             self._draft_pairs = cpu_linear.pack_pairs(self._draft_weight)
 
-    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
-        """g [R, hidden] -> [R] each row's draft: the target's id of the highest logit, over the
-        draft vocabulary when the head has one."""
+    def draft_tokens(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [R, hidden] -> ([R] each row's draft: the target's id of the highest logit, over
+        the draft vocabulary when the head has one; [R] the head's probability of it, its
+        confidence)."""
         if self._draft_weight is None:
-            return self._lm_head(g, torch.float32).argmax(-1)
-        if self._draft_pairs is not None:
+            logits = self._lm_head(g, torch.float32)
+        elif self._draft_pairs is not None:
             logits = cpu_linear.linear_f32(g, self._draft_pairs, self._draft_weight.shape[0])
         else:
             logits = F.linear(g.to(self._draft_weight.dtype), self._draft_weight)
-        return self._draft_ids[logits.argmax(-1)]
+        best = logits.float().softmax(-1).max(-1)
+        ids = best.indices if self._draft_ids is None else self._draft_ids[best.indices]
+        return ids, best.values
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn, meta) -> torch.Tensor:
@@ -205,6 +208,7 @@ class EagleDrafter:
     def __init__(self, config: SpeculativeConfig, runner, target: ModelConfig) -> None:
         path = config.model or DEFAULT_HEAD
         self.runner, self.k = runner, config.num_speculative_tokens
+        self.min_confidence = config.min_draft_confidence
         self.num_lookahead_tokens = self.k
         self.head = load_head(path, target, runner.dtype, runner.device)
         model = runner.model
@@ -236,7 +240,8 @@ class EagleDrafter:
                                  s.request, s.start_position + s.position_offset, n)],
                              torch.cat([hidden[off:off + n] for (s, n), off
                                         in zip(kept, kept_offsets(plan, kept))]),
-                             [num_drafts.get(s.request, 0) for s, _ in kept])
+                             [num_drafts.get(s.request, 0) for s, _ in kept],
+                             self.min_confidence)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
                 s.request.draft_token_ids = d
@@ -290,11 +295,14 @@ class Span:
 
 def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
                 block_size: int, spans: list[Span], tokens: list[int], features: torch.Tensor,
-                num_drafts: list[int]) -> list[list[int]]:
+                num_drafts: list[int], min_confidence: float = 0.0) -> list[list[int]]:
     """One drafting round for a batch of requests (the local drafter's and the draft replica's,
     worker/draft_server.py): the catch-up pass over each span's positions (`tokens` and
     `features` flat in span order), then a chain of single positions from each span's last
-    output, num_drafts[i] drafts for span i (0: catch up only). Returns the drafts per span."""
+    output, up to num_drafts[i] drafts for span i (0: catch up only). A span's chain ends
+    before its first draft the head gives less than `min_confidence` (its softmax probability):
+    such a draft is seldom accepted, and on a CPU each verified row costs (SpeculativeConfig).
+    Returns the drafts per span."""
     order = sorted(range(len(spans)), key=lambda i: spans[i].length != 1)  # decodes first
     rows, at = [], 0
     for sp in spans:
@@ -316,10 +324,12 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
     g = g[[last[i] for i in chain]]  # each drafting request's last output
     positions = {i: spans[i].start + spans[i].length for i in chain}  # the chain's next one
     for j in range(max(num_drafts[i] for i in chain)):
-        ids = head.draft_tokens(g).tolist()
-        for i, t in zip(chain, ids):
-            drafts[i].append(t)
-        keep = [n for n, i in enumerate(chain) if num_drafts[i] > j + 1]
+        ids, confidence = head.draft_tokens(g)
+        ids, sure = ids.tolist(), (confidence >= min_confidence).tolist()
+        for i, t, ok in zip(chain, ids, sure):
+            if ok:
+                drafts[i].append(t)
+        keep = [n for n, i in enumerate(chain) if sure[n] and num_drafts[i] > j + 1]
         if not keep:
             break
         steps = [Span(positions[chain[n]] + j, 1, spans[chain[n]].block_table,

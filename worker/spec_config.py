@@ -24,7 +24,14 @@ class SpeculativeConfig:
     worker reaches over worker/draft_channel.py: served, the cluster deploys it and tells the
     workers where; offline, `draft_address` ("host:port") names a running one.
     draft_timeout_s: a round's deadline; past it (or with the replica down) the step decodes
-    without drafts."""
+    without drafts.
+
+    min_draft_confidence (eagle): a request's chain of drafts ends before the first one the
+    head gives a probability below this (0: always k drafts). A draft the head is unsure of is
+    seldom accepted, and verifying it costs: on a CPU each verified row adds to the step (the
+    target's int4 GEMMs are compute bound from 2 rows on), and every draft costs a head pass.
+    The default was chosen on SmolLM2's held-out chat prompts (bench/results/spec_decode.md:
+    0.15 was best of 0 .. 0.5)."""
 
     method: str
     num_speculative_tokens: int = 3
@@ -34,6 +41,7 @@ class SpeculativeConfig:
     draft_placement: str = "local"
     draft_address: str | None = None
     draft_timeout_s: float = 0.5
+    min_draft_confidence: float = 0.15
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +69,11 @@ class SpeculativeConfig:
         if not (isinstance(self.draft_timeout_s, int | float) and self.draft_timeout_s > 0):
             raise ValueError(f"speculative_config.draft_timeout_s must be > 0, got "
                              f"{self.draft_timeout_s!r}")
+
+        if not (isinstance(self.min_draft_confidence, int | float)
+                and 0 <= self.min_draft_confidence < 1):
+            raise ValueError(f"speculative_config.min_draft_confidence must be in [0, 1), got "
+                             f"{self.min_draft_confidence!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

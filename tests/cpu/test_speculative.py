@@ -126,6 +126,41 @@ def test_the_shipped_head_in_the_default_cpu_engine_equals_plain_decoding_at_bat
         _check_pool(llm)
 
 
+def _sure_of_even_ids_only(llm: LLM) -> list[list[int]]:
+    """Make the engine's head sure (probability 1) of even token ids and unsure (0) of odd ones;
+    returns the list its proposals will be appended to."""
+    drafter, head = llm.engine.drafter, llm.engine.drafter.head
+    plain_draft, plain_propose, proposals = head.draft_tokens, drafter.propose, []
+
+    def draft_tokens(g):
+        ids, _ = plain_draft(g)
+        return ids, (ids % 2 == 0).float()
+
+    def propose(plan, hidden, num_drafts):
+        plain_propose(plan, hidden, num_drafts)
+        proposals.extend(list(r.draft_token_ids) for r in num_drafts)
+
+    head.draft_tokens, drafter.propose = draft_tokens, propose
+    return proposals
+
+
+def test_a_chain_of_drafts_ends_before_the_first_the_head_is_unsure_of(ckpt, reference,
+                                                                        random_head):
+    """With a floor, every proposal is a run of even ids, some cut short; without one, odd ids
+    are drafted too. Outputs equal plain decoding either way."""
+    seen = {}
+    for floor in (0.0, 0.5):
+        spec = {"method": "eagle", "num_speculative_tokens": 3, "model": random_head,
+                "min_draft_confidence": floor}
+        with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
+            seen[floor] = _sure_of_even_ids_only(llm)
+            assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == reference["greedy"]
+            _check_pool(llm)
+    assert any(t % 2 for p in seen[0.0] for t in p)
+    assert all(t % 2 == 0 for p in seen[0.5] for t in p)
+    assert any(len(p) == 3 for p in seen[0.5]) and any(len(p) < 3 for p in seen[0.5])
+
+
 def test_stops_inside_accepted_runs_end_where_plain_decoding_ends(ckpt, reference):
     prompts, ref = _prompts(), reference["greedy"]
     stop_id = ref[2][9]  # a token the third answer reaches mid-way
@@ -302,7 +337,8 @@ def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_ch
                         ({"method": "eagle", "num_speculative_tokens": 17}, "num_speculative"),
                         ({"method": "medusa"}, "method"),
                         ({"num_speculative_tokens": 2}, "method"),
-                        ({"method": "ngram", "k": 2}, "'k'")):
+                        ({"method": "ngram", "k": 2}, "'k'"),
+                        ({"method": "eagle", "min_draft_confidence": 1.0}, "min_draft_conf")):
         with pytest.raises(ValueError, match=field):
             LLM(ckpt, speculative_config=spec, **ENGINE)
     other = open_checkpoint(str(tiny_checkpoint("llama", hidden_size=96))).config
