@@ -359,7 +359,11 @@ class Engine:
         """Ask the drafter for the next step's drafts of each request that sampled and runs on,
         as many as its max_tokens and the context leave room for."""
         num_drafts = {}
-        k = self.config.speculative_config.num_speculative_tokens
+        spec = self.config.speculative_config
+        k = spec.num_speculative_tokens
+        # above disable_by_batch_size no drafts, but the drafter still sees the step (catch-up)
+        off = spec.disable_by_batch_size is not None and \
+            len(self.scheduler.running) + len(self.scheduler.waiting) > spec.disable_by_batch_size
         for s in plan.scheduled:
             request = s.request
             if not s.samples or request.status is not RequestStatus.RUNNING:
@@ -368,7 +372,7 @@ class Engine:
             n = min(k, max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens)
             request.draft_token_ids = []
-            if n > 0:
+            if n > 0 and not off:
                 num_drafts[request] = n
         with torch.inference_mode():
             self.drafter.propose(plan, result.hidden_states, num_drafts)

@@ -31,7 +31,13 @@ class SpeculativeConfig:
     seldom accepted, and verifying it costs: on a CPU each verified row adds to the step (the
     target's int4 GEMMs are compute bound from 2 rows on), and every draft costs a head pass.
     The default was chosen on SmolLM2's held-out chat prompts (bench/results/spec_decode.md:
-    0.15 was best of 0 .. 0.5)."""
+    0.15 was best of 0 .. 0.5).
+
+    disable_by_batch_size (as vLLM's): while more requests than this are in the engine
+    (running and waiting), steps carry no drafts: a large batch already fills the device (on a
+    CPU a verify of several rows a request costs nearly that many decodes), and speculation
+    then only adds work. EAGLE's head still catches up on every step, so drafting resumes as
+    soon as the batch shrinks. None: never."""
 
     method: str
     num_speculative_tokens: int = 3
@@ -42,6 +48,7 @@ class SpeculativeConfig:
     draft_address: str | None = None
     draft_timeout_s: float = 0.5
     min_draft_confidence: float = 0.15
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +77,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.draft_timeout_s must be > 0, got "
                              f"{self.draft_timeout_s!r}")
 
+        if self.disable_by_batch_size is not None and not (
+                isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 "
+                             f"or None, got {self.disable_by_batch_size!r}")
         if not (isinstance(self.min_draft_confidence, int | float)
                 and 0 <= self.min_draft_confidence < 1):
             raise ValueError(f"speculative_config.min_draft_confidence must be in [0, 1), got "

@@ -161,6 +161,34 @@ def test_a_chain_of_drafts_ends_before_the_first_the_head_is_unsure_of(ckpt, ref
     assert any(len(p) == 3 for p in seen[0.5]) and any(len(p) < 3 for p in seen[0.5])
 
 
+def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size(ckpt, reference,
+                                                                         random_head):
+    """Five prompts at once with disable_by_batch_size 2: steps carry drafts only once at most
+    2 requests remain, and the head, catching up all along, drafts right then. Outputs equal
+    plain decoding; the request left alone (its peers done) is drafted for."""
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": random_head,
+            "min_draft_confidence": 0.0, "disable_by_batch_size": 2}
+    with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
+        engine, sizes = llm.engine, []
+        plain_propose = engine.drafter.propose
+
+        def propose(plan, hidden, num_drafts):
+            plain_propose(plan, hidden, num_drafts)
+            if num_drafts:
+                sizes.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+
+        engine.drafter.propose = propose
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in (40, 10, 12, 14, 16)]
+        outs = llm.generate(_prompts(), params)
+        assert [o.token_ids for o in outs][1:] == [r[:n] for r, n in
+                                                  zip(reference["greedy"][1:], (10, 12, 14, 16))]
+        assert outs[0].token_ids == reference["greedy"][0]
+        assert sizes and max(sizes) <= 2
+        assert outs[0].num_drafts > 0
+        _check_pool(llm)
+
+
 def test_stops_inside_accepted_runs_end_where_plain_decoding_ends(ckpt, reference):
     prompts, ref = _prompts(), reference["greedy"]
     stop_id = ref[2][9]  # a token the third answer reaches mid-way
@@ -338,7 +366,8 @@ def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_ch
                         ({"method": "medusa"}, "method"),
                         ({"num_speculative_tokens": 2}, "method"),
                         ({"method": "ngram", "k": 2}, "'k'"),
-                        ({"method": "eagle", "min_draft_confidence": 1.0}, "min_draft_conf")):
+                        ({"method": "eagle", "min_draft_confidence": 1.0}, "min_draft_conf"),
+                        ({"method": "eagle", "disable_by_batch_size": 0}, "disable_by_batch")):
         with pytest.raises(ValueError, match=field):
             LLM(ckpt, speculative_config=spec, **ENGINE)
     other = open_checkpoint(str(tiny_checkpoint("llama", hidden_size=96))).config
