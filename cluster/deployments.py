@@ -219,12 +219,8 @@ class DraftDeployment:
         return {"draft_busy": min(1.0, (busy - last_busy) / span) if span > 0 else 0.0}
 
     def stats(self) -> dict:
-        server = self.service.server
         return {"address": self.service.address, "node_id": ray.get_runtime_context().get_node_id(),
-                "num_targets": len(server.targets), "num_requests": server.num_requests,
-                "num_rounds": server.num_rounds, "num_batches": server.num_batches,
-                "num_evicted": server.num_evicted,
-                "num_prefix_hit_blocks": server.num_prefix_hit_blocks}
+                **self.service.server.stats()}
 
     def check_health(self) -> None:
         self.service.check()

@@ -9,11 +9,14 @@ payload. A target sends
     {"model_id", "dtype", "hidden", "rounds": [{"key", "start", "tokens", "n", "prefix"?}],
      "release": [keys]}  + the features, [rows, hidden] raw in dtype
 
-and the replica answers {"drafts": [[ids], ...]} or {"error": message}.
+and the replica answers {"drafts": [[ids], ...]} or {"error": message}; {"stats": true} gets
+{"stats": DraftServer.stats()}.
 
 DraftService (the replica's side) reads every connection on its own thread and drafts on one
 more: rounds that arrive while a batch runs are drafted together in the next, whichever target
-sent them. RemoteDrafter (the target's side) is a Drafter (worker/drafters.py): a round that
+sent them. When no message waits it runs ahead (DraftServer.run_ahead), and a message whose
+every round run-ahead prepared for is answered before its rounds are caught up on.
+RemoteDrafter (the target's side) is a Drafter (worker/drafters.py): a round that
 fails or misses its deadline gives no drafts (the step decodes plainly), and the replica is
 left alone for `retry_after_s` before the next try: speculation degrades, outputs never change.
 """
@@ -162,12 +165,20 @@ class DraftService:
             t0 = time.perf_counter()
             self._draft_batch(batch)
             self.busy_s += time.perf_counter() - t0
+            if self._queue.empty():  # idle: prepare the next rounds (not counted as load)
+                try:
+                    self.server.run_ahead()
+                except Exception:
+                    logger.exception("run-ahead failed")  # the next rounds draft as usual
 
     def _draft_batch(self, batch: list) -> None:
         """Draft every message of the batch in one DraftServer call per model id (a bad
         message gets its own error and leaves the others alone)."""
         parsed = []
         for header, payload, done in batch:
+            if header.get("stats"):  # {"stats": true}: the replica's counters, nothing drafted
+                done.put({"stats": self.server.stats()})
+                continue
             try:
                 self.server.release(list(header.get("release", ())))
                 rounds = [DraftRound(r["key"], int(r["start"]), list(r["tokens"]), int(r["n"]),
@@ -186,17 +197,25 @@ class DraftService:
             items = [it for it in group if it[1]]
             if not items:
                 continue
+            answered = set()
+            for n, (_, rounds, _, done) in enumerate(items):  # run-ahead's: answered at once
+                ready = self.server.prepared(rounds)
+                if ready is not None:
+                    done.put({"drafts": ready})
+                    answered.add(n)
             try:
                 drafts = self.server.draft([r for it in items for r in it[1]],
                                            torch.cat([it[2] for it in items]), model_id)
             except Exception as e:  # a bad round (shape, ids): every sender of the batch hears
                 logger.exception("draft batch failed")
-                for *_, done in items:
-                    done.put({"error": f"drafting failed: {e!r}"})
+                for n, (*_, done) in enumerate(items):
+                    if n not in answered:
+                        done.put({"error": f"drafting failed: {e!r}"})
                 continue
             at = 0
-            for _, rounds, _, done in items:
-                done.put({"drafts": drafts[at:at + len(rounds)]})
+            for n, (_, rounds, _, done) in enumerate(items):
+                if n not in answered:
+                    done.put({"drafts": drafts[at:at + len(rounds)]})
                 at += len(rounds)
 
 

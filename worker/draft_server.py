@@ -24,6 +24,7 @@ least recently used first, when the pool is short.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -35,7 +36,9 @@ from mxserve.worker.attention_backends import get_attention_backend
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.eagle import (
     DEFAULT_HEAD,
+    ChainEnd,
     Span,
+    draft_ahead,
     draft_round,
     load_embedding_and_head,
     load_head,
@@ -68,6 +71,20 @@ class _State:
     end: int = 0
     model_id: str = ""  # the target's, salting the hashes
     hashable: bool = True  # False once some earlier tokens are unknown here
+    chain: ChainEnd | None = None  # where the last round's chain of drafts stopped
+    next_start: int = 0  # the next round's start (the position after the last kept one)
+    drafts: list[int] = field(default_factory=list)  # the last round's answer
+    ahead: _Ahead | None = None  # run-ahead's drafts for the next round
+
+
+@dataclass
+class _Ahead:
+    """Drafts prepared for a request's next round, should its target keep every draft of the
+    last one and add the token the head guessed."""
+
+    tokens: list[int]  # that round's new tokens: the last drafts, then the guess
+    drafts: list[int]
+    end: ChainEnd  # where their chain stopped
 
 
 class DraftServer:
@@ -79,6 +96,7 @@ class DraftServer:
         if spec is None or spec.method != "eagle":
             raise ValueError("a draft server needs speculative_config with method 'eagle'")
         self.k, self.min_confidence = spec.num_speculative_tokens, spec.min_draft_confidence
+        self.run_ahead_enabled = spec.run_ahead
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.block_size = config.block_size
         checkpoint = open_model(config)
@@ -101,10 +119,20 @@ class DraftServer:
         self.num_evicted = 0
         self.num_prefix_hit_blocks = 0  # blocks a first round found computed by another
         self.targets: set[str] = set()  # the target ids keys have named ("<target>/<request>")
+        self.num_ahead = 0  # rounds run-ahead prepared drafts for
+        self.num_ahead_hits = 0  # rounds answered with them
+        self._last_keys: list[str] = []  # the last draft call's rounds, for run_ahead
 
     @property
     def num_requests(self) -> int:
         return len(self._states)
+
+    def stats(self) -> dict:
+        return {"num_targets": len(self.targets), "num_requests": self.num_requests,
+                "num_rounds": self.num_rounds, "num_batches": self.num_batches,
+                "num_evicted": self.num_evicted,
+                "num_prefix_hit_blocks": self.num_prefix_hit_blocks,
+                "num_ahead": self.num_ahead, "num_ahead_hits": self.num_ahead_hits}
 
     @torch.inference_mode()
     def draft(self, rounds: list[DraftRound], features: torch.Tensor, model_id: str = ""
@@ -134,16 +162,79 @@ class DraftServer:
                 placed.append(i)
             at += r.kept
         drafts: list[list[int]] = [[] for _ in rounds]
+        hits = {i: self._prepared(rounds[i]) for i in placed}
         if spans:
             feats = features if len(rows) == features.shape[0] else features[rows]
-            out = draft_round(self.head, self.kv_cache, self.attn, self.block_size, spans,
-                              tokens, feats, nums, self.min_confidence)
-            for i, d in zip(placed, out):
+            # a round run-ahead prepared for only catches up (its KV, from true features)
+            out, ends = draft_round(self.head, self.kv_cache, self.attn, self.block_size, spans,
+                                    tokens, feats, [0 if hits[i] is not None else n
+                                                    for i, n in zip(placed, nums)],
+                                    self.min_confidence)
+            for i, n, d, end in zip(placed, nums, out, ends):
+                r, ahead = rounds[i], hits[i]
+                self._computed(r, model_id)
+                state = self._states[r.key]
+                if ahead is not None:
+                    self.num_ahead_hits += 1
+                    d, end = ahead.drafts[:n], ahead.end if len(ahead.drafts) <= n else None
                 drafts[i] = d
-                self._computed(rounds[i], model_id)
+                state.chain, state.drafts, state.ahead = end, d, None
+                state.next_start = r.start + r.kept
+        self._last_keys = [rounds[i].key for i in placed]
         self.num_rounds += len(rounds)
         self.num_batches += 1
         return drafts
+
+    def prepared(self, rounds: list[DraftRound]) -> list[list[int]] | None:
+        """The drafts run-ahead prepared for every one of these rounds, or None if some round
+        has none ready (its target did not keep all the last drafts, or added another token):
+        a message answered from them waits for no drafting. `draft` must still see the rounds
+        (it catches the head up on them)."""
+        out = []
+        for r in rounds:
+            ahead = self._prepared(r)
+            if ahead is None:
+                return None
+            out.append(ahead.drafts[:min(r.num_drafts, self.k)])
+        return out
+
+    def _prepared(self, r: DraftRound) -> _Ahead | None:
+        state = self._states.get(r.key)
+        if state is None or state.ahead is None or r.num_drafts < 1 or \
+                r.start != state.next_start or r.tokens[1:] != state.ahead.tokens:
+            return None
+        return state.ahead
+
+    @torch.inference_mode()
+    def run_ahead(self) -> None:
+        """Run-ahead drafting (speculative_config.run_ahead), between rounds: for each request
+        of the last draft call that got drafts, the next round's drafts as if its target keeps
+        them all and adds the token the head expects; the next round is answered from them at
+        once when that comes true (`prepared`), else drafted as usual. The target verifies
+        every draft, so a wrong guess costs only this idle-time work."""
+        if not self.run_ahead_enabled:
+            return
+        keys, ends = [], []
+        for key in self._last_keys:
+            state = self._states.get(key)
+            if state is None or state.chain is None or state.ahead is not None:
+                continue
+            need = state.chain.position + self.k + 2  # the guess's position, then k drafts
+            if not self.kv.allocate(key, need):
+                continue  # no room: no run-ahead for it (never evicts for this)
+            keys.append(key)
+            ends.append(dataclasses.replace(state.chain,
+                                            block_table=self.kv.get_block_ids(key)))
+        self._last_keys = []
+        if not keys:
+            return
+        guesses, drafts, chain_ends = draft_ahead(self.head, self.kv_cache, self.attn,
+                                                  self.block_size, ends, self.k,
+                                                  self.min_confidence)
+        for key, guess, d, end in zip(keys, guesses, drafts, chain_ends):
+            state = self._states[key]
+            state.ahead = _Ahead(state.drafts + [guess], d, end)
+        self.num_ahead += len(keys)
 
     def release(self, keys: list[str]) -> None:
         """Forget these requests (ended, aborted or moved on their target)."""

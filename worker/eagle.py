@@ -233,15 +233,14 @@ class EagleDrafter:
         kept = kept_spans(plan)
         if not kept:
             return
-        drafts = draft_round(self.head, self.kv_cache, self.attn, self.runner.config.block_size,
-                             [Span(s.start_position, n, s.block_table, s.position_offset)
-                              for s, n in kept],
-                             [t for s, n in kept for t in _next_tokens(
-                                 s.request, s.start_position + s.position_offset, n)],
-                             torch.cat([hidden[off:off + n] for (s, n), off
-                                        in zip(kept, kept_offsets(plan, kept))]),
-                             [num_drafts.get(s.request, 0) for s, _ in kept],
-                             self.min_confidence)
+        drafts, _ = draft_round(
+            self.head, self.kv_cache, self.attn, self.runner.config.block_size,
+            [Span(s.start_position, n, s.block_table, s.position_offset) for s, n in kept],
+            [t for s, n in kept for t in _next_tokens(
+                s.request, s.start_position + s.position_offset, n)],
+            torch.cat([hidden[off:off + n] for (s, n), off
+                       in zip(kept, kept_offsets(plan, kept))]),
+            [num_drafts.get(s.request, 0) for s, _ in kept], self.min_confidence)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
                 s.request.draft_token_ids = d
@@ -293,16 +292,32 @@ class Span:
     offset: int = 0
 
 
+@dataclass(slots=True)
+class ChainEnd:
+    """Where a request's chain of drafts stopped: the head's output `feature` [hidden] predicted
+    `token`, and `position` is where the head would run on that token next. `guess`: the token
+    was not drafted (the head was unsure of it), so it is the head's guess at the token the
+    target adds after the drafts; otherwise it is the last draft."""
+
+    position: int
+    token: int
+    feature: torch.Tensor
+    guess: bool
+    block_table: list[int]
+    offset: int = 0
+
+
 def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
                 block_size: int, spans: list[Span], tokens: list[int], features: torch.Tensor,
-                num_drafts: list[int], min_confidence: float = 0.0) -> list[list[int]]:
+                num_drafts: list[int], min_confidence: float = 0.0
+                ) -> tuple[list[list[int]], list[ChainEnd | None]]:
     """One drafting round for a batch of requests (the local drafter's and the draft replica's,
     worker/draft_server.py): the catch-up pass over each span's positions (`tokens` and
     `features` flat in span order), then a chain of single positions from each span's last
     output, up to num_drafts[i] drafts for span i (0: catch up only). A span's chain ends
     before its first draft the head gives less than `min_confidence` (its softmax probability):
     such a draft is seldom accepted, and on a CPU each verified row costs (SpeculativeConfig).
-    Returns the drafts per span."""
+    Returns the drafts per span and where each chain ended (None: no drafts asked)."""
     order = sorted(range(len(spans)), key=lambda i: spans[i].length != 1)  # decodes first
     rows, at = [], 0
     for sp in spans:
@@ -313,30 +328,82 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
     g = _run(head, kv_cache, attn, block_size, [spans[i] for i in order],
              [tokens[r] for r in flat], features[torch.tensor(flat, device=device)]
              if flat != list(range(len(flat))) else features)
-    drafts: list[list[int]] = [[] for _ in spans]
     last, at = {}, -1
     for i in order:
         at += spans[i].length
         last[i] = at
     chain = [i for i in order if num_drafts[i] > 0]
-    if not chain:
-        return drafts
-    g = g[[last[i] for i in chain]]  # each drafting request's last output
-    positions = {i: spans[i].start + spans[i].length for i in chain}  # the chain's next one
-    for j in range(max(num_drafts[i] for i in chain)):
+    drafts: list[list[int]] = [[] for _ in spans]
+    ends: list[ChainEnd | None] = [None] * len(spans)
+    if chain:
+        g = g[[last[i] for i in chain]]  # each drafting request's last output
+        out, chain_ends = _chain(head, kv_cache, attn, block_size, g,
+                                 [ChainEnd(spans[i].start + spans[i].length, -1, g[n], False,
+                                           spans[i].block_table, spans[i].offset)
+                                  for n, i in enumerate(chain)],
+                                 [num_drafts[i] for i in chain], min_confidence)
+        for i, d, e in zip(chain, out, chain_ends):
+            drafts[i], ends[i] = d, e
+    return drafts, ends
+
+
+def draft_ahead(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
+                block_size: int, ends: list[ChainEnd], num_drafts: int,
+                min_confidence: float = 0.0
+                ) -> tuple[list[int], list[list[int]], list[ChainEnd]]:
+    """Run-ahead (the draft replica's, between a round's answer and the next round): for each
+    chain end, the round after it as if the target kept every draft and added the head's guess
+    at its next token. Returns the guesses, the next round's drafts (up to num_drafts, the
+    confidence floor applying) and where those chains ended."""
+    last = [i for i, e in enumerate(ends) if not e.guess]
+    starts = list(ends)
+    if last:  # the head runs on the last draft first: its output guesses the target's token
+        g = _run(head, kv_cache, attn, block_size,
+                 [Span(ends[i].position, 1, ends[i].block_table, ends[i].offset) for i in last],
+                 [ends[i].token for i in last], torch.stack([ends[i].feature for i in last]))
+        ids, _ = head.draft_tokens(g)
+        for n, (i, t) in enumerate(zip(last, ids.tolist())):
+            e = ends[i]
+            starts[i] = ChainEnd(e.position + 1, t, g[n], True, e.block_table, e.offset)
+    g = _run(head, kv_cache, attn, block_size,
+             [Span(e.position, 1, e.block_table, e.offset) for e in starts],
+             [e.token for e in starts], torch.stack([e.feature for e in starts]))
+    drafts, chain_ends = _chain(head, kv_cache, attn, block_size, g,
+                                [ChainEnd(e.position + 1, -1, g[n], False, e.block_table,
+                                          e.offset) for n, e in enumerate(starts)],
+                                [num_drafts] * len(starts), min_confidence)
+    return [e.token for e in starts], drafts, chain_ends
+
+
+def _chain(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
+           at: list[ChainEnd], num_drafts: list[int], min_confidence: float
+           ) -> tuple[list[list[int]], list[ChainEnd]]:
+    """Chains of drafts: g [R, hidden] the head's outputs that predict each chain's first
+    draft; at[i].position where the head runs on chain i's first draft. Up to num_drafts[i]
+    drafts each (>= 1), a chain ending before a draft below min_confidence."""
+    chain = list(range(len(at)))
+    positions = [a.position for a in at]
+    drafts: list[list[int]] = [[] for _ in at]
+    ends: list[ChainEnd] = list(at)
+    for j in range(max(num_drafts)):
         ids, confidence = head.draft_tokens(g)
         ids, sure = ids.tolist(), (confidence >= min_confidence).tolist()
-        for i, t, ok in zip(chain, ids, sure):
-            if ok:
-                drafts[i].append(t)
-        keep = [n for n, i in enumerate(chain) if sure[n] and num_drafts[i] > j + 1]
+        keep = []
+        for n, i in enumerate(chain):
+            if sure[n]:
+                drafts[i].append(ids[n])
+            if not sure[n] or num_drafts[i] == j + 1:
+                ends[i] = ChainEnd(positions[i] + j, ids[n], g[n], not sure[n],
+                                   at[i].block_table, at[i].offset)
+            else:
+                keep.append(n)
         if not keep:
             break
-        steps = [Span(positions[chain[n]] + j, 1, spans[chain[n]].block_table,
-                      spans[chain[n]].offset) for n in keep]
+        steps = [Span(positions[chain[n]] + j, 1, at[chain[n]].block_table,
+                      at[chain[n]].offset) for n in keep]
         g = _run(head, kv_cache, attn, block_size, steps, [ids[n] for n in keep], g[keep])
         chain = [chain[n] for n in keep]
-    return drafts
+    return drafts, ends
 
 
 def _run(head: EagleHead, kv_cache, attn, block_size: int, spans: list[Span],

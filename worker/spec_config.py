@@ -24,7 +24,9 @@ class SpeculativeConfig:
     worker reaches over worker/draft_channel.py: served, the cluster deploys it and tells the
     workers where; offline, `draft_address` ("host:port") names a running one.
     draft_timeout_s: a round's deadline; past it (or with the replica down) the step decodes
-    without drafts.
+    without drafts. run_ahead (replica): between rounds the replica drafts each request's next
+    round as if its target keeps every draft and adds the token the head expects; when that
+    comes true the next round is answered without drafting (worker/draft_server.py).
 
     min_draft_confidence (eagle): a request's chain of drafts ends before the first one the
     head gives a probability below this (0: always k drafts). A draft the head is unsure of is
@@ -48,6 +50,7 @@ class SpeculativeConfig:
     draft_address: str | None = None
     draft_timeout_s: float = 0.5
     min_draft_confidence: float = 0.15
+    run_ahead: bool = True
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:

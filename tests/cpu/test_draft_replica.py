@@ -57,9 +57,11 @@ def _spec(head: str, **extra) -> dict:
     return {"method": "eagle", "model": head, "num_speculative_tokens": 3, **extra}
 
 
-def _server(ckpt: str, head: str, num_blocks: int = 512) -> DraftServer:
+def _server(ckpt: str, head: str, num_blocks: int = 512, run_ahead: bool = False
+            ) -> DraftServer:
     return DraftServer(EngineConfig(model=ckpt, dtype="float32", num_threads=1,
-                                    speculative_config=_spec(head)), num_blocks)
+                                    speculative_config=_spec(head, run_ahead=run_ahead)),
+                       num_blocks)
 
 
 class Recorded:
@@ -109,6 +111,54 @@ def test_the_replica_drafts_what_the_local_drafter_drafts(ckpt, head, plain):
     # every request released as it ended; the shared prefix was a hit in the replica's cache
     assert server.num_requests == 0 and server.kv.num_free_blocks == server.kv.num_blocks
     assert server.num_prefix_hit_blocks >= 3
+
+
+def test_run_ahead_answers_a_round_that_kept_every_draft_and_the_guess(ckpt, head):
+    """DraftServer alone: after a round, run-ahead prepares the next as if the target keeps the
+    3 drafts and adds the head's guess; that round is answered from it (and still caught up
+    on), a round that differs anywhere is drafted as usual, and no KV block leaks."""
+    server = _server(ckpt, head, num_blocks=64, run_ahead=True)
+    tokens = [(5 * i) % 200 + 3 for i in range(20)]
+    first = server.draft([DraftRound("t/a", 0, tokens, 3)], torch.randn(19, 64), "m")[0]
+    assert server.prepared([DraftRound("t/a", 19, [tokens[-1], *first, 7], 3)]) is None
+    server.run_ahead()
+    assert server.num_ahead == 1
+    guess = server._states["t/a"].ahead.tokens[-1]  # what the head expects the target to add
+    kept = DraftRound("t/a", 19, [tokens[-1], *first, guess], 3)
+    ready = server.prepared([kept])
+    assert ready is not None and len(ready[0]) == 3
+    other = DraftRound("t/a", 19, [tokens[-1], *first, (guess + 1) % 256], 3)
+    assert server.prepared([other]) is None
+    assert server.prepared([DraftRound("t/a", 19, [tokens[-1], *first[:2]], 3)]) is None
+    assert server.draft([kept], torch.randn(4, 64), "m") == ready
+    assert server.num_ahead_hits == 1
+    server.run_ahead()  # from the prepared chain's end: the round after next
+    after = DraftRound("t/a", 23, [guess, *ready[0], server._states["t/a"].ahead.tokens[-1]], 3)
+    assert server.prepared([after]) is not None
+    server.release(["t/a"])
+    assert server.kv.num_free_blocks == server.kv.num_blocks
+
+
+def test_a_replica_running_ahead_keeps_outputs_and_answers_rounds_from_it():
+    """SmolLM2 and its shipped head (bf16, the default CPU engine) through an in-process
+    replica over loopback: greedy outputs equal plain decoding, and some rounds (those whose
+    drafts were all kept and whose next token the head guessed) are answered from run-ahead."""
+    questions = [[{"role": "user", "content": q}] for q in
+                 ("Name three uses of copper.", "Write the numbers from one to twenty.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    with LLM(load_progress=False, num_threads=1) as llm:
+        want = [llm.chat([q], params)[0].token_ids for q in questions]
+    spec = {"method": "eagle", "num_speculative_tokens": 3}
+    server = DraftServer(EngineConfig(num_threads=1, speculative_config=spec))
+    service = DraftService(server)
+    try:
+        with LLM(load_progress=False, num_threads=1, speculative_config={
+                **spec, "draft_placement": "replica", "draft_address": service.address}) as llm:
+            assert [llm.chat([q], params)[0].token_ids for q in questions] == want
+            assert llm.engine.drafter.num_failures == 0
+    finally:
+        service.close()
+    assert server.num_ahead > 10 and server.num_ahead_hits > 0
 
 
 def test_a_first_round_after_a_prefix_hit_reuses_the_replicas_blocks(ckpt, head):
