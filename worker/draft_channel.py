@@ -167,7 +167,7 @@ class DraftService:
             self.busy_s += time.perf_counter() - t0
             if self._queue.empty():  # idle: prepare the next rounds (not counted as load)
                 try:
-                    self.server.run_ahead()
+                    self.server.run_ahead(stop=lambda: not self._queue.empty())
                 except Exception:
                     logger.exception("run-ahead failed")  # the next rounds draft as usual
 

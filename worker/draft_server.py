@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -206,12 +207,13 @@ class DraftServer:
         return state.ahead
 
     @torch.inference_mode()
-    def run_ahead(self) -> None:
+    def run_ahead(self, stop: Callable[[], bool] | None = None) -> None:
         """Run-ahead drafting (speculative_config.run_ahead), between rounds: for each request
         of the last draft call that got drafts, the next round's drafts as if its target keeps
         them all and adds the token the head expects; the next round is answered from them at
         once when that comes true (`prepared`), else drafted as usual. The target verifies
-        every draft, so a wrong guess costs only this idle-time work."""
+        every draft, so a wrong guess costs only this idle-time work. `stop()`, asked before
+        each pass of the head, gives up (a message waits: it goes first)."""
         if not self.run_ahead_enabled:
             return
         keys, ends = [], []
@@ -221,16 +223,18 @@ class DraftServer:
                 continue
             need = state.chain.position + self.k + 2  # the guess's position, then k drafts
             if not self.kv.allocate(key, need):
-                continue  # no room: no run-ahead for it (never evicts for this)
+                continue  # no room: no run-ahead for it (no request's state goes for this)
             keys.append(key)
             ends.append(dataclasses.replace(state.chain,
                                             block_table=self.kv.get_block_ids(key)))
-        self._last_keys = []
         if not keys:
             return
-        guesses, drafts, chain_ends = draft_ahead(self.head, self.kv_cache, self.attn,
-                                                  self.block_size, ends, self.k,
-                                                  self.min_confidence)
+        ahead = draft_ahead(self.head, self.kv_cache, self.attn, self.block_size, ends, self.k,
+                            self.min_confidence, stop)
+        if ahead is None:
+            return
+        self._last_keys = []
+        guesses, drafts, chain_ends = ahead
         for key, guess, d, end in zip(keys, guesses, drafts, chain_ends):
             state = self._states[key]
             state.ahead = _Ahead(state.drafts + [guess], d, end)

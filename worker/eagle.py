@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -349,12 +350,15 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
 
 def draft_ahead(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
                 block_size: int, ends: list[ChainEnd], num_drafts: int,
-                min_confidence: float = 0.0
-                ) -> tuple[list[int], list[list[int]], list[ChainEnd]]:
+                min_confidence: float = 0.0, stop: Callable[[], bool] | None = None
+                ) -> tuple[list[int], list[list[int]], list[ChainEnd]] | None:
     """Run-ahead (the draft replica's, between a round's answer and the next round): for each
     chain end, the round after it as if the target kept every draft and added the head's guess
     at its next token. Returns the guesses, the next round's drafts (up to num_drafts, the
-    confidence floor applying) and where those chains ended."""
+    confidence floor applying) and where those chains ended; None when `stop()` said to give
+    up (checked before each pass of the head: a round waiting to be drafted goes first)."""
+    if stop is not None and stop():
+        return None
     last = [i for i, e in enumerate(ends) if not e.guess]
     starts = list(ends)
     if last:  # the head runs on the last draft first: its output guesses the target's token
@@ -365,22 +369,26 @@ def draft_ahead(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
         for n, (i, t) in enumerate(zip(last, ids.tolist())):
             e = ends[i]
             starts[i] = ChainEnd(e.position + 1, t, g[n], True, e.block_table, e.offset)
+        if stop is not None and stop():
+            return None
     g = _run(head, kv_cache, attn, block_size,
              [Span(e.position, 1, e.block_table, e.offset) for e in starts],
              [e.token for e in starts], torch.stack([e.feature for e in starts]))
-    drafts, chain_ends = _chain(head, kv_cache, attn, block_size, g,
-                                [ChainEnd(e.position + 1, -1, g[n], False, e.block_table,
-                                          e.offset) for n, e in enumerate(starts)],
-                                [num_drafts] * len(starts), min_confidence)
-    return [e.token for e in starts], drafts, chain_ends
+    chained = _chain(head, kv_cache, attn, block_size, g,
+                     [ChainEnd(e.position + 1, -1, g[n], False, e.block_table, e.offset)
+                      for n, e in enumerate(starts)],
+                     [num_drafts] * len(starts), min_confidence, stop)
+    return None if chained is None else ([e.token for e in starts], *chained)
 
 
 def _chain(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
-           at: list[ChainEnd], num_drafts: list[int], min_confidence: float
-           ) -> tuple[list[list[int]], list[ChainEnd]]:
+           at: list[ChainEnd], num_drafts: list[int], min_confidence: float,
+           stop: Callable[[], bool] | None = None
+           ) -> tuple[list[list[int]], list[ChainEnd]] | None:
     """Chains of drafts: g [R, hidden] the head's outputs that predict each chain's first
     draft; at[i].position where the head runs on chain i's first draft. Up to num_drafts[i]
-    drafts each (>= 1), a chain ending before a draft below min_confidence."""
+    drafts each (>= 1), a chain ending before a draft below min_confidence. None when
+    `stop()` says so before a pass of the head."""
     chain = list(range(len(at)))
     positions = [a.position for a in at]
     drafts: list[list[int]] = [[] for _ in at]
@@ -399,6 +407,8 @@ def _chain(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
                 keep.append(n)
         if not keep:
             break
+        if stop is not None and stop():
+            return None
         steps = [Span(positions[chain[n]] + j, 1, at[chain[n]].block_table,
                       at[chain[n]].offset) for n in keep]
         g = _run(head, kv_cache, attn, block_size, steps, [ids[n] for n in keep], g[keep])

@@ -121,6 +121,8 @@ def test_run_ahead_answers_a_round_that_kept_every_draft_and_the_guess(ckpt, hea
     tokens = [(5 * i) % 200 + 3 for i in range(20)]
     first = server.draft([DraftRound("t/a", 0, tokens, 3)], torch.randn(19, 64), "m")[0]
     assert server.prepared([DraftRound("t/a", 19, [tokens[-1], *first, 7], 3)]) is None
+    server.run_ahead(stop=lambda: True)  # a message waiting: it gives up
+    assert server.num_ahead == 0 and server._states["t/a"].ahead is None
     server.run_ahead()
     assert server.num_ahead == 1
     guess = server._states["t/a"].ahead.tokens[-1]  # what the head expects the target to add
