@@ -40,6 +40,9 @@ class AttentionBatch:
     block_size: int
     device: torch.device
     mass_window: int = 0  # > 0: accumulate attention mass, a prefill chunk's last this many
+    # per request: its queries may run as decode rows (a speculative verify: CPUAttention gives
+    # each its own context length in the decode kernel, the bits decode steps get); None: none
+    query_rows: list[bool] | None = None
 
 
 class AttentionBackend(ABC):
@@ -112,8 +115,8 @@ class TorchAttentionMetadata:
     decode_rows: torch.Tensor | None = None
 
 
-# CPUAttention runs a chunk of at most this many queries as decode rows (a verify's k + 1 with
-# k <= 16, the largest num_speculative_tokens); longer chunks gather their context for SDPA.
+# CPUAttention runs a chunk of at most this many queries as decode rows when asked
+# (AttentionBatch.query_rows: a verify's k + 1, k <= 16, the largest num_speculative_tokens).
 MAX_ROWS_AS_DECODES = 17
 
 # Grouping decodes: padding a short context to a long one costs its padded tokens; a separate
@@ -185,11 +188,14 @@ class TorchAttention(AttentionBackend):
             new_slots += [slots[i, start:end] for i, (start, end)
                           in enumerate(zip(batch.start_positions[nd:], ends[nd:]))]
         groups, index, rows = [], None, None
-        # CPUAttention: a short chunk's queries (a speculative verify's k + 1) run as decode
-        # rows of the kernel, each its own context length: exactly a decode's arithmetic, and
-        # cheaper than gathering the context for SDPA
-        as_rows = [] if self.grouped_decodes or batch.mass_window else \
-            [i for i in range(nd, len(ends)) if batch.query_lens[i] <= MAX_ROWS_AS_DECODES]
+        # CPUAttention: a verify's k + 1 queries (batch.query_rows) run as decode rows of the
+        # kernel, each its own context length: exactly a decode's arithmetic, and cheaper than
+        # gathering the context for SDPA. Prompt chunks stay on SDPA, whose rows do not depend
+        # on the chunking (a prefix hit computes the rest of a prompt as a miss would).
+        as_rows = [] if self.grouped_decodes or batch.mass_window or not batch.query_rows else \
+            [i for i in range(nd, len(ends))
+             if batch.query_rows[i] and batch.query_lens[i] <= MAX_ROWS_AS_DECODES]
+        row_spans = set(as_rows)
         if self.grouped_decodes:
             groups = [self._decode_group(tables, ends, rows, bs, dev)
                       for rows in group_by_length(ends[:nd], self.group_cost_tokens)]
@@ -206,7 +212,7 @@ class TorchAttention(AttentionBackend):
         spans, first = [], nd
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]
-            if qlen <= MAX_ROWS_AS_DECODES and as_rows:  # in the kernel's rows
+            if i in row_spans:  # in the kernel's rows
                 first += qlen
                 continue
             mask = None

@@ -424,7 +424,8 @@ def _run(head: EagleHead, kv_cache, attn, block_size: int, spans: list[Span],
     meta = attn.build_metadata(AttentionBatch(
         query_lens=[sp.length for sp in spans], start_positions=[sp.start for sp in spans],
         block_tables=[sp.block_table for sp in spans],
-        num_decodes=sum(sp.length == 1 for sp in spans), block_size=block_size, device=device))
+        num_decodes=sum(sp.length == 1 for sp in spans), block_size=block_size, device=device,
+        query_rows=[True] * len(spans)))  # drafts only: the cheaper path wherever there is one
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     positions = torch.tensor([p for sp in spans for p in range(sp.start + sp.offset,
                                                                  sp.start + sp.offset + sp.length)],

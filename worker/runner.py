@@ -258,7 +258,9 @@ class ModelRunner:
             start_positions=[s.start_position for s in plan.scheduled],
             block_tables=[s.block_table for s in plan.scheduled],
             num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device,
-            mass_window=plan.mass_window))
+            mass_window=plan.mass_window,
+            query_rows=[s.num_draft_tokens > 0 for s in plan.scheduled]
+            if any(s.num_draft_tokens for s in plan.scheduled) else None))
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn, meta)  # [T, hidden]
         # logits only for the rows that pick a next token
         logits = self.model.compute_logits(hidden[sample_rows])

@@ -265,8 +265,8 @@ def test_write_kv_cache_bit_exact(dtype, slot_dtype):
 
 
 def attention_batch(gen, block_size=4, num_blocks=48, consecutive=False):
-    # three decodes, then chunks: CPUAttention runs the short ones as kernel rows (a
-    # prompt's 6, a verify-sized 3), SDPA the 20 between them
+    # three decodes, then chunks: CPUAttention runs those marked as query rows (verifies) in the
+    # decode kernel, SDPA the 20 between them
     query_lens, starts = [1, 1, 1, 6, 20, 3], [6, 17, 0, 0, 5, 11]
     ids = (list(range(num_blocks)) if consecutive
            else torch.randperm(num_blocks, generator=gen).tolist())
@@ -276,7 +276,8 @@ def attention_batch(gen, block_size=4, num_blocks=48, consecutive=False):
         tables.append(ids[:count])
         ids = ids[count:]
     return AttentionBatch(query_lens=query_lens, start_positions=starts, block_tables=tables,
-                          num_decodes=3, block_size=block_size, device=torch.device("cpu"))
+                          num_decodes=3, block_size=block_size, device=torch.device("cpu"),
+                          query_rows=[False, False, False, True, False, True])
 
 
 def test_decodes_are_grouped_by_length_where_padding_costs_more_than_a_call():
@@ -329,7 +330,8 @@ def test_cpu_backend_gives_a_short_chunk_the_bits_of_one_decode_at_a_time(dtype)
                         for _ in range(2))
     q = torch.randn(qlen, 9, 64, generator=gen).to(dtype)
     chunk = AttentionBatch(query_lens=[qlen], start_positions=[start], block_tables=[table],
-                           num_decodes=0, block_size=block_size, device=torch.device("cpu"))
+                           num_decodes=0, block_size=block_size, device=torch.device("cpu"),
+                           query_rows=[True])
     together = backend.forward(q, k_cache, v_cache, backend.build_metadata(chunk))
     for i in range(qlen):
         one = AttentionBatch(query_lens=[1], start_positions=[start + i], block_tables=[table],

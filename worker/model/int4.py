@@ -21,7 +21,11 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZE = 32
-INT4_MAX_ROWS = 4  # rows (tokens) up to which int4 beats the bf16 GEMM
+# Rows (tokens) up to which layers take int4: it beats oneDNN's bf16 GEMM up to 4 rows, ties it
+# at 8 and loses at 16 (bench/results/int4_rows.md). 8 rather than 4 keeps a speculative verify
+# of up to 7 drafts on the int4 path, whose rows are exact (what decode steps compute, bit for
+# bit; oneDNN's results depend on the row count).
+INT4_MAX_ROWS = 8
 
 
 def int4_supported(weight: torch.Tensor) -> bool:
