@@ -224,6 +224,8 @@ def kernel_profile(engine, num_steps: int) -> dict:
 
 def make_engine(args, **options):
     t0 = time.perf_counter()
+    if args.gemv_max_rows is not None:  # e.g. k + 1: a verify's projections on the GEMV too
+        options.setdefault("gemv", {"max_rows": args.gemv_max_rows})
     llm = LLM(model=args.shape, load_format="dummy", dtype=args.dtype, load_progress=False,
               device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batches), kv_cache_memory_gb=args.kv_gb, **options)
@@ -506,6 +508,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sections", default="decode,decode_eager,verify,verify_eager,eagle",
                    help="verify and eagle need decode (their drafts' reference)")
     p.add_argument("--deadline-s", type=float, default=240)
+    p.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="EngineConfig.gemv max_rows (default the engine's, 1)")
     args = p.parse_args()
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,8,32"))
                     .split(",")]
