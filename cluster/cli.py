@@ -118,6 +118,8 @@ def _train_draft_parser(sub) -> None:
                    help="also learn from this many tokens of KJV text (prefill only: cheap)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=4096, help="answer tokens a step, about")
+    p.add_argument("--unroll-steps", type=int, default=2,
+                   help="drafting steps trained, each on the KV the drafter's chain sees")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the target in bf16 there)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="drafts come from the N tokens the target writes most (0: all)")
@@ -470,9 +472,9 @@ def cmd_train_draft(args) -> int:
     from mxserve.worker.eagle_train import TrainConfig, train_draft
 
     if min(args.num_prompts, args.epochs, args.max_tokens, args.batch_tokens,
-           args.max_num_seqs) < 1:
-        raise MxserveError("--num-prompts, --epochs, --max-tokens, --batch-tokens and "
-                           "--max-num-seqs must be >= 1")
+           args.max_num_seqs, args.unroll_steps) < 1:
+        raise MxserveError("--num-prompts, --epochs, --max-tokens, --batch-tokens, "
+                           "--max-num-seqs and --unroll-steps must be >= 1")
     if args.draft_vocab_size < 0:
         raise MxserveError(f"--draft-vocab-size: must be >= 0, got {args.draft_vocab_size}")
     if not args.lr > 0:
@@ -480,7 +482,8 @@ def cmd_train_draft(args) -> int:
     report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
                          args.heldout, args.num_speculative_tokens,
                          TrainConfig(epochs=args.epochs, lr=args.lr,
-                                     batch_tokens=args.batch_tokens),
+                                     batch_tokens=args.batch_tokens,
+                                     unroll_steps=args.unroll_steps),
                          text_tokens=args.text_tokens, device=args.device,
                          draft_vocab_size=args.draft_vocab_size,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)

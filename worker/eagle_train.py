@@ -8,9 +8,11 @@ self-distillation on the target's own outputs.
    for its final hidden states f (the features the head reads at inference).
 3. The head learns, for every answer position p, from (x_{p+1}, f_p): its output g_p regresses
    f_{p+1} (smooth L1) and its logits (the target's LM head on g_p) match the target's
-   next-token distribution softmax(lm_head(f_{p+1})) (soft cross-entropy). Then one step
-   unrolled on its own outputs: (x_{p+2}, g_p) at position p + 1 learns f_{p+2}, as drafting
-   feeds a draft its predecessor's output; features get a little noise (EAGLE's augmentation).
+   next-token distribution softmax(lm_head(f_{p+1})) (soft cross-entropy). Then
+   `unroll_steps - 1` steps unrolled on its own outputs: (x_{p+2}, g_p) at position p + 1
+   learns f_{p+2}, and so on, as drafting feeds a draft its predecessor's output, each
+   attending to exactly the KV the drafter's chain has there (`head_forward_steps`); features
+   get a little noise (EAGLE's augmentation).
    With `text_tokens`, windows of KJV text (their prefill only) join the answers.
 4. Acceptance length on held-out prompts: tokens per verify step (accepted drafts + 1) of the
    engine speculating with the new head, greedy.
@@ -176,30 +178,47 @@ def target_features(llm, samples: list[Sample], tokens_per_pass: int = 4096
     return out
 
 
-def head_forward_train(head: EagleHead, embed: torch.Tensor, next_ids: torch.Tensor,
-                       features: torch.Tensor) -> torch.Tensor:
-    """What EagleHead.forward computes over whole sequences from position 0, with autograd:
-    next_ids [B, L] (x_{p+1}), features [B, L, hidden] -> g [B, L, hidden]. Right padding is
-    harmless: causal attention never lets a real position see a later one."""
+def head_forward_steps(head: EagleHead, embed: torch.Tensor, next_ids: torch.Tensor,
+                       features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs g [B, L, hidden] for drafting steps 1..steps at every position p,
+    with autograd, each computing what drafting computes there (the "training-time test": the
+    unrolled steps see the KV the drafter's chain sees, not a sequence of their own):
+
+        step 1 at p:  (x_{p+1}, f_p), attending to step 1 at positions <= p (the catch-up)
+        step s at p:  (x_{p+1}, step s - 1's output at p - 1), attending to step 1 at
+                      positions <= p - s + 1 and to step j at position p - s + j, j = 2..s
+                      (the chain's own KV: draft s - 1's position p - 1, ...)
+
+    next_ids [B, L] (x_{p+1} at p), features [B, L, hidden] (f_p). Step s's rows p < s - 1 have
+    no chain start and mean nothing. Right padding is harmless: no position sees a later one."""
     layer, cfg = head.layer, head.config
+    attn, mlp = layer.self_attn, layer.mlp
     b, length = next_ids.shape
-    x = head.fc(torch.cat([F.embedding(next_ids, embed), features], -1))
-    attn = layer.self_attn
-    h = _rms(x, layer.input_layernorm)
-    qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-    qkv = qkv.view(b, length, attn.num_heads + 2 * attn.num_kv_heads, cfg.head_dim)
-    q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=2)
     cos = head.rope.cos[:length].repeat(1, 2)  # [L, D]: rotate-half's layout
     sin = head.rope.sin[:length].repeat(1, 2)
-    q, k = (_rotate(t, cos, sin) for t in (q, k))
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True, enable_gqa=True)
-    o = F.linear(o.transpose(1, 2).reshape(b, length, -1), attn.o_proj.weight)
-    residual = x + o
-    mlp = layer.mlp
-    gate, up = F.linear(_rms(residual, layer.post_attention_layernorm),
-                        mlp.gate_up_proj.weight).chunk(2, -1)
-    return residual + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    pos = torch.arange(length, device=features.device)
+    embedded = F.embedding(next_ids, embed)
+    keys, values, outs = [], [], []
+    for s in range(1, steps + 1):
+        feed = features if s == 1 else F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # shifted by one
+        x = head.fc(torch.cat([embedded, feed], -1))
+        qkv = F.linear(_rms(x, layer.input_layernorm), attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = qkv.view(b, length, attn.num_heads + 2 * attn.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=2)
+        q, k = (_rotate(t, cos, sin) for t in (q, k))
+        keys.append(k)
+        values.append(v)
+        # query p sees step 1's keys t <= p - s + 1, and step j's key t = p - s + j
+        mask = torch.cat([pos[None, :] <= pos[:, None] - s + 1]
+                         + [pos[None, :] == pos[:, None] - s + j for j in range(2, s + 1)], 1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+            torch.cat(values, 1).transpose(1, 2), attn_mask=mask, enable_gqa=True)
+        residual = x + F.linear(o.transpose(1, 2).reshape(b, length, -1), attn.o_proj.weight)
+        gate, up = F.linear(_rms(residual, layer.post_attention_layernorm),
+                            mlp.gate_up_proj.weight).chunk(2, -1)
+        outs.append(residual + F.linear(F.silu(gate) * up, mlp.down_proj.weight))
+    return outs
 
 
 def _rms(x: torch.Tensor, norm) -> torch.Tensor:
@@ -237,7 +256,8 @@ class TrainConfig:
     lr: float = 1e-3
     batch_tokens: int = 4096  # answer tokens a step, about
     cls_weight: float = 0.1  # the soft cross-entropy's weight beside the feature regression
-    unroll_weight: float = 0.5  # the unrolled step's losses
+    unroll_weight: float = 0.5  # each unrolled step's losses
+    unroll_steps: int = 2  # drafting steps trained (head_forward_steps): 1 + those unrolled
     noise: float = 0.05  # feature noise, times each feature's RMS
     cls_fraction: float = 0.25  # answer positions the cross-entropy (a vocabulary-wide
     # product, most of a step's cost) is computed on, drawn anew each step
@@ -272,14 +292,14 @@ def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
         rng.shuffle(batches)
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="batch", file=sys.stderr)
         for batch in bar:
-            loss, (acc, _) = _batch_loss(head, embed, [samples[i] for i in batch],
-                                         [features[i] for i in batch], cfg)
+            loss, accs = _batch_loss(head, embed, [samples[i] for i in batch],
+                                     [features[i] for i in batch], cfg)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{acc:.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{accs[0]:.2f}")
         if state_path:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
                         "epoch": epoch + 1}, state_path)
@@ -327,7 +347,7 @@ def _batches(samples: list[Sample], batch_tokens: int) -> list[list[int]]:
 
 
 def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor],
-                cfg: TrainConfig) -> tuple[torch.Tensor, float]:
+                cfg: TrainConfig) -> tuple[torch.Tensor, list[float]]:
     length = max(len(s.token_ids) for s in samples)
     b = len(samples)
     hidden = features[0].shape[1]
@@ -341,19 +361,18 @@ def _batch_loss(head, embed, samples: list[Sample], features: list[torch.Tensor]
         mask[i, max(0, s.num_prompt_tokens - 1):n - 1] = True
     ids, feats, mask = (t.to(embed.device) for t in (ids, feats, mask))
     noisy = feats + cfg.noise * feats.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn_like(feats)
-    # step 1: (x_{p+1}, f_p) -> g_p ~ f_{p+1}
-    g = head_forward_train(head, embed, ids[:, 1:length + 1], noisy)
+    # step s at p: g ~ f_{p+1}, from (x_{p+1}, f_p) or the step before's output at p - 1
     want = torch.zeros_like(feats)
     want[:, :-1] = feats[:, 1:]
-    loss, acc = _losses(g, want, mask, embed, cfg)
-    # step 2, unrolled: (x_{p+2}, g_p) at p + 1 -> f_{p+2}
-    g2 = head_forward_train(head, embed, ids[:, 2:length + 1], g[:, :-1])
-    want2 = torch.zeros_like(feats[:, :-1])
-    want2[:, :-1] = feats[:, 2:]
-    mask2 = mask[:, 1:].clone()
-    mask2[:, -1] = False
-    loss2, acc2 = _losses(g2, want2, mask2, embed, cfg)
-    return loss + cfg.unroll_weight * loss2, (acc, acc2)
+    loss, accs = 0.0, []
+    for s, g in enumerate(head_forward_steps(head, embed, ids[:, 1:length + 1], noisy,
+                                             cfg.unroll_steps), 1):
+        step_mask = mask.clone()
+        step_mask[:, :s - 1] = False  # no chain starts before position 0
+        step_loss, acc = _losses(g, want, step_mask, embed, cfg)
+        loss = loss + (1.0 if s == 1 else cfg.unroll_weight) * step_loss
+        accs.append(acc)
+    return loss, accs
 
 
 def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float]:
@@ -382,7 +401,7 @@ def teacher_forced_top1(head: EagleHead, embed: torch.Tensor, samples: list[Samp
     first draft (from the target's feature) and its second (from its own output): a quick
     measure of a head, without running the engine. Each step's mean over batches of about
     `batch_tokens`, weighted by their samples."""
-    cfg = TrainConfig(noise=0.0, cls_fraction=1.0)
+    cfg = TrainConfig(noise=0.0, cls_fraction=1.0, unroll_steps=2)
     hits = [0.0, 0.0]
     for batch in _batches(samples, batch_tokens):
         _, accs = _batch_loss(head, embed, [samples[i] for i in batch],

@@ -70,3 +70,39 @@ def test_train_draft_makes_a_head_with_a_draft_vocabulary_and_resumes(tiny_check
     train_draft(str(ckpt), str(out), train=TrainConfig(epochs=2, batch_tokens=64), **args)
     assert any("cached samples" in line for line in logs), logs
     assert any("resuming after epoch 1" in line for line in logs), logs
+
+
+def test_each_trained_drafting_step_computes_what_the_drafter_computes_there(tiny_checkpoint):
+    """head_forward_steps (training, all positions at once) against the drafter's own passes
+    over a paged KV cache (worker/eagle.py): step 1 at p is the catch-up over positions <= p;
+    step s at p is the chain's (s - 1)-th pass after a catch-up ending at p - s + 1, fed the
+    true next tokens. fp32, equal within rounding; the unrolled steps see exactly the KV the
+    chain has (the catch-up's for earlier positions, the chain's own for its positions)."""
+    from torch import nn
+
+    from mxserve.worker.attention_backends import get_attention_backend
+    from mxserve.worker.eagle import Span, _run
+    from mxserve.worker.eagle_train import head_forward_steps, init_head
+
+    target = open_checkpoint(str(tiny_checkpoint("llama"))).config
+    head = init_head(target, seed=5, std=0.2)
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(target.vocab_size, target.hidden_size, generator=gen)
+    head._embed = nn.Embedding.from_pretrained(embed)
+    length, steps, block_size = 21, 3, 4
+    ids = torch.randint(3, target.vocab_size, (length + 1,), generator=gen)
+    feats = torch.randn(length, target.hidden_size, generator=gen)
+    with torch.no_grad():
+        outs = head_forward_steps(head, embed, ids[None, 1:], feats[None], steps)
+    attn, table = get_attention_backend("torch"), list(range(8))
+    cfg = head.config
+    for s in range(1, steps + 1):
+        for p in (s - 1, s + 3, length - 1):
+            kv = tuple(torch.zeros(8, block_size, cfg.num_key_value_heads, cfg.head_dim)
+                       for _ in range(2))
+            start = p - s + 1  # the catch-up's last position
+            g = _run(head, kv, attn, block_size, [Span(0, start + 1, table)],
+                     ids[1:start + 2].tolist(), feats[:start + 1])[-1:]
+            for t in range(start + 1, p + 1):  # the chain, fed the true next tokens
+                g = _run(head, kv, attn, block_size, [Span(t, 1, table)], [int(ids[t + 1])], g)
+            torch.testing.assert_close(g[0], outs[s - 1][0, p], rtol=1e-4, atol=1e-4)
