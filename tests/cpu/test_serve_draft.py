@@ -30,16 +30,19 @@ def _replicas(app: str, deployment: str) -> list:
 
 
 def _draft_stats(app: str, num_workers: int = 2) -> list[dict]:
-    """Each worker's draft channel counters (handle calls until every worker has answered)."""
+    """Each worker's draft channel counters (handle calls until every worker has answered: Serve
+    routes each to one replica, and under load it may skip a busy one for a while)."""
     from ray import serve
 
     handle = serve.get_deployment_handle("Worker", app_name=app)
     seen: dict[str, dict] = {}
-    for _ in range(200):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         stats = handle.draft_stats.remote().result(timeout_s=30)
         seen[stats["worker_id"]] = stats
         if len(seen) == num_workers:
             return sorted(seen.values(), key=lambda s: s["worker_id"])
+        time.sleep(0.02)
     raise AssertionError(f"only {sorted(seen)} answered")
 
 
