@@ -101,7 +101,8 @@ class TorchAttentionMetadata:
     num_decode_tokens: int
     decode_groups: list[DecodeGroup]  # TorchAttention: SDPA per group of similar lengths
     # CPUAttention instead: int32 block tables [rows, max_blocks] and seq_lens [rows] of the
-    # kernel's query rows: the decodes, then each short chunk's tokens (MAX_ROWS_AS_DECODES)
+    # kernel's query rows: the decodes, then the tokens of each chunk AttentionBatch.query_rows
+    # marks (at most MAX_ROWS_AS_DECODES a chunk)
     decode_index: tuple[torch.Tensor, torch.Tensor] | None
     # (first token, query_len, context blocks [ceil(end / block_size)], end, mask [query_len,
     # end] or None when the chunk starts the request: plain causal) per prefill chunk
