@@ -200,7 +200,7 @@ class TorchAttention(AttentionBackend):
         if self.grouped_decodes:
             groups = [self._decode_group(tables, ends, rows, bs, dev)
                       for rows in group_by_length(ends[:nd], self.group_cost_tokens)]
-        elif nd or as_rows:
+        elif as_rows:  # each marked chunk's tokens after the decodes, its table repeated
             starts = [0] + list(itertools.accumulate(batch.query_lens))
             row_ids = list(range(nd)) + [starts[i] + j for i in as_rows
                                          for j in range(batch.query_lens[i])]
@@ -210,6 +210,8 @@ class TorchAttention(AttentionBackend):
             index = (tables[which].to(torch.int32), torch.tensor(lens, dtype=torch.int32))
             if row_ids != list(range(len(row_ids))):
                 rows = torch.tensor(row_ids, dtype=torch.long, device=dev)
+        elif nd:
+            index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
         spans, first = [], nd
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]

@@ -339,9 +339,8 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
     if chain:
         g = g[[last[i] for i in chain]]  # each drafting request's last output
         out, chain_ends = _chain(head, kv_cache, attn, block_size, g,
-                                 [ChainEnd(spans[i].start + spans[i].length, -1, g[n], False,
-                                           spans[i].block_table, spans[i].offset)
-                                  for n, i in enumerate(chain)],
+                                 [Span(spans[i].start + spans[i].length, 1,
+                                       spans[i].block_table, spans[i].offset) for i in chain],
                                  [num_drafts[i] for i in chain], min_confidence)
         for i, d, e in zip(chain, out, chain_ends):
             drafts[i], ends[i] = d, e
@@ -375,24 +374,23 @@ def draft_ahead(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
              [Span(e.position, 1, e.block_table, e.offset) for e in starts],
              [e.token for e in starts], torch.stack([e.feature for e in starts]))
     chained = _chain(head, kv_cache, attn, block_size, g,
-                     [ChainEnd(e.position + 1, -1, g[n], False, e.block_table, e.offset)
-                      for n, e in enumerate(starts)],
+                     [Span(e.position + 1, 1, e.block_table, e.offset) for e in starts],
                      [num_drafts] * len(starts), min_confidence, stop)
     return None if chained is None else ([e.token for e in starts], *chained)
 
 
 def _chain(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
-           at: list[ChainEnd], num_drafts: list[int], min_confidence: float,
+           at: list[Span], num_drafts: list[int], min_confidence: float,
            stop: Callable[[], bool] | None = None
            ) -> tuple[list[list[int]], list[ChainEnd]] | None:
     """Chains of drafts: g [R, hidden] the head's outputs that predict each chain's first
-    draft; at[i].position where the head runs on chain i's first draft. Up to num_drafts[i]
-    drafts each (>= 1), a chain ending before a draft below min_confidence. None when
-    `stop()` says so before a pass of the head."""
+    draft; at[i].start where the head runs on chain i's first draft (its blocks, its RoPE
+    offset). Up to num_drafts[i] drafts each (>= 1), a chain ending before a draft below
+    min_confidence. None when `stop()` says so before a pass of the head."""
     chain = list(range(len(at)))
-    positions = [a.position for a in at]
+    positions = [a.start for a in at]
     drafts: list[list[int]] = [[] for _ in at]
-    ends: list[ChainEnd] = list(at)
+    ends: list[ChainEnd | None] = [None] * len(at)
     for j in range(max(num_drafts)):
         ids, confidence = head.draft_tokens(g)
         ids, sure = ids.tolist(), (confidence >= min_confidence).tolist()

@@ -79,15 +79,19 @@ class SpeculativeConfig:
         if not (isinstance(self.draft_timeout_s, int | float) and self.draft_timeout_s > 0):
             raise ValueError(f"speculative_config.draft_timeout_s must be > 0, got "
                              f"{self.draft_timeout_s!r}")
-
         if self.disable_by_batch_size is not None and not (
-                isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1):
+                isinstance(self.disable_by_batch_size, int)
+                and not isinstance(self.disable_by_batch_size, bool)
+                and self.disable_by_batch_size >= 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1 "
                              f"or None, got {self.disable_by_batch_size!r}")
         if not (isinstance(self.min_draft_confidence, int | float)
                 and 0 <= self.min_draft_confidence < 1):
             raise ValueError(f"speculative_config.min_draft_confidence must be in [0, 1), got "
                              f"{self.min_draft_confidence!r}")
+        if not isinstance(self.run_ahead, bool):
+            raise ValueError(f"speculative_config.run_ahead must be true or false, got "
+                             f"{self.run_ahead!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

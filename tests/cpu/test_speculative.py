@@ -367,7 +367,8 @@ def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_ch
                         ({"num_speculative_tokens": 2}, "method"),
                         ({"method": "ngram", "k": 2}, "'k'"),
                         ({"method": "eagle", "min_draft_confidence": 1.0}, "min_draft_conf"),
-                        ({"method": "eagle", "disable_by_batch_size": 0}, "disable_by_batch")):
+                        ({"method": "eagle", "disable_by_batch_size": 0}, "disable_by_batch"),
+                        ({"method": "eagle", "run_ahead": "no"}, "run_ahead")):
         with pytest.raises(ValueError, match=field):
             LLM(ckpt, speculative_config=spec, **ENGINE)
     other = open_checkpoint(str(tiny_checkpoint("llama", hidden_size=96))).config
