@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from mxserve.cluster.client import Client
 from mxserve.cluster.local import worker_pids
 
+HEALTH_TIMEOUT_S = 10.0  # the harness's own health calls: a stuck proxy fails them, not the run
+
 
 @dataclass
 class Outcome:
@@ -188,13 +190,21 @@ def _one(client: Client, index: int, prompt: list[int], max_tokens: int,
 def _kill_worker(endpoint: str, app_name: str, num_workers: int, rng: random.Random,
                  wait_s: float) -> Kill | None:
     """SIGKILL a random worker replica's process once all num_workers are up (None if they
-    never were within wait_s)."""
+    never were within wait_s, or no load report came)."""
+    import grpc
+
     if not _wait_whole(endpoint, app_name, num_workers, wait_s, idle=False):
         return None
     pids = worker_pids(app_name)
-    with Client(endpoint, app_name) as client:
-        loads = {w.worker_id: w for w in client.health().workers}
-    victim = rng.choice(sorted(set(pids) & set(loads)))
+    try:
+        with Client(endpoint, app_name, timeout_s=HEALTH_TIMEOUT_S) as client:
+            loads = {w.worker_id: w for w in client.health().workers}
+    except grpc.RpcError:  # a worker died between the two reports: no kill this turn
+        return None
+    alive = sorted(set(pids) & set(loads))
+    if not alive:
+        return None
+    victim = rng.choice(alive)
     os.kill(pids[victim], signal.SIGKILL)
     return Kill(time.monotonic(), victim, loads[victim].num_running + loads[victim].num_waiting)
 
@@ -215,7 +225,7 @@ def _wait_whole(endpoint: str, app_name: str, num_workers: int, timeout_s: float
                 idle: bool = True) -> bool:
     """Until num_workers workers report (and, with idle, none runs or waits)."""
     deadline = time.monotonic() + timeout_s
-    with Client(endpoint, app_name) as client:
+    with Client(endpoint, app_name, timeout_s=HEALTH_TIMEOUT_S) as client:
         while time.monotonic() < deadline:
             try:
                 loads = client.health().workers
@@ -229,11 +239,18 @@ def _wait_whole(endpoint: str, app_name: str, num_workers: int, timeout_s: float
 
 
 def _blocks_held(endpoint: str, app_name: str, timeout_s: float = 10.0) -> int:
-    """KV blocks the workers hold once idle (0 unless a request's blocks leaked)."""
+    """KV blocks the workers hold once idle (0 unless a request's blocks leaked; -1 when no
+    health answer came)."""
+    import grpc
+
     deadline = time.monotonic() + timeout_s
-    with Client(endpoint, app_name) as client:
+    held = -1
+    with Client(endpoint, app_name, timeout_s=HEALTH_TIMEOUT_S) as client:
         while True:
-            held = sum(w.num_kv_blocks_used for w in client.health().workers)
+            try:
+                held = sum(w.num_kv_blocks_used for w in client.health().workers)
+            except grpc.RpcError:  # held stays the last count (-1: none came)
+                pass
             if held == 0 or time.monotonic() > deadline:
                 return held
             time.sleep(0.1)

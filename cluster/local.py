@@ -32,9 +32,11 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 
 
-def deploy(config: ServeConfig) -> None:
+def deploy(config: ServeConfig, timeout_s: float | None = None) -> None:
     """Start Serve's proxies (gRPC with the mxserve service) and run the application, waiting
-    until every replica is up. Ray must already be initialized."""
+    until every replica is up: indefinitely (a cluster may be adding nodes), or at most
+    timeout_s, then TimeoutError with Serve's word on what it waits for (e.g. a replica that
+    finds no node with its resources). Ray must already be initialized."""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
@@ -48,7 +50,33 @@ def deploy(config: ServeConfig) -> None:
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER],
                                  request_timeout_s=config.request_timeout_s))
     # Serve publishes an application to its proxies (gRPC included) only with a route prefix.
-    serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+    serve.run_many([serve.RunTarget(build_app(config), name=config.app_name,
+                                    route_prefix=config.route_prefix)],
+                   wait_for_applications_running=False)
+    wait_running(config.app_name, timeout_s)
+
+
+def wait_running(app_name: str, timeout_s: float | None = None) -> None:
+    """Until Serve reports the application RUNNING; RuntimeError when its deployment failed,
+    TimeoutError (with Serve's status message) when timeout_s passes first."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(app_name)
+        state = app.status if app is not None else None
+        if state == ApplicationStatus.RUNNING:
+            return
+        if state == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"deploying application {app_name!r} failed: {app.message}")
+        if deadline is not None and time.monotonic() > deadline:
+            details = "; ".join(f"{name}: {d.status} {d.message}".strip()
+                                for name, d in (app.deployments.items() if app else ()))
+            raise TimeoutError(f"application {app_name!r} not running after {timeout_s:g} s "
+                               f"({state}: {app.message if app else 'not known to Serve'}; "
+                               f"{details})")
+        time.sleep(0.2)
 
 
 def drain_worker(app_name: str, worker_id: str, attempts: int = 200) -> int:

@@ -75,10 +75,19 @@ def random_eagle_head(tmp_path_factory):
 
 
 MB = 2**20
+DEPLOY_TIMEOUT_S = 300  # an app whose replicas cannot start fails its test, not the session
+NODE_SETTLE_S = 5.0
 SERVED_ENGINE = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=16, num_threads=1)
 
 
 # ---- the multi-node serving cluster of test_serve_cluster.py ---------------------------------
+
+
+def _raylet_alive(node) -> bool:
+    from ray._private import ray_constants
+
+    (raylet,) = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+    return raylet.process.poll() is None
 
 
 class Served:
@@ -93,6 +102,30 @@ class Served:
 
         return Client(self.endpoint, app or self.config.app_name, **kwargs)
 
+    def add_nodes(self, count: int, **node_args) -> list:
+        """`count` new nodes of the cluster (Cluster.add_node's arguments), each seen alive for
+        NODE_SETTLE_S: a raylet that exits right after joining (seen in a full run; the GCS
+        marks it dead only ~15 s later, after wait_for_nodes passed) is replaced rather than
+        left to strand the replicas that were to go there."""
+        nodes = [self.cluster.add_node(**node_args) for _ in range(count)]
+        for _ in range(3):
+            self.cluster.wait_for_nodes()
+            deadline = time.monotonic() + NODE_SETTLE_S
+            while not (dead := [n for n in nodes if not _raylet_alive(n)]) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.25)
+            if not dead:
+                return nodes
+            for node in dead:
+                self.cluster.remove_node(node, allow_graceful=False)
+                nodes[nodes.index(node)] = self.cluster.add_node(**node_args)
+        self.remove_nodes(nodes)
+        raise RuntimeError(f"added nodes' raylets kept exiting ({node_args})")
+
+    def remove_nodes(self, nodes: list) -> None:
+        for node in nodes:
+            self.cluster.remove_node(node)
+
     def deploy(self, **overrides):
         from mxserve.cluster.config import ServeConfig
         from mxserve.cluster.local import deploy, wait_for_grpc
@@ -100,7 +133,7 @@ class Served:
         if "app_name" in overrides:  # each app its own HTTP path (gRPC: by metadata)
             overrides.setdefault("route_prefix", f"/{overrides['app_name']}")
         config = ServeConfig(**{**self.config.model_dump(), **overrides})
-        deploy(config)
+        deploy(config, timeout_s=DEPLOY_TIMEOUT_S)
         wait_for_grpc(config)
         return config
 
@@ -201,7 +234,7 @@ def served(tiny_checkpoint, monkeypatch_env, redis_server):
         grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
         redis_url=redis_server.url, routing=dict(retry_after_s=0.5))
     try:
-        deploy(config)
+        deploy(config, timeout_s=DEPLOY_TIMEOUT_S)
         wait_for_grpc(config)
         yield Served(cluster, config, LLM(model=model, load_progress=False, **SERVED_ENGINE))
     finally:

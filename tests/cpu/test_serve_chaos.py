@@ -24,9 +24,8 @@ MB = 2**20
 def test_steady_load_through_worker_kills_and_a_redis_crash(served):
     from ray import serve
 
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"chaos_node": 1},
+                             object_store_memory=128 * MB)
     with LocalRedis() as redis:
         app = served.deploy(app_name="chaos-load", num_workers=2, redis_url=redis.url,
                             engine=dict(served.config.engine), health_check_period_s=1.0,
@@ -52,8 +51,7 @@ def test_steady_load_through_worker_kills_and_a_redis_crash(served):
             assert s["kv_blocks_leaked"] == 0, s
         finally:
             serve.delete(app.app_name)
-            for node in nodes:
-                served.cluster.remove_node(node)
+            served.remove_nodes(nodes)
 
 
 def test_steady_load_through_worker_and_draft_replica_kills(served, random_eagle_head):
@@ -63,11 +61,10 @@ def test_steady_load_through_worker_and_draft_replica_kills(served, random_eagle
     from ray import serve
 
     head = random_eagle_head(served.config.model, seed=5)
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    nodes.append(served.cluster.add_node(num_cpus=1, resources={"chaos_draft": 1},
-                                         object_store_memory=128 * MB))
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"chaos_node": 1},
+                             object_store_memory=128 * MB)
+    nodes += served.add_nodes(1, num_cpus=1, resources={"chaos_draft": 1},
+                              object_store_memory=128 * MB)
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3,
             "draft_placement": "replica", "draft_timeout_s": 1.0}
     app = served.deploy(app_name="chaos-spec", num_workers=2, health_check_period_s=1.0,
@@ -91,5 +88,4 @@ def test_steady_load_through_worker_and_draft_replica_kills(served, random_eagle
         assert s["kv_blocks_leaked"] == 0, s
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)

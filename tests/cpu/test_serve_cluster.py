@@ -103,6 +103,31 @@ def test_router_and_workers_are_on_three_different_nodes(served):
     assert (model.max_model_len, model.num_workers) == (512, 2)
 
 
+def test_an_app_whose_workers_fit_no_node_times_out_naming_the_wait(served):
+    """deploy(timeout_s) gives up on replicas that cannot start and says why, instead of
+    waiting forever (as serve.run does)."""
+    from ray import serve
+
+    from mxserve.cluster.config import ServeConfig
+    from mxserve.cluster.local import deploy
+
+    config = ServeConfig(**{**served.config.model_dump(), "app_name": "unplaceable",
+                            "route_prefix": "/unplaceable", "num_workers": 1,
+                            "graceful_shutdown_timeout_s": 1.0,  # (Serve waits it out)
+                            "worker_resources": Resources(num_cpus=0.25,
+                                                          resources={"no_such_node": 1})})
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="'unplaceable' not running after 3 s") as e:
+            deploy(config, timeout_s=3)
+        assert time.monotonic() - start < 30
+        assert "Worker" in str(e.value), e.value  # the deployment that waits is named
+    finally:
+        serve.delete("unplaceable")
+    with served.client() as client:  # the main app serves on
+        assert len(client.health().workers) == 2
+
+
 BAD = [  # (request keywords, the field INVALID_ARGUMENT must name)
     (dict(prompt=""), "prompt"),
     (dict(messages=[]), "messages"),

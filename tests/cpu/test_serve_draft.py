@@ -62,9 +62,8 @@ def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(
     from ray import serve
 
     head = random_eagle_head(served.config.model, seed=5)
-    node = served.cluster.add_node(num_cpus=1, resources={"draft_node": 1},
-                                   object_store_memory=128 * MB)
-    served.cluster.wait_for_nodes()
+    (node,) = served.add_nodes(1, num_cpus=1, resources={"draft_node": 1},
+                               object_store_memory=128 * MB)
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3,
             "draft_placement": "replica", "draft_timeout_s": 1.0}
     app = served.deploy(app_name="spec", num_workers=2,
@@ -122,7 +121,7 @@ def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(
         assert draft.stats.remote().result(timeout_s=30)["num_rounds"] > 0
     finally:
         serve.delete(app.app_name)
-        served.cluster.remove_node(node)
+        served.remove_nodes([node])
 
 
 def test_draft_replicas_autoscale_on_their_own_load(served, random_eagle_head):

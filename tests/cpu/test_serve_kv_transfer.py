@@ -53,9 +53,8 @@ def _generate(served, app: str, prompt: list[int]):
 def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
     from ray import serve
 
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"xfer_node": 1},
+                             object_store_memory=128 * MB)
     # prefix_weight 0: routing by load and cache size alone, so the second request goes to
     # the worker that does not hold the prefix (which then pulls it)
     app = served.deploy(app_name="xfer", num_workers=2, engine=dict(served.config.engine),
@@ -108,8 +107,7 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
         served.wait_idle(app.app_name)
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)
 
 
 def _streams(served, app: str, prompts: list[list[int]], max_tokens: int):
@@ -145,9 +143,8 @@ def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served
     worker holds no block."""
     from ray import serve
 
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"xfer_node": 1},
+                             object_store_memory=128 * MB)
     options = dict(app_name="drain", num_workers=2, engine=dict(served.config.engine),
                    worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
                    routing=dict(load_weight=0.0, kv_weight=0.0, cache_weight=0.0,
@@ -177,8 +174,7 @@ def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served
 
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)
 
 
 def _one_at_a_time(served, tiny_checkpoint, seed: int):
@@ -205,9 +201,8 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
     from ray import serve
 
     model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=9)
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"xfer_node": 1},
+                             object_store_memory=128 * MB)
     options = dict(app_name="rolling", model=model, num_workers=1, engine=engine,
                    worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
                    routing=dict(lookup_timeout_s=2.0, stats_period_s=0.25),
@@ -223,8 +218,7 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
         assert new["worker_id"] != old and new["resumed"] >= 1, new
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)
 
 
 def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_checkpoint):
@@ -237,9 +231,8 @@ def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_che
     from mxserve.cluster.config import Autoscaling
 
     model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=11)
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"xfer_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"xfer_node": 1},
+                             object_store_memory=128 * MB)
     app = served.deploy(
         app_name="scaledown", model=model, engine=engine,
         worker_resources=Resources(num_cpus=0.25, resources={"xfer_node": 1}),
@@ -262,5 +255,4 @@ def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_che
                 time.sleep(0.5)
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)

@@ -54,9 +54,8 @@ def secure(served):
     queue)."""
     from ray import serve
 
-    node = served.cluster.add_node(num_cpus=2, resources={"secure_node": 1},
-                                   object_store_memory=128 * MB)
-    served.cluster.wait_for_nodes()
+    (node,) = served.add_nodes(1, num_cpus=2, resources={"secure_node": 1},
+                               object_store_memory=128 * MB)
     config = served.deploy(
         app_name="secure", num_workers=1, api_key=TOKEN, max_queued_requests=0,
         engine={**served.config.engine, "max_num_seqs": 4},
@@ -65,7 +64,7 @@ def secure(served):
         yield config
     finally:
         serve.delete("secure")
-        served.cluster.remove_node(node)
+        served.remove_nodes([node])
 
 
 def _metadata(app: str, token: str | None = TOKEN) -> tuple:

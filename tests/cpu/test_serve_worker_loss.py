@@ -75,9 +75,8 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
     drops the dead worker within its heartbeat TTL, and Serve's replacement worker joins."""
     from ray import serve
 
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"chaos_node": 1},
+                             object_store_memory=128 * MB)
     app = served.deploy(app_name="chaos", num_workers=2, engine=dict(served.config.engine),
                         worker_resources=Resources(num_cpus=0.25, resources={"chaos_node": 1}),
                         health_check_period_s=1.0,
@@ -133,8 +132,7 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
         assert loads[survivor].num_kv_blocks_used == 0
     finally:
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)
 
 
 def test_a_worker_that_stops_answering_is_replaced_and_its_streams_go_on(served):
@@ -145,9 +143,8 @@ def test_a_worker_that_stops_answering_is_replaced_and_its_streams_go_on(served)
     shutdown timeout."""
     from ray import serve
 
-    nodes = [served.cluster.add_node(num_cpus=1, resources={"chaos_node": 1},
-                                     object_store_memory=128 * MB) for _ in range(2)]
-    served.cluster.wait_for_nodes()
+    nodes = served.add_nodes(2, num_cpus=1, resources={"chaos_node": 1},
+                             object_store_memory=128 * MB)
     app = served.deploy(app_name="silent", num_workers=2, engine=dict(served.config.engine),
                         worker_resources=Resources(num_cpus=0.25, resources={"chaos_node": 1}),
                         health_check_period_s=1.0, health_check_timeout_s=2.0,
@@ -181,5 +178,4 @@ def test_a_worker_that_stops_answering_is_replaced_and_its_streams_go_on(served)
             except ProcessLookupError:
                 pass
         serve.delete(app.app_name)
-        for node in nodes:
-            served.cluster.remove_node(node)
+        served.remove_nodes(nodes)
