@@ -347,7 +347,9 @@ class Engine:
             check_stop(request, self.max_model_len)
             if request.finish_reason is not None:
                 break
-        end = request.num_computed_tokens
+        # A stop inside the run leaves KV computed for accepted drafts past the request's
+        # last token: only its own tokens' blocks get hashes.
+        end = min(request.num_computed_tokens, request.num_tokens)
         if end // self.kv.block_size != s.start_position // self.kv.block_size:
             self._cache_blocks(request, end)
         out = self._output(request, tokens[:emitted], emitted if logprobs else 0)

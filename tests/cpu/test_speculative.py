@@ -219,6 +219,35 @@ def test_stops_inside_accepted_runs_end_where_plain_decoding_ends(ckpt, referenc
         _check_pool(llm)
 
 
+def test_a_stop_before_a_block_boundary_inside_an_accepted_run(ckpt, reference):
+    """A stop id that ends a request with accepted drafts after it, whose KV reaches past a
+    block boundary the request's tokens do not: the request ends there and only its own
+    tokens' blocks are hashed into the prefix cache (a later request still hits them)."""
+    prompts, ref = _prompts(), reference["greedy"]
+    prompt, answer = prompts[2], ref[2]
+    with LLM(ckpt, **ENGINE) as plain, \
+            LLM(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+                **ENGINE) as llm:
+        llm.engine.drafter = OracleDrafter({tuple(prompt): answer,
+                                            tuple(prompt + answer[:8]): answer[8:]})
+        tried = 0
+        for i, stop_id in enumerate(answer[:24]):
+            if stop_id in answer[:i]:
+                continue
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                    stop_token_ids=[stop_id])
+            want = plain.generate([prompt], params)[0]
+            got = llm.generate([prompt], params)[0]
+            assert got.token_ids == want.token_ids == answer[:i + 1]
+            assert got.finish_reason == "stop"
+            tried += 1
+            _check_pool(llm)
+        assert tried >= 8
+        again = llm.generate([prompt + answer[:8]], GREEDY)[0]
+        assert again.token_ids[:24] == answer[8:32]
+        assert again.num_cached_tokens == (len(prompt) + 8) // 16 * 16
+
+
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(wrong=st.floats(0.0, 1.0), k=st.integers(1, 6), budget=st.integers(8, 40),
