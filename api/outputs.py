@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgpack
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -65,3 +67,28 @@ def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
         then.num_cached_tokens, then.num_output_tokens, then.num_drafts,
         then.num_draft_tokens, then.num_accepted_tokens, then.resume,
         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+
+
+def encode_output(out: StepOutput) -> bytes:
+    """A delta as the worker streams it to the router: msgpack of its fields in order (and a
+    ResumeState's as a nested list). Ray hands bytes through as they are; a StepOutput object it
+    would cloudpickle, and un-cloudpickle at the router, for every message (several times the
+    Python work, in the worker process whose GIL the engine thread steps with)."""
+    resume = out.resume
+    if resume is not None:
+        resume = [resume.worker_id, resume.kv_address, resume.num_blocks,
+                  resume.output_token_ids, resume.generator_state, resume.num_cached_tokens,
+                  resume.num_drafts, resume.num_draft_tokens, resume.num_accepted_tokens,
+                  resume.worker_lost]
+    return msgpack.packb((
+        out.request_id, out.new_token_ids, out.new_logprobs, out.finished, out.finish_reason,
+        out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens, out.num_drafts,
+        out.num_draft_tokens, out.num_accepted_tokens, resume, out.prompt_logprobs))
+
+
+def decode_output(data: bytes) -> StepOutput:
+    """The StepOutput `encode_output` made (logprob maps keep their int keys and order)."""
+    fields = msgpack.unpackb(data, strict_map_key=False)
+    if fields[11] is not None:
+        fields[11] = ResumeState(*fields[11])
+    return StepOutput(*fields)

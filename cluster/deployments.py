@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mxserve.api.errors import ServeError
-from mxserve.api.outputs import ResumeState, StepOutput
+from mxserve.api.outputs import ResumeState, encode_output
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
@@ -112,12 +112,13 @@ class WorkerDeployment:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, kv_source: dict | None = None,
-                       resume: ResumeState | None = None) -> AsyncIterator[StepOutput]:
-        """kv_source: a peer holding the prompt's prefix (the request router's or the
-        router's); resume: go on from where a draining worker stopped (router/ingress.py)."""
+                       resume: ResumeState | None = None) -> AsyncIterator[bytes]:
+        """Each output as `encode_output` bytes (HandleWorkers decodes them). kv_source: a peer
+        holding the prompt's prefix (the request router's or the router's); resume: go on from
+        where a draining worker stopped (router/ingress.py)."""
         async for out in self.worker.generate(prompt_token_ids, params, request_id, kv_source,
                                               resume):
-            yield out
+            yield encode_output(out)
 
     async def drain(self, worker_id: str | None = None) -> int | None:
         """Hand this worker's requests on to the others and take no more (`mxserve drain`,

@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.api.errors import WorkerLostError
-from mxserve.api.outputs import StepOutput
+from mxserve.api.outputs import StepOutput, decode_output
 from mxserve.api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,16 +91,18 @@ class HandleWorkers:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **hints) -> AsyncIterator[StepOutput]:
-        """Raises WorkerLostError, naming the worker, when the worker's replica died or stopped
-        answering under the stream: a SIGKILLed or lost replica's gRPC stream breaks with
-        ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
+        """The worker's outputs (sent as `encode_output` bytes). Raises WorkerLostError,
+        naming the worker, when the worker's replica died or stopped answering under the
+        stream: a SIGKILLed or lost replica's gRPC stream breaks with ActorUnavailableError;
+        over Ray's object store it is an ActorDiedError."""
         self._keep_listed()
         with _apart_from_its_caller():
             response = self.handle.generate.remote(prompt_token_ids, params, request_id,
                                                    **hints)
         finished = False
         try:
-            async for out in response:
+            async for data in response:
+                out = decode_output(data)
                 finished = out.finished
                 yield out
         except (RayActorError, ActorUnavailableError) as e:
