@@ -8,17 +8,18 @@ vocabulary.
 Workloads (held out from the head's training: worker/eagle_train.py's "heldout" split, New
 Testament verses and other questions): chat prompts, and KJV passages to continue. Each runs at
 batch 1 (one request at a time) and batch 8 (8 at once). Reported per method: output tok/s
-(output tokens / wall time, after a warm-up), the speed-up over no speculation, the acceptance
-length (tokens a verify step yields: 1 + accepted drafts / verify steps with drafts), drafts a
-verify, the acceptance rate, tokens a target step (all steps: output tokens / (output tokens -
-accepted drafts)), and whether every output equals no speculation's (greedy: at batch 1 it
-must; batch 8 runs batch-dependent bf16 GEMMs).
+(output tokens / wall time, after a warm-up; the median of `--rounds` passes, the methods
+interleaved within each), the speed-up over no speculation (the median of the passes'
+ratios), the acceptance length (tokens a verify step yields: 1 + accepted drafts / verify
+steps with drafts), drafts a verify, the acceptance rate, tokens a target step (all steps:
+output tokens / (output tokens - accepted drafts)), and whether every output equals no
+speculation's (greedy: at batch 1 it must; batch 8 runs batch-dependent bf16 GEMMs).
 
 Targets (issue 23): acceptance length >= 2.2 at k = 3 on the chat prompts (eagle-fixed-k);
 EAGLE >= 1.5x the tok/s of no speculation at batch 1.
 
-Run: python bench/spec_decode.py [--prompts 16] [--max-tokens 128] [--k 3]
-     [--out bench/results/spec_decode.json]   (~10 min on 2 cores)
+Run: python bench/spec_decode.py [--prompts 16] [--max-tokens 128] [--k 3] [--rounds 3]
+     [--out bench/results/spec_decode.json]   (~11 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -71,6 +73,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--head", default=None, help="EAGLE head directory (default: the shipped)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved passes (medians)")
     p.add_argument("--out", default="bench/results/spec_decode.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,21 +87,34 @@ def main() -> None:
                "eagle-fixed-k": {**eagle, "min_draft_confidence": 0.0},  # always k drafts
                "eagle-full-vocab": {**eagle, "model": _full_vocab_copy(head)}}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows, results = [], []
+    llms = {}
     for method, spec in methods.items():
-        llm = LLM(load_progress=False, num_threads=args.threads, speculative_config=spec)
-        run(llm, workloads["chat"][:2], 2, params)  # warm-up: kernels built, caches touched
+        llms[method] = LLM(load_progress=False, num_threads=args.threads,
+                           speculative_config=spec)
+        run(llms[method], workloads["chat"][:2], 2, params)  # warm-up: kernels, caches
+    # Rounds: every method once per round, one after another on each (workload, batch), so a
+    # slow spell of the box falls on all methods of a round alike; a speed-up is the median
+    # of its per-round ratios.
+    runs: dict[tuple, list[dict]] = {}
+    for _ in range(args.rounds):
         for workload, prompts in workloads.items():
             for batch in (1, 8):
-                llm.engine.kv.reset_prefix_cache()
-                r = run(llm, prompts, batch, params)
-                results.append(dict(method=method, workload=workload, batch=batch, **r))
+                for method, llm in llms.items():
+                    llm.engine.kv.reset_prefix_cache()
+                    runs.setdefault((method, workload, batch), []).append(
+                        run(llm, prompts, batch, params))
+    for llm in llms.values():
         llm.shutdown()
+    rows, results = [], []
+    for (method, workload, batch), rs in runs.items():
+        base = runs[("none", workload, batch)]
+        r = dict(rs[0], tok_s=statistics.median(x["tok_s"] for x in rs),
+                 tok_s_rounds=[round(x["tok_s"], 1) for x in rs])
+        r["speedup"] = round(statistics.median(x["tok_s"] / b["tok_s"]
+                                               for x, b in zip(rs, base)), 3)
+        r["same_output"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(rs, base))
+        results.append(dict(method=method, workload=workload, batch=batch, **r))
     for r in results:
-        base = next(b for b in results if b["method"] == "none" and b["workload"] == r["workload"]
-                    and b["batch"] == r["batch"])
-        r["speedup"] = round(r["tok_s"] / base["tok_s"], 3)
-        r["same_output"] = r["token_ids"] == base["token_ids"]
         rows.append(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_s']:.1f} | "
                     f"{r['speedup']}x | {_fmt(r['acceptance_length'])} | "
                     f"{_fmt(r['drafts_per_verify'])} | {_fmt(r['acceptance_rate'])} | "
@@ -127,11 +143,14 @@ def main() -> None:
                                                       python=platform.python_version()),
                   command=command,
                   model="SmolLM2-135M-Instruct (Q4_1 GGUF: bf16 activations, int4 linears)",
-                  prompts=args.prompts, max_tokens=args.max_tokens, k=args.k, runs=results,
+                  prompts=args.prompts, max_tokens=args.max_tokens, k=args.k,
+                  rounds=args.rounds, runs=results,
                   targets_met=targets_met)
     md = (f"# spec_decode ({result['device']}, {result['cpus']} cores, {result['date'][:10]}, "
           f"{result['commit']})\n\n`{command}`: SmolLM2-135M-Instruct greedy, {args.prompts} "
-          f"held-out prompts a workload, {args.max_tokens} tokens each, k = {args.k}.\n\n"
+          f"held-out prompts a workload, {args.max_tokens} tokens each, k = {args.k}; tok/s: "
+          f"median of {args.rounds} interleaved rounds, vs none: median of the rounds' "
+          "ratios.\n\n"
           "| workload | batch | method | tok/s | vs none | acceptance length | drafts a verify | "
           "acceptance rate | tokens a target step | same output |\n"
           "|---|---|---|---|---|---|---|---|---|---|\n"
