@@ -22,7 +22,10 @@ Serve handle call's to a trivial method (the per-round cost the channel replaces
 Targets (issue 24, for the replica with run-ahead): >= 0.9x local's tok/s at batch 1 and >= 1.3x
 none's.
 
-Run: python bench/spec_replica.py [--prompts 8] [--max-tokens 128]   (~6 min on 2 cores)
+The methods take turns over `--rounds` passes (every engine stays loaded); tok/s is the median
+of the passes, a ratio the median of the passes' ratios.
+
+Run: python bench/spec_replica.py [--prompts 8] [--max-tokens 128] [--rounds 3]  (~6 min)
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="the target engine's")
     p.add_argument("--draft-threads", type=int, default=1, help="the replica process's")
     p.add_argument("--pings", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved passes (medians)")
     p.add_argument("--out", default="bench/results/spec_replica.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,23 +160,40 @@ def main() -> None:
         methods = {"none": None, "local": spec,
                    "replica": {**replica, "draft_address": address},
                    "replica-run-ahead": {**replica, "draft_address": address_ahead}}
+        llms = {}
         for method, s in methods.items():
-            llm = LLM(load_progress=False, num_threads=args.threads, speculative_config=s)
-            run(llm, prompts[:2], 2, params)  # warm-up
+            llms[method] = LLM(load_progress=False, num_threads=args.threads,
+                               speculative_config=s)
+            run(llms[method], prompts[:2], 2, params)  # warm-up
+        # Rounds: every method once per round on each batch size, one after another, so a
+        # slow spell of the box falls on all of a round's methods alike; ratios are the
+        # medians of the rounds' ratios.
+        runs: dict[tuple, list[dict]] = {}
+        for _ in range(args.rounds):
             for batch in (1, 8):
-                llm.engine.kv.reset_prefix_cache()
-                results.append(dict(method=method, batch=batch,
-                                    **run(llm, prompts, batch, params)))
-            if method == "replica":
-                d = llm.engine.drafter
-                channel["replica_rounds"] = d.num_rounds
-                channel["replica_failures"] = d.num_failures
-                channel["replica_round_trip_ms_p50"] = round(d.round_trip_p50_ms, 4)
-                channel["replica_round_trip_ms_p99"] = pct(d.round_trip_ms, 99)
-            if method == "replica-run-ahead":
-                d = llm.engine.drafter
-                channel["run_ahead_round_trip_ms_p50"] = round(d.round_trip_p50_ms, 4)
-                channel["run_ahead_round_trip_ms_p99"] = pct(d.round_trip_ms, 99)
+                for method, llm in llms.items():
+                    llm.engine.kv.reset_prefix_cache()
+                    runs.setdefault((method, batch), []).append(
+                        run(llm, prompts, batch, params))
+        for method, batch in runs:
+            rs = runs[(method, batch)]
+            r = dict(rs[0], tok_s=round(statistics.median(x["tok_s"] for x in rs), 2),
+                     tok_s_rounds=[x["tok_s"] for x in rs])
+            for m in ("none", "local"):
+                r[f"vs_{m}"] = round(statistics.median(
+                    x["tok_s"] / b["tok_s"] for x, b in zip(rs, runs[(m, batch)])), 3)
+            r["same_output"] = all(x["token_ids"] == b["token_ids"]
+                                   for x, b in zip(rs, runs[("none", batch)]))
+            results.append(dict(method=method, batch=batch, **r))
+        d = llms["replica"].engine.drafter
+        channel["replica_rounds"] = d.num_rounds
+        channel["replica_failures"] = d.num_failures
+        channel["replica_round_trip_ms_p50"] = round(d.round_trip_p50_ms, 4)
+        channel["replica_round_trip_ms_p99"] = pct(d.round_trip_ms, 99)
+        d = llms["replica-run-ahead"].engine.drafter
+        channel["run_ahead_round_trip_ms_p50"] = round(d.round_trip_p50_ms, 4)
+        channel["run_ahead_round_trip_ms_p99"] = pct(d.round_trip_ms, 99)
+        for llm in llms.values():
             llm.shutdown()
         stats = replica_stats(address_ahead)
         channel["run_ahead_rounds_prepared"] = stats["num_ahead"]
@@ -192,11 +213,6 @@ def main() -> None:
                                                    / channel["empty_message_ms_p50"], 1)
     rows = []
     for r in results:
-        base = {m: next(b for b in results if b["method"] == m and b["batch"] == r["batch"])
-                for m in ("none", "local")}
-        r["vs_none"] = round(r["tok_s"] / base["none"]["tok_s"], 3)
-        r["vs_local"] = round(r["tok_s"] / base["local"]["tok_s"], 3)
-        r["same_output"] = r["token_ids"] == base["none"]["token_ids"]
         rows.append(f"| {r['batch']} | {r['method']} | {r['tok_s']} | {r['vs_none']}x | "
                     f"{r['vs_local']}x | {r['acceptance_length'] or '-'} | {r['same_output']} |")
     for r in results:
@@ -214,13 +230,15 @@ def main() -> None:
                   command=command,
                   model="SmolLM2-135M-Instruct (Q4_1 GGUF, the default CPU engine: bf16, int4)",
                   prompts=args.prompts, max_tokens=args.max_tokens, k=args.k,
-                  threads=args.threads, draft_threads=args.draft_threads, runs=results,
+                  threads=args.threads, draft_threads=args.draft_threads,
+                  rounds=args.rounds, runs=results,
                   channel=channel, targets_met=targets_met)
     md = (f"# spec_replica ({result['device']}, {result['cpus']} cores, {result['date'][:10]}, "
           f"{result['commit']})\n\n`{command}`: SmolLM2-135M-Instruct greedy with its shipped "
           f"EAGLE head, {args.prompts} held-out chat prompts, {args.max_tokens} tokens each, "
           f"k = {args.k}; the target on {args.threads} thread(s), the replica process on "
-          f"{args.draft_threads}; replica = strictly alternating (run_ahead off).\n\n"
+          f"{args.draft_threads}; replica = strictly alternating (run_ahead off); tok/s: median "
+          f"of {args.rounds} interleaved rounds, ratios: medians of the rounds' ratios.\n\n"
           "| batch | method | tok/s | vs none | vs local | acceptance length | same output |\n"
           "|---|---|---|---|---|---|---|\n" + "\n".join(rows)
           + "\n\nChannel (ms): replica rounds p50 "
