@@ -76,6 +76,9 @@ class _State:
     next_start: int = 0  # the next round's start (the position after the last kept one)
     drafts: list[int] = field(default_factory=list)  # the last round's answer
     ahead: _Ahead | None = None  # run-ahead's drafts for the next round
+    # Its target kept every draft of the round before the last (or that round had none):
+    # run-ahead drafts only for such requests (`run_ahead`).
+    kept_all: bool = True
 
 
 @dataclass
@@ -175,6 +178,8 @@ class DraftServer:
                 r, ahead = rounds[i], hits[i]
                 self._computed(r, model_id)
                 state = self._states[r.key]
+                state.kept_all = not state.drafts or (
+                    r.start == state.next_start and r.kept == len(state.drafts) + 1)
                 if ahead is not None:
                     self.num_ahead_hits += 1
                     d, end = ahead.drafts[:n], ahead.end if len(ahead.drafts) <= n else None
@@ -212,14 +217,17 @@ class DraftServer:
         of the last draft call that got drafts, the next round's drafts as if its target keeps
         them all and adds the token the head expects; the next round is answered from them at
         once when that comes true (`prepared`), else drafted as usual. The target verifies
-        every draft, so a wrong guess costs only this idle-time work. `stop()`, asked before
-        each pass of the head, gives up (a message waits: it goes first)."""
+        every draft, so a wrong guess costs only this idle-time work; it is done only for
+        requests whose target kept every draft of their last round (acceptance comes in runs:
+        the others' guesses come true less often than their cost repays). `stop()`, asked
+        before each pass of the head, gives up (a message waits: it goes first)."""
         if not self.run_ahead_enabled:
             return
         keys, ends = [], []
         for key in self._last_keys:
             state = self._states.get(key)
-            if state is None or state.chain is None or state.ahead is not None:
+            if state is None or state.chain is None or state.ahead is not None or \
+                    not state.kept_all:
                 continue
             need = state.chain.position + self.k + 2  # the guess's position, then k drafts
             if not self.kv.allocate(key, need):

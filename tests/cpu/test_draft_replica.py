@@ -141,6 +141,26 @@ def test_run_ahead_answers_a_round_that_kept_every_draft_and_the_guess(ckpt, hea
     assert server.kv.num_free_blocks == server.kv.num_blocks
 
 
+def test_run_ahead_waits_for_a_round_whose_drafts_were_all_kept(ckpt, head):
+    """A request whose target rejected a draft of its last round gets no run-ahead; once a
+    round keeps every draft, run-ahead prepares its next one again."""
+    server = _server(ckpt, head, num_blocks=64, run_ahead=True)
+    tokens = [(5 * i) % 200 + 3 for i in range(20)]
+    first = server.draft([DraftRound("t/a", 0, tokens, 3)], torch.randn(19, 64), "m")[0]
+    assert len(first) == 3
+    partial = DraftRound("t/a", 19, [tokens[-1], first[0], (first[1] + 1) % 256], 3)
+    second = server.draft([partial], torch.randn(2, 64), "m")[0]
+    assert second
+    server.run_ahead()
+    assert server.num_ahead == 0 and server._states["t/a"].ahead is None
+    full = DraftRound("t/a", 21, [partial.tokens[-1], *second, 9], 3)
+    server.draft([full], torch.randn(len(second) + 1, 64), "m")
+    server.run_ahead()
+    assert server.num_ahead == 1 and server._states["t/a"].ahead is not None
+    server.release(["t/a"])
+    assert server.kv.num_free_blocks == server.kv.num_blocks
+
+
 def test_a_replica_running_ahead_keeps_outputs_and_answers_rounds_from_it():
     """SmolLM2 and its shipped head (bf16, the default CPU engine) through an in-process
     replica over loopback: greedy outputs equal plain decoding, and some rounds (those whose
