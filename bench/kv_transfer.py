@@ -216,10 +216,11 @@ async def grpc_ceiling(address: str, num_bytes: int = 64 << 20) -> dict:
 
 
 def part_rates(node: KVNode, layout) -> dict:
-    """GB/s of the transfer's parts on 128 blocks of this pool: gather (cache -> bytes),
-    XXH3-64 checksum, scatter (bytes -> cache)."""
+    """GB/s of the transfer's parts on one chunk's blocks of this pool (the chunk size a pull
+    streams, `TransferOptions.chunk_bytes`): gather (cache -> bytes), XXH3-64 checksum,
+    scatter (bytes -> cache)."""
     io = node.puller.io
-    ids = list(range(128))
+    ids = list(range(max(1, node.service.options.chunk_bytes // layout.bytes_per_block)))
     data = io.read(ids)
     out = {}
     for name, fn in (("gather", lambda: io.read(ids)), ("checksum", lambda: checksum(data)),
@@ -348,7 +349,8 @@ def markdown(result: dict) -> str:
                      f"{r['pull_vs_socket']} |")
     p = result["parts_gb_s"]
     g = result["grpc_probe_gb_s"]
-    lines += ["", f"Parts, in one process (GB/s): gather {p['gather']}, checksum {p['checksum']}, "
+    lines += ["", f"Parts on one chunk's blocks, in one process (GB/s): gather {p['gather']}, "
+                  f"checksum {p['checksum']}, "
                   f"scatter {p['scatter']}. Python gRPC's own ceiling between the two processes "
                   f"(Probe: 2 MiB messages, no KV work): {g['streams_1_gb_s']} GB/s on one "
                   f"stream, {g['streams_4_gb_s']} on four.", ""]
