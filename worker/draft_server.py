@@ -76,7 +76,7 @@ class _State:
     next_start: int = 0  # the next round's start (the position after the last kept one)
     drafts: list[int] = field(default_factory=list)  # the last round's answer
     ahead: _Ahead | None = None  # run-ahead's drafts for the next round
-    # Its target kept every draft of the round before the last (or that round had none):
+    # Its last round kept every draft of the answer before it (or that answer had none):
     # run-ahead drafts only for such requests (`run_ahead`).
     kept_all: bool = True
 
