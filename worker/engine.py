@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mxserve.api.block_hash import extend_block_hashes
@@ -98,7 +99,7 @@ class Engine:
             self.async_scheduling = runner.device.type == "cuda" and drafter is None
         policy = EvictionPolicy.from_config(config)  # KV eviction (kv_eviction.py); None: off
         self.evictor = KVEvictor(policy, runner.device) if policy else None
-        self._kv_moves: list[tuple[list[int], list[int]]] = []  # for the next step to make
+        self._kv_moves: list[tuple[np.ndarray, np.ndarray]] = []  # for the next step to make
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -11,6 +11,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -213,30 +215,31 @@ class KVCacheManager:
         else:
             self._forget(request_id)
 
-    def compact(self, request_id: str, keep: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    def compact(self, request_id: str, keep: Sequence[int] | np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray] | None:
         """Keep only the request's tokens at table positions `keep` (ascending), moved to
         positions 0 .. len(keep) - 1 in as few blocks as they need; release the other blocks.
 
-        Returns the (source slots, destination slots) the KV must move by (gather all sources,
-        then write: they may overlap), or None, changing nothing, when there is no block to move
-        into. Leading blocks kept whole stay where they are. Shared blocks (another request or
-        the prefix cache's LRU holds them) are never written: the survivors go to the request's
-        own unhashed blocks first, then to free blocks, then to its own cached blocks, which
-        lose their hash (BlockRemoved). Blocks released keep their hash and content, so the
-        prefix cache still serves them. The request's KV no longer matches its tokens' hashes:
-        none of its blocks is registered again (cache_blocks) until it is freed.
+        Returns the (source slots, destination slots) the KV must move by (int64 arrays; gather
+        all sources, then write: they may overlap), or None, changing nothing, when there is no
+        block to move into. Leading blocks kept whole stay where they are. Shared blocks
+        (another request or the prefix cache's LRU holds them) are never written: the survivors
+        go to the request's own unhashed blocks first, then to free blocks, then to its own
+        cached blocks, which lose their hash (BlockRemoved). Blocks released keep their hash and
+        content, so the prefix cache still serves them. The request's KV no longer matches its
+        tokens' hashes: none of its blocks is registered again (cache_blocks) until it is freed.
         """
         table = self._tables.get(request_id)
-        keep = list(keep)
-        if table is None or not keep or keep[-1] >= len(table) * self.block_size \
-                or any(b <= a for a, b in zip(keep, keep[1:])) or keep[0] < 0:
-            raise ValueError(f"{request_id}: cannot keep positions {keep[:4]}... of "
+        keep = np.asarray(keep, dtype=np.int64)
+        if table is None or not len(keep) or keep[-1] >= len(table) * self.block_size \
+                or (np.diff(keep) <= 0).any() or keep[0] < 0:
+            raise ValueError(f"{request_id}: cannot keep positions {keep[:4].tolist()}... of "
                              f"{len(table or ())} blocks")
         bs = self.block_size
-        num_whole = 0  # leading blocks whose tokens all stay in place
-        while (num_whole + 1) * bs <= len(keep) and keep[(num_whole + 1) * bs - 1] == \
-                (num_whole + 1) * bs - 1:
-            num_whole += 1
+        # leading blocks whose tokens all stay in place: keep[j] == j up to their end
+        in_place = keep == np.arange(len(keep))
+        num_whole = int(np.argmin(in_place)) if not in_place.all() else len(keep)
+        num_whole = min(num_whole, len(keep)) // bs
         num_dst = self._blocks_for(len(keep)) - num_whole
         rest = table[num_whole:]
         own = [b for b in rest if self._ref_counts[b] == 1 and b not in self._block_to_hash]
@@ -253,13 +256,12 @@ class KVCacheManager:
             self._unregister(block_id)
             dst_blocks.append(block_id)
         new_table = table[:num_whole] + dst_blocks
-        src, dst = [], []
-        for j in range(num_whole * bs, len(keep)):
-            s = table[keep[j] // bs] * bs + keep[j] % bs
-            d = new_table[j // bs] * bs + j % bs
-            if s != d:
-                src.append(s)
-                dst.append(d)
+        moving = keep[num_whole * bs:]
+        at = np.arange(num_whole * bs, len(keep))
+        src = np.asarray(table, dtype=np.int64)[moving // bs] * bs + moving % bs
+        dst = np.asarray(new_table, dtype=np.int64)[at // bs] * bs + at % bs
+        differ = src != dst
+        src, dst = src[differ], dst[differ]
         kept = set(new_table)
         for block_id in reversed(table):
             if block_id not in kept:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -60,20 +61,23 @@ class EvictionPolicy:
     def over_budget(self, num_held: int, num_tokens: int) -> bool:
         return num_held >= self.budget_for(num_tokens) + self.block_size
 
-    def keep(self, num_held: int, num_tokens: int, scores: torch.Tensor | None) -> list[int]:
-        """Indices (ascending) of the held tokens to keep, budget_for(num_tokens) of them.
-        scores: [num_held] fp32 accumulated attention (h2o)."""
+    def keep(self, num_held: int, num_tokens: int, scores: torch.Tensor | None) -> np.ndarray:
+        """Indices (ascending, int64) of the held tokens to keep, budget_for(num_tokens) of
+        them. scores: [num_held] fp32 accumulated attention (h2o). One read-back from the
+        scores' device."""
         budget = min(self.budget_for(num_tokens), num_held)
         sinks = min(self.sinks, budget)
         if self.policy == "streaming" or scores is None:
-            return list(range(sinks)) + list(range(num_held - (budget - sinks), num_held))
+            return np.concatenate([np.arange(sinks), np.arange(num_held - (budget - sinks),
+                                                               num_held)])
         recent = min(self.recent if self.recent is not None else budget // 2, budget - sinks)
         heavy = budget - sinks - recent
         middle = scores[sinks:num_held - recent]
-        chosen = []
+        chosen = np.zeros(0, dtype=np.int64)
         if heavy > 0 and middle.numel():
-            chosen = (torch.topk(middle, heavy).indices + sinks).tolist()
-        return sorted(list(range(sinks)) + chosen + list(range(num_held - recent, num_held)))
+            chosen = torch.topk(middle, heavy).indices.cpu().numpy() + sinks
+        return np.concatenate([np.arange(sinks), np.sort(chosen),
+                               np.arange(num_held - recent, num_held)])
 
 
 class KVEvictor:
@@ -108,7 +112,7 @@ class KVEvictor:
         # 64 requests: bench/h2o_gpu.py)
         torch._foreach_add_(totals, rows)
 
-    def select(self, request_id: str, num_held: int, num_tokens: int) -> list[int] | None:
+    def select(self, request_id: str, num_held: int, num_tokens: int) -> np.ndarray | None:
         """The held tokens to keep when the request is over budget (ascending), else None."""
         if not self.policy.over_budget(num_held, num_tokens):
             return None
@@ -119,17 +123,19 @@ class KVEvictor:
                 scores = torch.cat([scores, scores.new_zeros(num_held - scores.numel())])
         return self.policy.keep(num_held, num_tokens, scores)
 
-    def compacted(self, request_id: str, keep: list[int], num_held: int) -> None:
+    def compacted(self, request_id: str, keep: np.ndarray, num_held: int) -> None:
         """The request, which held num_held tokens, now holds only `keep` (in that order): its
         scores follow."""
         self.num_evicted_tokens += num_held - len(keep)
         scores = self.scores.get(request_id)
-        if scores is None or not keep:
+        if scores is None or not len(keep):
             return
-        if scores.numel() <= keep[-1]:  # tokens no step has scored yet count 0
-            scores = torch.cat([scores, scores.new_zeros(keep[-1] + 1 - scores.numel())])
+        last = int(keep[-1])
+        if scores.numel() <= last:  # tokens no step has scored yet count 0
+            scores = torch.cat([scores, scores.new_zeros(last + 1 - scores.numel())])
         moved = torch.zeros_like(scores)
-        moved[:len(keep)] = scores[torch.tensor(keep, dtype=torch.long, device=scores.device)]
+        moved[:len(keep)] = scores[torch.from_numpy(np.asarray(keep, dtype=np.int64)).to(
+            scores.device)]
         self.scores[request_id] = moved
 
     def forget(self, request_id: str) -> None:

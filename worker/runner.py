@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
+import numpy as np
 import torch
 
 from mxserve.api.errors import ModelLoadError
@@ -231,8 +232,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
-        for src, dst in plan.kv_moves:  # KV eviction's compaction, before any step reads the KV
-            self.move_kv(src, dst)
+        if plan.kv_moves:  # KV eviction's compaction, before any step reads the KV: every
+            # request's moves at once (their sources are read before any slot is written)
+            self.move_kv(np.concatenate([np.asarray(m[0], dtype=np.int64) for m in plan.kv_moves]),
+                         np.concatenate([np.asarray(m[1], dtype=np.int64) for m in plan.kv_moves]))
         # A step with prompt logprobs runs eagerly: the graphs make only the sampling rows'
         # logits (a 1-token prompt chunk would otherwise fit the decode graphs).
         if self.graphs is not None:
@@ -273,13 +276,13 @@ class ModelRunner:
         return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None,
                           attn_mass=mass, prompt_logprobs=prompt_lps)
 
-    def move_kv(self, src: list[int], dst: list[int]) -> None:
+    def move_kv(self, src: np.ndarray | list[int], dst: np.ndarray | list[int]) -> None:
         """Copy the KV of flat slots `src` to slots `dst` in every layer (all sources are read
         before any is written): KV eviction's compaction."""
-        if not src:
+        if not len(src):
             return
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        src_t = torch.from_numpy(np.asarray(src, dtype=np.int64)).to(self.device)
+        dst_t = torch.from_numpy(np.asarray(dst, dtype=np.int64)).to(self.device)
         for cache in (c for pair in self.kv_caches + self.extra_kv_caches for c in pair):
             flat = cache.view(-1, *cache.shape[2:])
             flat.index_copy_(0, dst_t, flat.index_select(0, src_t))

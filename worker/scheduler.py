@@ -80,7 +80,7 @@ class StepPlan:
     # KV eviction: moves within the KV pool to make before this step runs, in order, each a
     # (source slots, destination slots) pair (KVCacheManager.compact); and > 0 when the runner
     # returns attention mass (AttentionBatch.mass_window).
-    kv_moves: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    kv_moves: list[tuple[Sequence[int], Sequence[int]]] = field(default_factory=list)
     mass_window: int = 0
 
     @property

@@ -44,11 +44,11 @@ def encode_plan(plan: StepPlan) -> bytes:
         tokens += s.token_ids
         tables += s.block_table
         prompt_ids += s.prompt_logprob_ids
-    moves: list[int] = []
+    parts = [np.array(head + rows + tokens + tables + prompt_ids, dtype=np.int64)]
     for src, dst in plan.kv_moves:
-        moves += [len(src), *src, *dst]
-    return np.array(head + rows + tokens + tables + prompt_ids + moves,
-                    dtype=np.int64).tobytes()
+        parts += [np.array([len(src)], dtype=np.int64), np.asarray(src, dtype=np.int64),
+                  np.asarray(dst, dtype=np.int64)]
+    return np.concatenate(parts).tobytes()
 
 
 def decode_plan(data: bytes) -> tuple[StepPlan, int]:

@@ -279,8 +279,8 @@ def test_compaction_keeps_whole_leading_blocks_and_the_prefix_cache():
     new_a = kv.get_block_ids("a")
     assert new_a[0] == table_a[0] and len(new_a) == 2
     assert new_a[1] not in kv.get_block_ids("b")  # b's shared block 1 was not written
-    assert dst == [new_a[1] * 4, new_a[1] * 4 + 1]
-    assert src == [table_a[1] * 4 + 1, table_a[3] * 4 + 3]
+    assert dst.tolist() == [new_a[1] * 4, new_a[1] * 4 + 1]
+    assert src.tolist() == [table_a[1] * 4 + 1, table_a[3] * 4 + 3]
     # a free block took the survivors: a's own cached blocks 2 and 3 stay cached, intact
     assert kv.take_events() == [] and kv.lookup_prefix([11, 12, 13, 14]) == table_a
     kv.cache_blocks("a", [11, 99], 8)  # a compacted request registers nothing more
@@ -327,11 +327,11 @@ def test_h2o_keeps_the_tokens_that_got_the_most_attention():
     scores[[5, 9, 3, 14, 7]] = torch.tensor([9.0, 8.0, 1.0, 7.0, 6.0])
     assert policy.over_budget(16, 40) and not policy.over_budget(15, 40)
     # sinks 0, 1; recent 16 .. 19; the 6 best of 2 .. 15 by score (ties: any zero)
-    keep = policy.keep(20, 40, scores)
+    keep = policy.keep(20, 40, scores).tolist()
     assert keep[:2] == [0, 1] and keep[-4:] == [16, 17, 18, 19] and len(keep) == 12
     assert {3, 5, 7, 9, 14} <= set(keep)
     streaming = EvictionPolicy("streaming", 12, None, 2, 32, 4)
-    assert streaming.keep(20, 40, None) == [0, 1] + list(range(10, 20))
+    assert streaming.keep(20, 40, None).tolist() == [0, 1] + list(range(10, 20))
     assert EvictionPolicy("h2o", 0.25, None, 4, 32, 16).budget_for(400) == 100
 
 
