@@ -4,11 +4,13 @@ verifies them (spec_verify.py).
 
 - "ngram" (prompt lookup, no model): the longest recent n-gram of the request's tokens that also
   occurred earlier proposes what followed that earlier occurrence.
-- "eagle" (worker/eagle.py): a one-layer head over the target's final hidden states.
+- "eagle" (worker/eagle.py): a one-layer head over the target's final hidden states; with
+  `lookup_first`, a request whose recent n-gram matches drafts by lookup instead (`LookupFirst`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -72,6 +74,39 @@ def ngram_lookup(tokens: list[int], n: int, min_n: int, max_n: int) -> list[int]
     return []
 
 
+class LookupFirst:
+    """EAGLE with prompt lookup first: each request whose latest n-gram occurred before takes
+    ngram's proposal; the rest draft with the head (local or a replica). The head is asked for
+    no drafts of the first kind (a catch-up pass only, which keeps its KV current), so their
+    chains cost nothing. Both kinds are argmax proposals (q one-hot), so the verify rule, greedy
+    or sampled, stays exact."""
+
+    def __init__(self, inner: Drafter, config: SpeculativeConfig) -> None:
+        self.inner = inner
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.needs_hidden = inner.needs_hidden
+        self.num_lookahead_tokens = inner.num_lookahead_tokens
+        self.num_lookup_drafts = 0  # requests' rounds drafted by lookup
+
+    def __getattr__(self, name: str):  # the inner drafter's counters and methods
+        return getattr(self.inner, name)
+
+    def propose(self, plan: StepPlan, hidden, num_drafts: dict[Request, int]) -> None:
+        found = {}
+        for request, n in num_drafts.items():
+            drafts = ngram_lookup(request.all_token_ids, n, self.min_n, self.max_n)
+            if drafts:
+                found[request] = drafts
+        self.inner.propose(plan, hidden, {r: 0 if r in found else n
+                                          for r, n in num_drafts.items()})
+        for request, drafts in found.items():
+            request.draft_token_ids = drafts
+        self.num_lookup_drafts += len(found)
+
+    def release(self, request: Request) -> None:
+        self.inner.release(request)
+
+
 def build_drafter(config: SpeculativeConfig, runner, model_config,
                   draft_address: Callable[[], str | None] | None = None) -> Drafter:
     """The drafter `config.method` names, on `runner`'s device (EAGLE loads its head), or with
@@ -79,6 +114,9 @@ def build_drafter(config: SpeculativeConfig, runner, model_config,
     draft_address() (default: config.draft_address)."""
     if config.method == "ngram":
         return NgramDrafter(config)
+    if config.lookup_first:
+        return LookupFirst(build_drafter(dataclasses.replace(config, lookup_first=False),
+                                         runner, model_config, draft_address), config)
     if config.draft_placement == "replica":
         import uuid
 

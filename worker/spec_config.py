@@ -35,6 +35,12 @@ class SpeculativeConfig:
     The default was chosen on SmolLM2's held-out chat prompts (bench/results/spec_decode.md:
     0.15 was best of 0 .. 0.5).
 
+    lookup_first (eagle): a request whose latest prompt_lookup_min..max tokens occurred earlier
+    in its prompt or output drafts what followed them (ngram's proposal) instead of the head's
+    chain; the head still catches up on the step, so it drafts again as soon as no n-gram
+    matches. Text that repeats its context (a rewrite, a quotation, a list) is drafted by
+    lookup, which accepts more there than a small head (bench/results/spec_decode.md).
+
     disable_by_batch_size (as vLLM's): while more requests than this are in the engine
     (running and waiting), steps carry no drafts: a large batch already fills the device (on a
     CPU a verify of several rows a request costs nearly that many decodes), and speculation
@@ -51,6 +57,7 @@ class SpeculativeConfig:
     draft_timeout_s: float = 0.5
     min_draft_confidence: float = 0.15
     run_ahead: bool = True
+    lookup_first: bool = False
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +96,12 @@ class SpeculativeConfig:
                 and 0 <= self.min_draft_confidence < 1):
             raise ValueError(f"speculative_config.min_draft_confidence must be in [0, 1), got "
                              f"{self.min_draft_confidence!r}")
+        if not isinstance(self.lookup_first, bool):
+            raise ValueError(f"speculative_config.lookup_first must be true or false, got "
+                             f"{self.lookup_first!r}")
+        if self.lookup_first and self.method != "eagle":
+            raise ValueError("speculative_config.lookup_first needs method 'eagle' (ngram "
+                             "drafts by lookup alone)")
         if not isinstance(self.run_ahead, bool):
             raise ValueError(f"speculative_config.run_ahead must be true or false, got "
                              f"{self.run_ahead!r}")

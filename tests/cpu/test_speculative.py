@@ -92,6 +92,31 @@ def test_greedy_speculation_equals_plain_decoding(ckpt, reference, random_head, 
         _check_pool(llm)
 
 
+def test_eagle_with_lookup_first_equals_plain_decoding_and_uses_both(ckpt, reference,
+                                                                    random_head):
+    """lookup_first: requests whose n-gram matches draft by lookup, the rest with the head; the
+    head still catches up on every step. Greedy output is plain decoding's either way."""
+    spec = {"method": "eagle", "model": random_head, "num_speculative_tokens": 3,
+            "lookup_first": True, "min_draft_confidence": 0.0}
+    prompts = _prompts() + [[40 + i for i in range(20)]]  # no repeat: the head drafts
+    with LLM(ckpt, **ENGINE) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
+        drafter = llm.engine.drafter
+        head_rounds = []
+        propose = drafter.inner.propose
+
+        def counted(plan, hidden, num_drafts):
+            head_rounds.append(sum(n > 0 for n in num_drafts.values()))
+            propose(plan, hidden, num_drafts)
+        drafter.inner.propose = counted
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        assert drafter.num_lookup_drafts > 0 and sum(head_rounds) > 0
+        assert sum(r.num_draft_tokens for r in llm.engine.finished_requests) > 0
+        _check_pool(llm)
+
+
 def test_the_shipped_head_on_smollm2_equals_plain_decoding():
     """The default model's own head (worker/heads/), used when no model is given."""
     questions = [[{"role": "user", "content": q}] for q in
@@ -397,7 +422,9 @@ def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_ch
                         ({"method": "ngram", "k": 2}, "'k'"),
                         ({"method": "eagle", "min_draft_confidence": 1.0}, "min_draft_conf"),
                         ({"method": "eagle", "disable_by_batch_size": 0}, "disable_by_batch"),
-                        ({"method": "eagle", "run_ahead": "no"}, "run_ahead")):
+                        ({"method": "eagle", "run_ahead": "no"}, "run_ahead"),
+                        ({"method": "eagle", "lookup_first": 1}, "lookup_first"),
+                        ({"method": "ngram", "lookup_first": True}, "lookup_first")):
         with pytest.raises(ValueError, match=field):
             LLM(ckpt, speculative_config=spec, **ENGINE)
     other = open_checkpoint(str(tiny_checkpoint("llama", hidden_size=96))).config
