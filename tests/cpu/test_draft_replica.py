@@ -91,14 +91,20 @@ def _run(llm: LLM, prompts=None) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], engine.drafter.drafts
 
 
-def test_the_replica_drafts_what_the_local_drafter_drafts(ckpt, head, plain):
-    with LLM(ckpt, speculative_config=_spec(head), **ENGINE) as llm:
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_the_replica_drafts_what_the_local_drafter_drafts(ckpt, head, plain, lookup_first):
+    """With lookup_first, the requests whose n-gram matches draft by lookup in the worker and
+    the replica only catches up on them: the drafts still match the local drafter's."""
+    lookup = {"lookup_first": True, "prompt_lookup_min": 1} if lookup_first else {}
+    with LLM(ckpt, speculative_config=_spec(head, **lookup), **ENGINE) as llm:
         local_tokens, local = _run(llm)
+        if lookup_first:
+            assert llm.engine.drafter.inner.num_lookup_drafts > 0
     server = _server(ckpt, head)
     service = DraftService(server)
     try:
         with LLM(ckpt, speculative_config=_spec(head, draft_placement="replica",
-                                                draft_address=service.address),
+                                                draft_address=service.address, **lookup),
                  **ENGINE) as llm:
             tokens, remote = _run(llm)
             drafter = llm.engine.drafter.inner
