@@ -57,10 +57,10 @@ def _spec(head: str, **extra) -> dict:
     return {"method": "eagle", "model": head, "num_speculative_tokens": 3, **extra}
 
 
-def _server(ckpt: str, head: str, num_blocks: int = 512, run_ahead: bool = False
-            ) -> DraftServer:
+def _server(ckpt: str, head: str, num_blocks: int = 512, run_ahead: bool = False,
+            **spec) -> DraftServer:
     return DraftServer(EngineConfig(model=ckpt, dtype="float32", num_threads=1,
-                                    speculative_config=_spec(head, run_ahead=run_ahead)),
+                                    speculative_config=_spec(head, run_ahead=run_ahead, **spec)),
                        num_blocks)
 
 
@@ -195,10 +195,11 @@ def test_a_first_round_after_a_prefix_hit_reuses_the_replicas_blocks(ckpt, head)
     the prefix) it drafts from zeros there, and the next round continues."""
     from mxserve.api.block_hash import extend_block_hashes
 
-    server = _server(ckpt, head, num_blocks=64)
+    # (no confidence floor: every round drafts all it asks for, whatever the random features)
+    server = _server(ckpt, head, num_blocks=64, min_draft_confidence=0.0)
     model_id, bs = "m", server.block_size
     tokens = [(5 * i) % 200 + 3 for i in range(52)]
-    feats = torch.randn(52, server.hidden_size)
+    feats = torch.randn(52, server.hidden_size, generator=torch.Generator().manual_seed(0))
     first = server.draft([DraftRound("t/a", 0, tokens[:51], 3)], feats[:50], model_id)
     assert len(first[0]) == 3
     hashes: list[int] = []
