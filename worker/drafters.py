@@ -79,16 +79,15 @@ class LookupFirst:
     ngram's proposal; the rest draft with the head (local or a replica). The head is asked for
     no drafts of the first kind (a catch-up pass only, which keeps its KV current), so their
     chains cost nothing. Both kinds are argmax proposals (q one-hot), so the verify rule, greedy
-    or sampled, stays exact."""
+    or sampled, stays exact. Everything else (needs_hidden, release, the replica channel's
+    counters) is the inner drafter's."""
 
     def __init__(self, inner: Drafter, config: SpeculativeConfig) -> None:
         self.inner = inner
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.needs_hidden = inner.needs_hidden
-        self.num_lookahead_tokens = inner.num_lookahead_tokens
         self.num_lookup_drafts = 0  # requests' rounds drafted by lookup
 
-    def __getattr__(self, name: str):  # the inner drafter's counters and methods
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     def propose(self, plan: StepPlan, hidden, num_drafts: dict[Request, int]) -> None:
@@ -102,9 +101,6 @@ class LookupFirst:
         for request, drafts in found.items():
             request.draft_token_ids = drafts
         self.num_lookup_drafts += len(found)
-
-    def release(self, request: Request) -> None:
-        self.inner.release(request)
 
 
 def build_drafter(config: SpeculativeConfig, runner, model_config,

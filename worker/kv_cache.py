@@ -236,10 +236,9 @@ class KVCacheManager:
             raise ValueError(f"{request_id}: cannot keep positions {keep[:4].tolist()}... of "
                              f"{len(table or ())} blocks")
         bs = self.block_size
-        # leading blocks whose tokens all stay in place: keep[j] == j up to their end
+        # leading blocks whose tokens all stay in place (keep[j] == j up to their end)
         in_place = keep == np.arange(len(keep))
-        num_whole = int(np.argmin(in_place)) if not in_place.all() else len(keep)
-        num_whole = min(num_whole, len(keep)) // bs
+        num_whole = (len(keep) if in_place.all() else int(np.argmin(in_place))) // bs
         num_dst = self._blocks_for(len(keep)) - num_whole
         rest = table[num_whole:]
         own = [b for b in rest if self._ref_counts[b] == 1 and b not in self._block_to_hash]

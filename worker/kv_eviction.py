@@ -134,8 +134,7 @@ class KVEvictor:
         if scores.numel() <= last:  # tokens no step has scored yet count 0
             scores = torch.cat([scores, scores.new_zeros(last + 1 - scores.numel())])
         moved = torch.zeros_like(scores)
-        moved[:len(keep)] = scores[torch.from_numpy(np.asarray(keep, dtype=np.int64)).to(
-            scores.device)]
+        moved[:len(keep)] = scores[torch.from_numpy(keep).to(scores.device)]
         self.scores[request_id] = moved
 
     def forget(self, request_id: str) -> None:

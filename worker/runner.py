@@ -234,8 +234,8 @@ class ModelRunner:
     def _execute(self, plan: StepPlan) -> StepResult:
         if plan.kv_moves:  # KV eviction's compaction, before any step reads the KV: every
             # request's moves at once (their sources are read before any slot is written)
-            self.move_kv(np.concatenate([np.asarray(m[0], dtype=np.int64) for m in plan.kv_moves]),
-                         np.concatenate([np.asarray(m[1], dtype=np.int64) for m in plan.kv_moves]))
+            src, dst = zip(*plan.kv_moves)
+            self.move_kv(np.concatenate(src), np.concatenate(dst))
         # A step with prompt logprobs runs eagerly: the graphs make only the sampling rows'
         # logits (a 1-token prompt chunk would otherwise fit the decode graphs).
         if self.graphs is not None:
