@@ -8,12 +8,13 @@ on the H200, 1B-shaped dummy bf16 weights (llama-3.2-1b: 16 layers, 32 query / 8
   over the copy bandwidth measured here: the ratio no implementation of that design beats.
 - kernel: the decode attention of all 16 layers (each its own cache, so nothing is served
   from L2 that a real step would read from memory), in one CUDA graph, median of its replays:
-  no mass; mass folded into the kernel (the shipped path); mass by the second pass over K
+  no mass; mass folded into the kernel (the shipped path), its stored p in float32 and in
+  float16 (paged_attention.SCORES_DTYPE); mass by the second pass over K
   (`_launch(fold_mass=False)`, what decode used before). Each mass variant is first checked
   against the torch reference (max |mass - ref|).
 - engine: `LLM` per variant, requests of a `--context`-token random prompt decoding: plain;
   kv_eviction="h2o" with a budget past the context (scores accumulate every step, nothing is
-  compacted while timed: the scoring alone); "h2o" with the budget at the prompt length (a
+  compacted while timed: the scoring alone), with float32 and float16 p; "h2o" with the budget at the prompt length (a
   compaction every 16 tokens, i.e. every 16 steps: its amortised cost is the mean step over a
   whole number of rounds minus the non-compacting median). Per batch: `engine.step()` wall
   time over `--steps` decode steps (async scheduling, the CUDA default; median and mean) and the
@@ -40,6 +41,7 @@ from gpu_timing import header, replay_ms  # noqa: E402
 from revision import write_result  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.kernels import paged_attention  # noqa: E402
 from mxserve.kernels.paged_attention import (  # noqa: E402
     _decode_splits,
     _launch,
@@ -116,9 +118,10 @@ def _kernel_row(b: int, context: int, width: int, gen) -> dict:
     def attend(kc, vc, variant):
         if variant == "none":
             paged_decode_attention(q, kc, vc, tables, lens, out=out, max_seq_len=width)
-        elif variant == "folded":
-            paged_decode_attention(q, kc, vc, tables, lens, out=out, max_seq_len=width,
-                                   return_attn_mass=True, mass=mass)
+        elif variant.startswith("folded"):
+            with scores_dtype(torch.float16 if variant == "folded_fp16" else torch.float32):
+                paged_decode_attention(q, kc, vc, tables, lens, out=out, max_seq_len=width,
+                                       return_attn_mass=True, mass=mass)
         else:
             _launch(q, kc, vc, (tables, lens, lens, lens), out, d ** -0.5, width,
                     is_decode=True, num_splits=splits, max_query_len=1, mass=mass,
@@ -133,16 +136,31 @@ def _kernel_row(b: int, context: int, width: int, gen) -> dict:
     row = {"batch": b, "num_splits": splits}
     _, want = paged_decode_attention_torch(q, *caches[0], tables, lens, return_attn_mass=True,
                                            max_seq_len=width)
-    for variant in ("folded", "second_pass"):
+    for variant in ("folded", "folded_fp16", "second_pass"):
         mass.zero_()
         attend(*caches[0], variant)
         row[f"{variant}_max_abs_err"] = float((mass - want).abs().max())
-    for variant in ("none", "folded", "second_pass"):
+        row[f"{variant}_max_rel_err"] = float(((mass - want).abs() / want.clamp_min(1e-3)).max())
+    for variant in ("none", "folded", "folded_fp16", "second_pass"):
         row[f"{variant}_us"] = round(_graph_median_ms(lambda v=variant: step(v)) * 1e3, 2)
     row["folded_over_none"] = round(row["folded_us"] / row["none_us"], 4)
+    row["folded_fp16_over_none"] = round(row["folded_fp16_us"] / row["none_us"], 4)
     row["second_pass_over_none"] = round(row["second_pass_us"] / row["none_us"], 4)
     row["folded_over_second_pass"] = round(row["folded_us"] / row["second_pass_us"], 4)
     return row
+
+
+class scores_dtype:
+    """The folded mass's stored-p dtype (paged_attention.SCORES_DTYPE) inside the block."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.saved, paged_attention.SCORES_DTYPE = paged_attention.SCORES_DTYPE, self.dtype
+
+    def __exit__(self, *exc):
+        paged_attention.SCORES_DTYPE = self.saved
 
 
 def _graph_median_ms(fn, reps: int = 100) -> float:
@@ -164,6 +182,11 @@ def _max_len(args) -> int:
 
 
 def engine_section(args, name: str, options: dict) -> list[dict]:
+    with scores_dtype(torch.float16 if name.endswith("_fp16") else torch.float32):
+        return _engine_rows(args, name, options)
+
+
+def _engine_rows(args, name: str, options: dict) -> list[dict]:
     llm = LLM(model=SHAPE, load_format="dummy", dtype="bfloat16", load_progress=False,
               max_model_len=_max_len(args), max_num_seqs=max(args.batches),
               max_num_batched_tokens=8192, kv_cache_memory_gb=args.kv_gb, **options)
@@ -213,7 +236,12 @@ def summarise(result: dict) -> None:
     ratios, targets = {}, {}
     for b in result["batches"]:
         plain, h2o, comp = by["plain", b], by["h2o", b], by["h2o_compacting", b]
+        fp16 = by["h2o_fp16", b]
         ratios[f"b{b}"] = {
+            "step_p50_h2o_fp16_over_plain": round(fp16["engine_step_ms_p50"]
+                                                  / plain["engine_step_ms_p50"], 4),
+            "replay_h2o_fp16_over_plain": round(fp16["graph_replay_ms_p50"]
+                                                / plain["graph_replay_ms_p50"], 4),
             "step_p50_h2o_over_plain": round(h2o["engine_step_ms_p50"]
                                              / plain["engine_step_ms_p50"], 4),
             "replay_h2o_over_plain": round(h2o["graph_replay_ms_p50"]
@@ -245,14 +273,16 @@ def markdown(result: dict) -> str:
              + "; ".join(f"b{r['batch']}: floor {r['floor_ms']} ms, second pass <= "
                          f"{r['second_pass_ratio_bound']}x, folded <= {r['folded_ratio_bound']}x"
                          for r in result["bound"]["rows"]), "",
-             "| kernel (16 layers of decode attention) | no mass us | folded us | second pass us "
-             "| folded / none | second pass / none | max abs err folded / second |",
-             "|---|---|---|---|---|---|---|"]
+             "| kernel (16 layers of decode attention) | no mass us | folded us | folded fp16 us "
+             "| second pass us | folded / none | folded fp16 / none | second pass / none "
+             "| max abs err folded / fp16 / second |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["kernel"]:
         lines.append(f"| b{r['batch']} ({r['num_splits']} splits) | {r['none_us']} | "
-                     f"{r['folded_us']} | {r['second_pass_us']} | {r['folded_over_none']} | "
+                     f"{r['folded_us']} | {r['folded_fp16_us']} | {r['second_pass_us']} | "
+                     f"{r['folded_over_none']} | {r['folded_fp16_over_none']} | "
                      f"{r['second_pass_over_none']} | {r['folded_max_abs_err']:.2g} / "
-                     f"{r['second_pass_max_abs_err']:.2g} |")
+                     f"{r['folded_fp16_max_abs_err']:.2g} / {r['second_pass_max_abs_err']:.2g} |")
     lines += ["", "| engine | step ms p50 | step ms mean | graph replay ms | evicted while timed |",
               "|---|---|---|---|---|"]
     for r in result["engine"]:
@@ -291,6 +321,7 @@ def main() -> None:
     result["engine"] = []
     for name, options in (("plain", {}),
                           ("h2o", dict(kv_eviction="h2o", kv_budget=2 * width)),
+                          ("h2o_fp16", dict(kv_eviction="h2o", kv_budget=2 * width)),
                           ("h2o_compacting", dict(kv_eviction="h2o", kv_budget=args.context))):
         result["engine"] += engine_section(args, name, options)
     summarise(result)

@@ -13,9 +13,12 @@ tl.dot with fp32 accumulation, p rounded to the cache dtype for the second (as f
   SM, at least MIN_SPLIT_TOKENS tokens a split.
 - prefill/extend: varlen chunks, causal over the cached context plus the chunk (K/V written first).
 - attention mass (H2O), on request, added into a caller's fp32 [R, width] buffer:
-  decode (folded): the attention kernel also stores every score it computes (s, fp32, base 2) in
-  [B, Hq, width]; once the splits are merged, _decode_mass_kernel sums exp2(s - lse) over the
-  heads with the final log-sum-exp. It reads 4 bytes a (position, query head) instead of K again.
+  decode (folded): the attention kernel also stores, for every score s it computes (base 2), the
+  p = exp2(s - m) its online softmax already has (m: the row's running max after that tile) in
+  [B, Hq, width] and each tile's m in [B, Hq, tiles]; once the splits are merged,
+  _decode_mass_kernel sums p * exp2(m - lse) = exp2(s - lse) over the heads with the final
+  log-sum-exp. p <= 1, so it keeps its relative precision in float16 (SCORES_DTYPE): 2 or 4
+  bytes a (position, query head) written and read back instead of K read again.
   prefill windows (second pass): the kernels keep each row's log-sum-exp, then _attn_mass_kernel
   recomputes the scores per (request, BLOCK_N positions) and sums exp2(s - lse) over heads and
   queries: one more pass over K, cheaper than storing a score per (query, head, position) for
@@ -43,6 +46,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
+# the folded mass's stored p (exp2(score - its tile's max) <= 1): float32 keeps the mass exact to
+# fp32 rounding; float16 halves the bytes written and read again (2^-12 relative per term)
+SCORES_DTYPE = torch.float32
 
 
 @triton.jit
@@ -66,7 +72,7 @@ def _kv_offsets(bt_row_ptr, pos, valid, kv_head, offs_d, stride_cb, stride_cs, s
 @triton.jit
 def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16: tl.constexpr):
     """One online-softmax step over a gathered K/V tile; keep [M, N] marks attended pairs.
-    Returns the new (max, sum, accumulator) and the tile's scores s [M, N] (base 2)."""
+    Returns the new (max, sum, accumulator) and the tile's p = exp2(s - new max) [M, N]."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # issued with k: a short decode split is one
     s = tl.where(keep, _qk(q, k, INTERP_BF16) * qk_scale, float("-inf"))  # tile, all latency
@@ -79,7 +85,7 @@ def _attend(q, k_ptrs, v_ptrs, kv_mask, keep, m, den, acc, qk_scale, INTERP_BF16
         acc = tl.dot(round_bf16(p), to_f32(v, INTERP_BF16), acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    return m_new, den, acc, s
+    return m_new, den, acc, p
 
 
 @triton.jit
@@ -115,15 +121,15 @@ def _tile_rows(q0, kv_head, q_len, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 @triton.jit
 def _store_scores(row_ptr, s, qi, kv_head, pos, hi, stride_sh, GROUP: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A decode tile's scores s [BLOCK_M, BLOCK_N] (rows: its one query's BLOCK_G heads, then
-    padding) into row_ptr [Hq, width] at positions pos < hi: the [BLOCK_G, BLOCK_N] of real rows
-    taken out first and stored on their own, which writes faster than the masked whole tile
-    (bench/results/h2o_fold_probe.json)."""
+    """A decode tile's p [BLOCK_M, BLOCK_N] (rows: its one query's BLOCK_G heads, then padding)
+    into row_ptr [Hq, width] (the buffer's dtype) at positions pos < hi: the [BLOCK_G, BLOCK_N]
+    of real rows taken out first and stored on their own, which writes faster than the masked
+    whole tile (bench/results/h2o_fold_probe.json)."""
     s_g = tl.sum(tl.reshape(tl.where((qi == 0)[:, None], s, 0.0),
                             [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
     g = tl.arange(0, BLOCK_G)
-    tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :], s_g,
-             mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
+    tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :],
+             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
 
 
 @triton.jit
@@ -131,14 +137,15 @@ def _paged_attention_kernel(
     # pointers: q [T, Hq, D]; caches [num_blocks, PAGE_SIZE, Hkv, D]; block_tables [R, max_blocks];
     # query_start_loc [R + 1] and context_lens [R] (unless IS_DECODE); seq_lens [R];
     # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE);
-    # scores [B, Hq, width] fp32 (if STORE_SCORES, decode only): every attended position's s
+    # if STORE_SCORES (decode only): scores [B, Hq, width] (fp32 or fp16), every attended
+    # position's p = exp2(s - m), m its tile's running max, stored in tile_max [B, Hq, tiles] fp32
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
-    lse_ptr, scores_ptr,
+    lse_ptr, scores_ptr, tile_max_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh, stride_st, stride_sh,
+    stride_os, stride_lt, stride_lh, stride_st, stride_sh, stride_xt, stride_xh,
     # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -168,11 +175,13 @@ def _paged_attention_kernel(
                            stride_cs, stride_ch, PAGE_SIZE)
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         keep = valid[None, :] & (pos[None, :] <= (ctx + qi)[:, None])
-        m, den, acc, s = _attend(q, k_cache_ptr + offs, v_cache_ptr + offs, kv_mask, keep, m,
+        m, den, acc, p = _attend(q, k_cache_ptr + offs, v_cache_ptr + offs, kv_mask, keep, m,
                                  den, acc, qk_scale, INTERP_BF16)
         if STORE_SCORES:  # decode: the mass's numerators, normalised once splits are merged
-            _store_scores(scores_ptr + q_start * stride_st, s, qi, kv_head, pos, hi, stride_sh,
+            _store_scores(scores_ptr + q_start * stride_st, p, qi, kv_head, pos, hi, stride_sh,
                           GROUP, BLOCK_G, BLOCK_M, BLOCK_N)
+            tl.store(tile_max_ptr + q_start * stride_xt + heads * stride_xh + start // BLOCK_N,
+                     m, mask=row_ok)
     o, lse = _finish(m, den, acc)
     out = (out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
            + split * stride_os + offs_d[None, :])
@@ -218,15 +227,16 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _decode_mass_kernel(
-    # pointers: scores [B, Hq, width] fp32 (written up to seq_len); lse [B, Hq] (base 2, merged);
-    # seq_lens [B]; mass [B, >= width] fp32, added into
-    scores_ptr, lse_ptr, seq_lens_ptr, mass_ptr,
+    # pointers: scores [B, Hq, width] (p, written up to seq_len) and tile_max [B, Hq, tiles] as
+    # the attention kernel stored them; lse [B, Hq] (base 2, merged); seq_lens [B];
+    # mass [B, >= width] fp32, added into
+    scores_ptr, tile_max_ptr, lse_ptr, seq_lens_ptr, mass_ptr,
     # scalars
     width,
     # strides
-    stride_st, stride_sh, stride_lt, stride_mr,
-    # shapes and tiling
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    stride_st, stride_sh, stride_xt, stride_xh, stride_lt, stride_mr,
+    # shapes and tiling (TILE_N: the attention kernel's BLOCK_N)
+    NUM_HEADS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
@@ -242,9 +252,11 @@ def _decode_mass_kernel(
         heads = h0 + offs_h
         lse = tl.load(lse_ptr + b * stride_lt + heads, mask=heads < NUM_HEADS, other=0.0)
         mask = (heads < NUM_HEADS)[:, None] & valid[None, :]
-        s = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
-                    mask=mask, other=float("-inf"))  # [BLOCK_H, BLOCK_P]
-        mass += tl.sum(tl.exp2(s - lse[:, None]), axis=0)
+        p = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
+                    mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+        tile_max = tl.load(tile_max_ptr + b * stride_xt + heads[:, None] * stride_xh
+                           + (pos // TILE_N)[None, :], mask=mask, other=0.0)
+        mass += tl.sum(tl.where(mask, p * tl.exp2(tile_max - lse[:, None]), 0.0), axis=0)
     row = mass_ptr + b * stride_mr + pos
     tl.store(row, tl.load(row, mask=valid, other=0.0) + mass, mask=valid)
 
@@ -386,7 +398,9 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     part = out if num_splits == 1 else torch.empty(total_q, num_heads, num_splits, head_dim, **f32)
     lse_arg = part if lse is None else lse
     fold = mass is not None and fold_mass and is_decode and width > 0
-    scores = torch.empty(total_q, num_heads, width, **f32) if fold else lse_arg  # [T, Hq, width]
+    scores, tile_max = (torch.empty(total_q, num_heads, width, dtype=SCORES_DTYPE, device=q.device),
+                        torch.empty(total_q, num_heads, triton.cdiv(width, block_n), **f32)) \
+        if fold else (lse_arg, lse_arg)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], IS_DECODE=is_decode,
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
@@ -394,11 +408,13 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, scores, scale * LOG2E, tokens_per_split,
+            q, k_cache, v_cache, *index, part, lse_arg, scores, tile_max, scale * LOG2E,
+            tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
             lse_arg.stride(0), lse_arg.stride(1), scores.stride(0), scores.stride(1),
-            NUM_SPLITS=num_splits, STORE_LSE=lse is not None, STORE_SCORES=fold, **meta)
+            tile_max.stride(0), tile_max.stride(1), NUM_SPLITS=num_splits,
+            STORE_LSE=lse is not None, STORE_SCORES=fold, **meta)
     if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
         _merge_splits_kernel[(total_q, num_heads)](
@@ -412,8 +428,9 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if fold:
         block_p, block_h = _mass_tiles(num_seqs, num_heads, width, q.device)
         _decode_mass_kernel[(num_seqs, triton.cdiv(width, block_p))](
-            scores, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),
-            lse.stride(0), mass.stride(0), NUM_HEADS=num_heads, BLOCK_H=block_h,
+            scores, tile_max, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),
+            tile_max.stride(0), tile_max.stride(1), lse.stride(0), mass.stride(0),
+            NUM_HEADS=num_heads, TILE_N=block_n, BLOCK_H=block_h,
             BLOCK_P=block_p, TRIGGER=pdl_supported(q), **({"num_warps": 4} if q.is_cuda else {}))
     else:
         _attn_mass_kernel[(num_seqs, triton.cdiv(width, block_n))](

@@ -26,6 +26,7 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from mxserve.kernels import paged_attention  # noqa: E402
 from mxserve.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_torch,
@@ -128,6 +129,31 @@ def test_decode(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits
     check_mass(mass, ref_mass, want_mass, torch.full((4,), num_heads))
     assert paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
                                   backend="triton").equal(got)  # without the mass: same output
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_mass_from_half_precision_scores(dtype, num_splits, monkeypatch):
+    """The folded mass with its stored p in float16 (paged_attention.SCORES_DTYPE): each term
+    within fp16's rounding (2^-11 relative, subnormals ~3e-8 absolute) of the float32 path's,
+    the output untouched; splits exercise the tile maxima of several splits."""
+    gen = seeded("half_scores", dtype, num_splits)
+    seq_lens, heads, kv_heads, dim, bs = [3, 70, 129, 200], 8, 2, 32, 16
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, kv_heads, dim, bs, dtype, gen)
+    q = (3 * torch.randn(len(seq_lens), heads, dim, generator=gen)).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def run(scores_dtype):
+        monkeypatch.setattr(paged_attention, "SCORES_DTYPE", scores_dtype)
+        return paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
+                                      return_attn_mass=True, backend="triton")
+
+    (out32, mass32), (out16, mass16) = run(torch.float32), run(torch.float16)
+    assert out16.equal(out32)
+    assert not mass16.equal(mass32)  # the half path was taken
+    torch.testing.assert_close(mass16, mass32, rtol=2.0**-10, atol=heads * 6e-8)
+    torch.testing.assert_close(mass16.sum(1), lens.new_full((4,), heads).float(), rtol=1e-3,
+                               atol=0)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
