@@ -126,6 +126,11 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="the target's batch when "
                    "answering the prompts (a GPU takes hundreds)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--init-head", default=None, help="start from this head's weights (a head "
+                   "directory train-draft wrote) instead of random ones: more training on new "
+                   "data (give another --seed)")
+    p.add_argument("--seed", type=int, default=0, help="the prompts, text windows, initial "
+                   "weights and batch order")
 
 
 def _serve_parser(sub) -> None:
@@ -483,8 +488,9 @@ def cmd_train_draft(args) -> int:
                          args.heldout, args.num_speculative_tokens,
                          TrainConfig(epochs=args.epochs, lr=args.lr,
                                      batch_tokens=args.batch_tokens,
-                                     unroll_steps=args.unroll_steps),
+                                     unroll_steps=args.unroll_steps, seed=args.seed),
                          text_tokens=args.text_tokens, device=args.device,
+                         init_head_dir=args.init_head,
                          draft_vocab_size=args.draft_vocab_size,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)
     print(json.dumps({key: report[key] for key in ("heldout_teacher_forced_top1", "heldout")

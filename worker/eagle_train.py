@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from mxserve.worker.eagle import EagleHead, head_config, save_head
+from mxserve.worker.eagle import EagleHead, head_config, load_head, save_head
 
 QUESTIONS = [  # general chat prompts; the held-out split takes every fifth
     "What is the capital of France?", "How do plants make food?", "Why is the sky blue?",
@@ -432,13 +432,15 @@ def acceptance_length(model: str | None, head_dir: str, conversations: list[list
 def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens: int = 128,
                 num_heldout: int = 32, k: int = 3, train: TrainConfig | None = None,
                 text_tokens: int = 0, device: str = "cpu", draft_vocab_size: int = 8192,
-                log=print, **engine_options) -> dict:
+                init_head_dir: str | None = None, log=print, **engine_options) -> dict:
     """The whole command: data (cached), training (resumable), the head in `out`, and its
     quality on held-out prompts: teacher-forced agreement, and the acceptance length of the
     engine speculating with it (`num_heldout` > 0). Returns the report it also writes to
     out/report.json. On a GPU the target runs in bf16 and the head trains there. The head's draft
     vocabulary: the `draft_vocab_size` tokens the target wrote most in the training data (0: the
-    whole vocabulary); the report gives the share of held-out answer tokens it covers."""
+    whole vocabulary); the report gives the share of held-out answer tokens it covers.
+    init_head_dir: a saved head to start from instead of random weights (its own draft
+    vocabulary is replaced by this data's)."""
     from mxserve.worker.llm import LLM
 
     train = train or TrainConfig()
@@ -476,6 +478,10 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
         max(num_heldout, 64), "heldout", train.seed)), max_tokens)
     heldout_features = target_features(llm, heldout_samples)
     head = init_head(target, train.seed, device=embed.device.type)
+    if init_head_dir is not None:
+        start_from = load_head(init_head_dir, target, torch.float32, embed.device)
+        head.load_state_dict(start_from.state_dict())
+        log(f"train-draft: starting from {init_head_dir}")
     train_head(head, embed, samples, features, train, os.path.join(out, "train_state.pt"),
                log)
     ranking = draft_vocab_ranking(samples)

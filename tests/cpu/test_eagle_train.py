@@ -71,6 +71,16 @@ def test_train_draft_makes_a_head_with_a_draft_vocabulary_and_resumes(tiny_check
     assert any("cached samples" in line for line in logs), logs
     assert any("resuming after epoch 1" in line for line in logs), logs
 
+    # more training from the saved head on other data (--init-head, --seed): a negligible step
+    # size leaves the start's weights, which a random start does not have
+    more = train_draft(str(ckpt), str(tmp_path / "more"), init_head_dir=report["head"],
+                       train=TrainConfig(epochs=1, batch_tokens=64, lr=1e-12, seed=1), **args)
+    assert any("starting from" in line for line in logs), logs
+    start = load_head(report["head"], target, torch.float32, torch.device("cpu"))  # 2 epochs
+    again = load_head(more["head"], target, torch.float32, torch.device("cpu"))
+    for (name, p), q in zip(start.named_parameters(), again.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-3, msg=name)  # bf16-stored both
+
 
 def test_each_trained_drafting_step_computes_what_the_drafter_computes_there(tiny_checkpoint):
     """head_forward_steps (training, all positions at once) against the drafter's own passes
