@@ -14,11 +14,12 @@ on the H200, 1B-shaped dummy bf16 weights (llama-3.2-1b: 16 layers, 32 query / 8
   against the torch reference (max |mass - ref|).
 - engine: `LLM` per variant, requests of a `--context`-token random prompt decoding: plain;
   kv_eviction="h2o" with a budget past the context (scores accumulate every step, nothing is
-  compacted while timed: the scoring alone), with float32 and float16 p; "h2o" with the budget at the prompt length (a
-  compaction every 16 tokens, i.e. every 16 steps: its amortised cost is the mean step over a
-  whole number of rounds minus the non-compacting median). Per batch: `engine.step()` wall
-  time over `--steps` decode steps (async scheduling, the CUDA default; median and mean) and the
-  device time of the last step's decode graph replayed with its inputs (median of 50).
+  compacted while timed: the scoring alone), with float32 and float16 p; "h2o" with the
+  budget at the prompt length (a compaction every 16 tokens, i.e. every 16 steps: its
+  amortised cost is the mean step over a whole number of rounds minus the non-compacting
+  median). Per batch: `engine.step()` wall time over `--steps` decode steps (async scheduling,
+  the CUDA default; median and mean) and the device time of the last step's decode graph
+  replayed with its inputs (median of 50).
 
 Run on the GPU machine:  python bench/h2o_gpu.py --out $OUT     (~2 min; writes h2o_gpu.json, .md)
 """

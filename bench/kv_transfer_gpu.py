@@ -9,7 +9,11 @@ Per shape, one engine (bf16, prefix caching off, eager), side by side:
   import (BlockIO.write: bytes to the GPU, scatter) of the prompt's 128 blocks, GB/s, median of
   5, checked: what is imported into other blocks reads back equal;
 - the parts: the gather alone (on the GPU), the device-to-host copy of the gathered bytes into
-  pinned memory, XXH3-64 on the host (the checksum the transfer uses; none runs on the GPU yet);
+  pinned memory, XXH3-64 on the host, WSUM64 on the GPU (kernels/checksum.py, checked equal to
+  its torch reference on the host);
+- chunked, as a pull streams them (chunks of 2 MiB): export + checksum and checksum + import
+  with XXH3-64 on the host vs WSUM64 on the GPU (BlockIO.read_summed / write(wsum=...), what a
+  GPU pool's raw payloads use), GB/s, median of 5;
 - break-even: the link rate at which moving the bytes takes as long as the prefill, and the
   pull time (export + link + import, not overlapped) at 10, 100 and 400 Gbit/s.
 
@@ -34,6 +38,7 @@ from gpu_timing import header  # noqa: E402
 from revision import write_result  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
+from mxserve.kernels.checksum import wsum64, wsum64_torch  # noqa: E402
 from mxserve.worker.kv_transfer import BlockIO, checksum, engine_layout  # noqa: E402
 
 SHAPES = ("llama-3.2-1b", "llama-3-8b")
@@ -86,12 +91,39 @@ def shape_section(shape: str) -> dict:
     gather_s = _median_s(gather)
     d2h_s = _median_s(lambda: pinned.copy_(gathered))
     checksum_s = _median_s(lambda: checksum(data))
+    wsum_s = _median_s(lambda: wsum64(gathered))
+    wsum_ok = wsum64(gathered) == wsum64_torch(gathered.cpu())
+    per = max(1, (2 << 20) // layout.bytes_per_block)
+    chunks = [(src[i:i + per], dst[i:i + per]) for i in range(0, n, per)]
+    payloads = [(io.read(a), *io.read_summed(a)[1:]) for a, _ in chunks]
+
+    def export(summed: bool):
+        for a, _ in chunks:
+            if summed:
+                io.read_summed(a)
+            else:
+                checksum(io.read(a))
+
+    def import_(summed: bool):
+        for (_, b), (payload, digest) in zip(chunks, payloads):
+            if summed:
+                assert io.write(b, payload, digest)
+            else:
+                checksum(payload)
+                io.write(b, payload)
+
+    chunked = {f"{way}_{kind}_gb_s": round(num_bytes / 1e9 / _median_s(
+        lambda f=fn, k=kind: f(k == "wsum64_gpu")), 2)
+        for way, fn in (("export", export), ("import", import_))
+        for kind in ("xxh3_host", "wsum64_gpu")}
     gb = num_bytes / 1e9
     row = dict(shape=shape, bytes_per_block=layout.bytes_per_block, blocks=n, bytes=num_bytes,
                roundtrip_equal=ok, prefill_2k_s=round(prefill, 5),
                export_gb_s=round(gb / export_s, 2), import_gb_s=round(gb / import_s, 2),
                gather_gpu_gb_s=round(gb / gather_s, 1), d2h_pinned_gb_s=round(gb / d2h_s, 1),
                checksum_host_gb_s=round(gb / checksum_s, 2),
+               checksum_gpu_gb_s=round(gb / wsum_s, 1), wsum64_gpu_equals_reference=wsum_ok,
+               chunk_blocks=per, chunked=chunked,
                break_even_link_gb_s=round(gb / prefill, 2))
     for gbit in LINKS_GBIT:
         pull = export_s + gb / (gbit / 8) + import_s
@@ -112,6 +144,15 @@ def markdown(result: dict) -> str:
                      f"{r['export_gb_s']} | {r['import_gb_s']} | {r['gather_gpu_gb_s']} | "
                      f"{r['d2h_pinned_gb_s']} | {r['checksum_host_gb_s']} | "
                      f"{r['break_even_link_gb_s']} | {ratios} |")
+    lines += ["", "Checksums, and a pull's export and import in 2 MiB chunks (GB/s):", "",
+              "| shape | WSUM64 GPU | = reference | export XXH3 host | export WSUM64 GPU | "
+              "import XXH3 host | import WSUM64 GPU |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        c = r["chunked"]
+        lines.append(f"| {r['shape']} | {r['checksum_gpu_gb_s']} | "
+                     f"{r['wsum64_gpu_equals_reference']} | {c['export_xxh3_host_gb_s']} | "
+                     f"{c['export_wsum64_gpu_gb_s']} | {c['import_xxh3_host_gb_s']} | "
+                     f"{c['import_wsum64_gpu_gb_s']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -140,6 +140,10 @@ class KVTransfer(BaseModel):
     # ("mxfp8": 8 bits a value, "mxfp6": 6, plus a scale per 32) for slow links; MX changes
     # the pulled KV's numbers (bench/results/kv_transfer_mx.md gives the effect)
     encoding: Literal["raw", "mxfp8", "mxfp6"] = "raw"
+    # the checksum this worker's exports send: "auto" sums a GPU pool's raw payloads on the GPU
+    # (WSUM64, kernels/checksum.py) and hashes everything else on the host (XXH3-64); "wsum64"
+    # or "xxh3" for every raw payload (MX payloads always take XXH3-64)
+    checksum: Literal["auto", "xxh3", "wsum64"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> KVTransfer:

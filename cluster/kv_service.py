@@ -40,6 +40,7 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
+    checksum_kind,
     encodable,
     engine_block_io,
     leading_verified,
@@ -68,6 +69,7 @@ class TransferOptions:
     tls_key: str | None = None  # that signed every worker's (then mutual TLS)
     tls_ca: str | None = None
     encoding: str = "raw"  # what this worker's pulls ask for (worker/kv_transfer.ENCODINGS)
+    checksum: str = "auto"  # what its exports send (worker/kv_transfer.checksum_kind)
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
@@ -136,13 +138,15 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.num_active += 1
         try:
             num_blocks = len(pinned.block_ids) if pinned else 0
+            kind = checksum_kind(self.io.device, encoding, self.options.checksum)
             yield pb.KVMessage(header=pb.KVHeader(
                 layout=layout_to_pb(self.layout), num_blocks=num_blocks,
-                bytes_per_block=wire_bytes_per_block(self.layout, encoding), encoding=encoding))
+                bytes_per_block=wire_bytes_per_block(self.layout, encoding), encoding=encoding,
+                checksum=kind))
             if pinned is None:
                 return
             chunks = Exporter(self.io, self.layout, pinned, self.options.chunk_bytes,
-                              self.faults, encoding).chunks()
+                              self.faults, encoding, kind).chunks()
             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                 if self.faults.get("delay_s"):
                     await asyncio.sleep(self.faults["delay_s"])
@@ -334,7 +338,7 @@ class KVPuller:
                         raise TransferError("layout", f"the peer sends {header.encoding!r}, "
                                                       f"{importer.encoding!r} was asked")
                     importer.accept(layout_from_pb(header.layout), header.num_blocks,
-                                    header.bytes_per_block)
+                                    header.bytes_per_block, header.checksum or "xxh3")
                     continue
                 d = message.data
                 await asyncio.to_thread(importer.add, d.first_block, d.num_blocks, d.payload,

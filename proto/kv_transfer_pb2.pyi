@@ -35,16 +35,18 @@ class PullRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("layout", "num_blocks", "bytes_per_block", "encoding")
+    __slots__ = ("layout", "num_blocks", "bytes_per_block", "encoding", "checksum")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     num_blocks: int
     bytes_per_block: int
     encoding: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., encoding: _Optional[str] = ...) -> None: ...
+    checksum: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., encoding: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("first_block", "num_blocks", "payload", "checksum")

@@ -56,7 +56,7 @@ class KVTransferServicer:
 
     def Pull(self, request, context):
         """Stream the leading run of the asked blocks that this worker holds: one header, then the
-        blocks' bytes in chunks, each with its XXH3-64 checksum. Errors: UNAUTHENTICATED (no or a wrong
+        blocks' bytes in chunks, each with its checksum. Errors: UNAUTHENTICATED (no or a wrong
         secret), INVALID_ARGUMENT (a malformed field, named), FAILED_PRECONDITION (the layouts
         differ: model, dtype, block size, layers, heads or wire version), RESOURCE_EXHAUSTED (more
         blocks than the cap).

@@ -3,7 +3,7 @@ its client are cluster/kv_service.py; the wire format is proto/kv_transfer.proto
 
     holder                                      receiver
     KVPort.pin(hashes) (engine thread)          KVPort.reserve(hashes) (engine thread)
-    Exporter.chunks(): gather -> bytes + hash   Importer.accept(header), .add(chunk): hash,
+    Exporter.chunks(): gather -> bytes + sum    Importer.accept(header), .add(chunk): sum,
                          ----gRPC stream---->           layout and order checked, scatter
     KVPort.release(pin)                         KVPort.commit(reservation, blocks verified):
                                                   registered in the prefix cache (BlockStored
@@ -14,6 +14,11 @@ shares them, `allocate(prefix_block_ids=...)`), so nothing evicts or overwrites 
 are read; an import's blocks are fresh ones held the same way, written while no request can
 see them and registered only once their bytes are verified. The gathers and scatters touch only
 those blocks, so they run off the engine's thread while it steps.
+
+Checksums: XXH3-64 of the payload on the host, or WSUM64 (kernels/checksum.py) where the bytes
+are: on the GPU for a GPU pool's raw payloads, of the gathered blocks before they are copied
+out, and on the receiver's GPU after they are copied in, before they are scattered (a mismatch
+writes nothing). The holder picks (`checksum_kind`); its header names the one it sends.
 
 A failed transfer (checksum, truncation, timeout, the peer gone, a layout that differs) keeps
 the blocks verified before the failure and releases the rest: the request computes what is
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from mxserve.kernels.checksum import wsum64
 from mxserve.worker.kv_cache import KVCacheManager
 
 WIRE_VERSION = 1
@@ -78,8 +84,24 @@ class KVLayout:
 
 
 def checksum(payload: bytes) -> int:
-    """XXH3-64: a transfer's integrity check, several times faster than CRC-32 on a CPU."""
+    """XXH3-64: a transfer's integrity check on the host, several times faster than CRC-32 on
+    a CPU."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+CHECKSUMS = ("xxh3", "wsum64")
+
+
+def checksum_kind(device: torch.device, encoding: str, choice: str = "auto") -> str:
+    """The checksum a holder sends with `encoding`'s payloads: "auto" is WSUM64 for a GPU
+    pool's raw payloads (summed on the GPU, no host pass over the bytes) and XXH3-64 otherwise;
+    "wsum64" is WSUM64 for raw payloads on any pool; MX payloads are encoded on the host and
+    always take XXH3-64."""
+    if choice not in ("auto", *CHECKSUMS):
+        raise ValueError(f"checksum: {choice!r} is not one of auto, {', '.join(CHECKSUMS)}")
+    if ENCODINGS[encoding] is not None or choice == "xxh3":
+        return "xxh3"
+    return "wsum64" if choice == "wsum64" or device.type == "cuda" else "xxh3"
 
 
 # Payload encodings: "raw" sends the cache's own bytes; the MX ones (OCP microscaling, blocks
@@ -173,6 +195,13 @@ class BlockIO:
         self._lock = threading.Lock()
 
     def read(self, block_ids: Sequence[int]) -> bytes:
+        return self._read(block_ids, False)[0]
+
+    def read_summed(self, block_ids: Sequence[int]) -> tuple[bytes, int]:
+        """`read`'s bytes and their WSUM64, summed on the pool's device before the copy out."""
+        return self._read(block_ids, True)
+
+    def _read(self, block_ids: Sequence[int], summed: bool) -> tuple[bytes, int | None]:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         cache = self.caches[0]
         shape = (len(self.caches), len(block_ids), *self.block_shape)
@@ -186,9 +215,10 @@ class BlockIO:
             with torch.inference_mode():
                 for i, c in enumerate(self.caches):
                     torch.index_select(c, 0, ids, out=gathered[i])
+                digest = wsum64(gathered) if summed else None
                 if gathered is not staged:
                     staged.copy_(gathered)
-            return host[:num_bytes].numpy().tobytes()
+            return host[:num_bytes].numpy().tobytes(), digest
         finally:
             with self._lock:
                 self._buffers.append(host)
@@ -202,17 +232,22 @@ class BlockIO:
                     return self._buffers.pop(i)
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def write(self, block_ids: Sequence[int], payload: bytes) -> None:
+    def write(self, block_ids: Sequence[int], payload: bytes, wsum: int | None = None) -> bool:
+        """Scatter the blocks' bytes into the pool; with `wsum`, only if the bytes' WSUM64,
+        taken on the pool's device once they are there, equals it (False: nothing written)."""
         cache = self.caches[0]
         data = _tensor(payload, cache.dtype).view(len(self.caches), len(block_ids),
                                                   *self.block_shape)
         data = data.to(self.device)
+        if wsum is not None and wsum64(data) != wsum:
+            return False
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             for i, c in enumerate(self.caches):
                 c.index_copy_(0, ids, data[i])
         if self.device.type == "cuda":  # written before a step may read them
             torch.cuda.current_stream(self.device).synchronize()
+        return True
 
 
 def _tensor(payload: bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -246,6 +281,7 @@ class TPBlockIO:
         block_size, _, head_dim = self.local.block_shape
         self.block_shape = (block_size, num_kv_heads, head_dim)
         self.dtype = self.local.caches[0].dtype
+        self.device = torch.device("cpu")  # where the wire's payload is put together
 
     def _shard(self, payload: bytes, rank: int, n: int) -> torch.Tensor:
         start, stop = self.heads[rank]
@@ -253,6 +289,13 @@ class TPBlockIO:
                                                  stop - start, self.block_shape[2])
 
     def read(self, block_ids: Sequence[int]) -> bytes:
+        return self._read(block_ids).view(torch.uint8).numpy().tobytes()
+
+    def read_summed(self, block_ids: Sequence[int]) -> tuple[bytes, int]:
+        out = self._read(block_ids)
+        return out.view(torch.uint8).numpy().tobytes(), wsum64(out)
+
+    def _read(self, block_ids: Sequence[int]) -> torch.Tensor:
         n = len(block_ids)
         shards = [self.local.read(block_ids), *self.group.read_blocks(block_ids)]
         num_caches = self.num_model_caches + (len(self.extra.caches) if self.extra else 0)
@@ -262,10 +305,13 @@ class TPBlockIO:
         if self.extra is not None:
             out[self.num_model_caches:] = _tensor(self.extra.read(block_ids), self.dtype).view(
                 out[self.num_model_caches:].shape)
-        return out.view(torch.uint8).numpy().tobytes()
+        return out
 
-    def write(self, block_ids: Sequence[int], payload: bytes) -> None:
+    def write(self, block_ids: Sequence[int], payload: bytes, wsum: int | None = None) -> bool:
+        """As BlockIO.write; WSUM64 checked on the host, before any rank gets its heads."""
         data = _tensor(payload, self.dtype).view(-1, len(block_ids), *self.block_shape)
+        if wsum is not None and wsum64(data) != wsum:
+            return False
         shards = [data[:self.num_model_caches, :, :, start:stop].contiguous()
                   .view(torch.uint8).numpy().tobytes() for start, stop in self.heads]
         self.group.write_blocks(block_ids, shards[1:])
@@ -273,6 +319,7 @@ class TPBlockIO:
         if self.extra is not None:
             self.extra.write(block_ids, data[self.num_model_caches:].contiguous()
                              .view(torch.uint8).numpy().tobytes())
+        return True
 
 
 def engine_block_io(engine) -> tuple[BlockIO | TPBlockIO, KVLayout]:
@@ -356,12 +403,15 @@ class KVPort:
 
 class Exporter:
     """The holder's stream: the pinned blocks in chunks of about `chunk_bytes`, each with its
-    checksum. `faults` is a test hook: {"corrupt_chunk": i} flips a byte of chunk i after its
-    checksum is taken, {"truncate_after": i} stops after chunk i."""
+    checksum (`checksum`: one of CHECKSUMS, from checksum_kind). `faults` is a test hook:
+    {"corrupt_chunk": i} flips a byte of chunk i after its checksum is taken,
+    {"truncate_after": i} stops after chunk i."""
 
     def __init__(self, io: BlockIO, layout: KVLayout, pinned: Pinned, chunk_bytes: int,
-                 faults: dict | None = None, encoding: str = "raw") -> None:
+                 faults: dict | None = None, encoding: str = "raw",
+                 checksum: str = "xxh3") -> None:
         self.io, self.layout, self.pinned, self.encoding = io, layout, pinned, encoding
+        self.checksum = checksum
         self.blocks_per_chunk = max(1, chunk_bytes // wire_bytes_per_block(layout, encoding))
         self.faults = faults or {}
 
@@ -372,8 +422,11 @@ class Exporter:
             if i > self.faults.get("truncate_after", len(ids)):
                 return
             block_ids = ids[first:first + self.blocks_per_chunk]
-            payload = encode(self.io.read(block_ids), self.layout.dtype, self.encoding)
-            digest = checksum(payload)
+            if self.checksum == "wsum64":  # raw payloads only (checksum_kind)
+                payload, digest = self.io.read_summed(block_ids)
+            else:
+                payload = encode(self.io.read(block_ids), self.layout.dtype, self.encoding)
+                digest = checksum(payload)
             if self.faults.get("corrupt_chunk") == i:
                 payload = bytes([payload[0] ^ 0x01]) + payload[1:]
             yield first, len(block_ids), payload, digest
@@ -407,6 +460,7 @@ class Importer:
     hi: int | None = None  # None: to the reservation's end
     gate: WriteGate = field(default_factory=WriteGate)
     encoding: str = "raw"  # the payload's (asked by the receiver)
+    checksum: str = "xxh3"  # the chunks' (the sender's header)
     num_blocks: int = 0  # what the sender will send (its header)
     num_verified: int = 0
     num_bytes: int = 0
@@ -416,7 +470,12 @@ class Importer:
         hi = len(self.reservation.block_ids) if self.hi is None else self.hi
         return hi - self.lo
 
-    def accept(self, layout: KVLayout, num_blocks: int, bytes_per_block: int) -> None:
+    def accept(self, layout: KVLayout, num_blocks: int, bytes_per_block: int,
+               checksum: str = "xxh3") -> None:
+        if checksum not in CHECKSUMS or (checksum == "wsum64" and self.encoding != "raw"):
+            raise TransferError("layout", f"the peer's checksum {checksum!r} is not one of "
+                                          f"{CHECKSUMS} ({self.encoding} payloads: xxh3)")
+        self.checksum = checksum
         name = self.layout.mismatch(layout)
         if name is not None:
             raise TransferError("layout", f"the peer's {name} is {getattr(layout, name)!r}, "
@@ -438,15 +497,18 @@ class Importer:
         if len(payload) != num_blocks * wire_bytes_per_block(self.layout, self.encoding):
             raise TransferError("truncated", f"chunk of {num_blocks} blocks has "
                                              f"{len(payload)} bytes")
-        if checksum(payload) != digest:
-            raise TransferError("checksum", f"blocks {first}..{first + num_blocks}: checksum "
-                                            "mismatch")
+        mismatch = TransferError("checksum", f"blocks {first}..{first + num_blocks}: "
+                                             f"{self.checksum} mismatch")
+        if self.checksum == "xxh3" and checksum(payload) != digest:
+            raise mismatch
         start = self.lo + first
         values = decode(payload, self.layout.dtype, self.encoding)
         with self.gate.lock:
             if self.gate.closed:
                 raise TransferError("timeout", "the pull ended before this chunk was written")
-            self.io.write(self.reservation.block_ids[start:start + num_blocks], values)
+            if not self.io.write(self.reservation.block_ids[start:start + num_blocks], values,
+                                 digest if self.checksum == "wsum64" else None):
+                raise mismatch
             self.num_verified += num_blocks
             self.num_bytes += len(payload)
 

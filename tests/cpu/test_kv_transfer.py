@@ -15,6 +15,7 @@ import torch
 from mxserve import LLM, SamplingParams
 from mxserve.cluster.kv_service import SECRET_KEY, KVNode, TransferOptions, layout_to_pb
 from mxserve.cluster.worker import Worker
+from mxserve.kernels.checksum import wsum64_torch
 from mxserve.proto import kv_transfer_pb2 as pb
 from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
 from mxserve.worker.kv_transfer import (
@@ -25,6 +26,7 @@ from mxserve.worker.kv_transfer import (
     KVPort,
     PullPolicy,
     TransferError,
+    checksum_kind,
     decode,
     encode,
     engine_block_io,
@@ -69,7 +71,9 @@ def _no_transfer_entries(llm: LLM) -> None:
     assert not any(e.startswith("kv-transfer") for e in kv._tables), "a transfer held blocks"
 
 
-def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(ckpt, reference):
+@pytest.mark.parametrize("checksum", ["xxh3", "wsum64"])
+def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(ckpt, reference,
+                                                                              checksum):
     holder, receiver = LLM(model=ckpt, **ENGINE), LLM(model=ckpt, **ENGINE)
     holder.generate(PROMPTS[:1], GREEDY)
     h_port, h_io, layout = _parts(holder)
@@ -81,9 +85,13 @@ def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(c
     assert len(pinned.block_ids) == 6
     reservation = r_port.reserve(hashes, 6)
     importer = Importer(r_io, r_layout, reservation)
-    importer.accept(layout, 6, layout.bytes_per_block)
-    exporter = Exporter(h_io, layout, pinned, chunk_bytes=2 * layout.bytes_per_block + 1)
+    importer.accept(layout, 6, layout.bytes_per_block, checksum)
+    exporter = Exporter(h_io, layout, pinned, chunk_bytes=2 * layout.bytes_per_block + 1,
+                        checksum=checksum)
     for chunk in exporter.chunks():
+        if checksum == "wsum64":  # summed on the pool's device: the payload's WSUM64
+            assert chunk[3] == wsum64_torch(torch.frombuffer(bytearray(chunk[2]),
+                                                             dtype=torch.uint8))
         importer.add(*chunk)
     importer.finish()
     h_port.release(pinned)
@@ -96,14 +104,16 @@ def test_blocks_moved_between_engines_give_the_same_tokens_and_count_as_cached(c
     receiver.engine.kv.check_integrity()
 
 
-@pytest.mark.parametrize("holder_tp, receiver_tp, kv_heads", [
-    (2, 1, 2), (1, 2, 2), (2, 2, 1)])  # (kv_heads 1: each rank holds the one head)
+@pytest.mark.parametrize("holder_tp, receiver_tp, kv_heads, checksum", [
+    (2, 1, 2, "xxh3"), (1, 2, 2, "xxh3"), (2, 2, 1, "xxh3"), (2, 2, 2, "wsum64")])
 def test_blocks_move_between_workers_of_any_tensor_parallel_size(tiny_checkpoint, holder_tp,
-                                                                 receiver_tp, kv_heads):
+                                                                 receiver_tp, kv_heads,
+                                                                 checksum):
     """The wire carries every KV head: a TP=2 worker's blocks (each rank's shard, gathered
     over the ranks' block channels) serve a TP=1 worker and the other way round, and with one
-    KV head held by both ranks; greedy tokens equal a cold run's, the pulled blocks count as
-    cached, and both pools stay consistent."""
+    KV head held by both ranks (kv_heads 1); greedy tokens equal a cold run's, the pulled blocks
+    count as cached, and both pools stay consistent. WSUM64 is summed and checked on the host
+    where the payload is put together."""
     path = str(tiny_checkpoint("llama", num_key_value_heads=kv_heads))
     with LLM(model=path, enable_prefix_caching=False, **ENGINE) as cold:
         want = [o.token_ids for o in cold.generate(PROMPTS[1:], GREEDY)]
@@ -117,9 +127,9 @@ def test_blocks_move_between_workers_of_any_tensor_parallel_size(tiny_checkpoint
         h_port, r_port = KVPort(holder.engine.kv), KVPort(receiver.engine.kv)
         pinned, reservation = h_port.pin(hashes), r_port.reserve(hashes, 6)
         importer = Importer(r_io, r_layout, reservation)
-        importer.accept(layout, 6, layout.bytes_per_block)
-        for chunk in Exporter(h_io, layout, pinned, chunk_bytes=4 * layout.bytes_per_block
-                              ).chunks():
+        importer.accept(layout, 6, layout.bytes_per_block, checksum)
+        for chunk in Exporter(h_io, layout, pinned, chunk_bytes=4 * layout.bytes_per_block,
+                              checksum=checksum).chunks():
             importer.add(*chunk)
         importer.finish()
         h_port.release(pinned)
@@ -155,12 +165,32 @@ def test_importer_checks_layout_order_size_and_checksum(ckpt):
     with pytest.raises(TransferError) as e:
         importer.add(0, 2, payload, 12345)
     assert e.value.reason == "checksum"
+    for bad in ("crc32", "wsum64"):  # unknown; WSUM64 with MX payloads
+        mx = Importer(io, layout, reservation, encoding="mxfp8")
+        with pytest.raises(TransferError, match="checksum") as e:
+            mx.accept(layout, 4, wire_bytes_per_block(layout, "mxfp8"), bad)
+        assert e.value.reason == "layout"
+    importer.accept(layout, 4, layout.bytes_per_block, "wsum64")
+    with pytest.raises(TransferError, match="wsum64 mismatch") as e:
+        importer.add(0, 2, payload, 12345)  # checked on the device, before any write
+    assert e.value.reason == "checksum"
     with pytest.raises(TransferError) as e:
         importer.finish()
     assert e.value.reason == "truncated" and importer.num_verified == 0
     port.commit(reservation, importer.close())
     _no_transfer_entries(llm)
     assert not llm.engine.kv.cached_block_hashes(), "an unverified block was registered"
+
+
+def test_checksum_kind_sums_a_gpu_pools_raw_payloads_on_the_gpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert checksum_kind(cpu, "raw") == "xxh3" and checksum_kind(gpu, "raw") == "wsum64"
+    assert checksum_kind(gpu, "mxfp8") == "xxh3"  # encoded on the host
+    assert checksum_kind(cpu, "raw", "wsum64") == "wsum64"
+    assert checksum_kind(gpu, "raw", "xxh3") == "xxh3"
+    assert checksum_kind(cpu, "mxfp6", "wsum64") == "xxh3"
+    with pytest.raises(ValueError, match="checksum"):
+        checksum_kind(cpu, "raw", "crc32")
 
 
 def test_pull_policy_compares_link_time_with_prefill_time():
@@ -222,9 +252,11 @@ def _check_pools(workers) -> None:
         assert not kv._tables, f"{w.worker_id} still holds blocks: {list(kv._tables)}"
 
 
-def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it(ckpt, reference):
+@pytest.mark.parametrize("checksum", ["auto", "wsum64"])
+def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it(ckpt, reference,
+                                                                                checksum):
     async def main():
-        async with _workers(ckpt) as ((holder, receiver), (h_node, r_node)):
+        async with _workers(ckpt, checksum=checksum) as ((holder, receiver), (h_node, r_node)):
             assert (await _generate(holder, PROMPTS[0]))[0] == reference[0]
             got = await _generate(receiver, PROMPTS[1], _source(h_node))
             assert got == (reference[1], 96)
@@ -241,17 +273,19 @@ def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
-@pytest.mark.parametrize("fault, reason, streams", [
-    ({"corrupt_chunk": 1}, "checksum", 1), ({"truncate_after": 0}, "truncated", 1),
-    ({"delay_s": 0.3}, "peer", 1), ({"corrupt_chunk": 1}, "checksum", 2)])
+@pytest.mark.parametrize("fault, reason, streams, checksum", [
+    ({"corrupt_chunk": 1}, "checksum", 1, "auto"), ({"truncate_after": 0}, "truncated", 1, "auto"),
+    ({"delay_s": 0.3}, "peer", 1, "auto"), ({"corrupt_chunk": 1}, "checksum", 2, "auto"),
+    ({"corrupt_chunk": 1}, "checksum", 1, "wsum64")])
 def test_a_failed_pull_is_detected_and_the_receiver_computes_the_rest(ckpt, reference, fault,
-                                                                     reason, streams):
+                                                                     reason, streams, checksum):
     """One stream of 3 chunks of 2 blocks; or 2 streams of 3 one-block chunks, each failing at
-    its second (the blocks kept are those verified from the first without a gap)."""
+    its second (the blocks kept are those verified from the first without a gap). "wsum64": the
+    holder sums its raw payloads with WSUM64 (what a GPU pool does), the receiver checks it."""
     chunk = 20_000 if streams == 1 else 8192
 
     async def main():
-        async with _workers(ckpt, num_streams=streams, chunk_bytes=chunk) as (
+        async with _workers(ckpt, num_streams=streams, chunk_bytes=chunk, checksum=checksum) as (
                 (holder, receiver), (h_node, r_node)):
             await _generate(holder, PROMPTS[0])
             h_node.service.faults = fault
