@@ -5,8 +5,10 @@
   no worker holds): the receiver's time to first token when it pulls the prefix from the holder
   (cluster/kv_service.KVPuller: probe done, then reserve, stream, verify, scatter, commit; then
   the tail's prefill) against computing the whole prompt, and the pull alone.
-- Transfer throughput: the pull's bytes over its time against a plain TCP socket copy of as
-  many bytes between the same two processes; Python gRPC's own ceiling between them (the
+- Transfer throughput: the pull's bytes over its time, the chunks over the holder's data port
+  (kv_transfer.data_plane "socket", the default: cache to cache, no copy in Python) and in the
+  gRPC stream ("grpc"), against a plain TCP socket copy of as many bytes between the same two
+  processes; Python gRPC's own ceiling between them (the
   holder's Probe RPC: preallocated 2 MiB messages, no KV work, over 1 and 4 streams); and, in
   the receiver alone, the rates of the parts (gather, checksum, scatter).
 - Migration pause: two workers in this process behind the router's logic (router/ingress.py);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -46,6 +49,7 @@ from mxserve.cluster.worker import Worker  # noqa: E402
 from mxserve.worker.kv_transfer import checksum, measure_prefill_rate  # noqa: E402
 
 SIZES = (512, 2048, 8160)
+PLANES = ("socket", "grpc")  # kv_transfer.data_plane
 TAIL = 16
 SECRET = "bench"
 ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=1200, max_model_len=8192,
@@ -132,12 +136,14 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
     node = await KVNode.start(worker, TransferOptions(secret=SECRET), "127.0.0.1",
                               prefill_rate)
     puller = node.puller
+    options = puller.options
     layout = puller.layout
     source = {"address": holder["kv"], "num_blocks": 1 << 20}
     rows = []
     try:
         for n, prefix in prefixes.items():
-            compute, pulled, pull_only, checks = [], [], [], []
+            compute, pulled, checks = [], [], []
+            pull_only = {plane: [] for plane in PLANES}
             for rep in range(args.reps):
                 tail = [(rep * 131 + 7 * i) % 20000 + 100 for i in range(TAIL)]
                 prompt = prefix + tail
@@ -151,13 +157,17 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
                 pulled.append(t)
                 checks.append(cached == n - n % 16
                               and puller.counts["ok"] == before.get("ok", 0) + 1)
-                # the pull alone, into an emptied cache
-                await worker.async_engine.call(lambda e: e.kv.reset_prefix_cache())
-                request = llm.engine.make_request(prompt, FIRST_TOKEN)
-                start = time.perf_counter()
-                got = await puller.maybe_pull(request.block_hashes, request.num_tokens, source)
-                pull_only.append(time.perf_counter() - start)
-                assert got == n // 16, got
+                # the pull alone, into an emptied cache, by each data plane
+                for plane in PLANES:
+                    puller.options = dataclasses.replace(options, data_plane=plane)
+                    await worker.async_engine.call(lambda e: e.kv.reset_prefix_cache())
+                    request = llm.engine.make_request(prompt, FIRST_TOKEN)
+                    start = time.perf_counter()
+                    got = await puller.maybe_pull(request.block_hashes, request.num_tokens,
+                                                  source)
+                    pull_only[plane].append(time.perf_counter() - start)
+                    assert got == n // 16, (plane, got)
+                puller.options = options
             num_bytes = (n // 16) * layout.bytes_per_block
             socket_s = statistics.median(socket_copy_s(holder["socket"], num_bytes)
                                          for _ in range(args.reps))
@@ -165,7 +175,8 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
             row = dict(prompt_tokens=n, bytes=num_bytes,
                        compute_ttft_s=round(statistics.median(compute), 4),
                        pull_ttft_s=round(statistics.median(pulled), 4),
-                       pull_only_s=round(statistics.median(pull_only), 4),
+                       pull_only_s=round(statistics.median(pull_only["socket"]), 4),
+                       pull_only_grpc_s=round(statistics.median(pull_only["grpc"]), 4),
                        socket_copy_s=round(socket_s, 4),
                        policy_estimate_s=dict(pull=round(est_pull, 4),
                                               compute=round(est_compute, 4)),
@@ -175,6 +186,8 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
             row["pull_gb_s"] = round(num_bytes / row["pull_only_s"] / 1e9, 3)
             row["socket_gb_s"] = round(num_bytes / socket_s / 1e9, 3)
             row["pull_vs_socket"] = round(socket_s / row["pull_only_s"], 3)
+            row["pull_grpc_gb_s"] = round(num_bytes / row["pull_only_grpc_s"] / 1e9, 3)
+            row["pull_grpc_vs_socket"] = round(socket_s / row["pull_only_grpc_s"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
         parts = part_rates(node, layout)
@@ -340,13 +353,15 @@ def markdown(result: dict) -> str:
              f"two processes, one thread each, loopback. Prefill measured at start-up: "
              f"{result['prefill_tokens_per_s']} tokens/s. Medians of {result['reps']}.", "",
              "| prompt tokens | MB | TTFT compute s | TTFT pull s | speedup | pull alone s "
-             "| compute / pull | pull GB/s | socket GB/s | pull / socket |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| compute / pull | pull GB/s | socket GB/s | pull / socket | pull in gRPC GB/s "
+             "| in gRPC / socket |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['prompt_tokens']} | {r['bytes'] / 1e6:.1f} | {r['compute_ttft_s']} "
                      f"| {r['pull_ttft_s']} | {r['ttft_speedup']}x | {r['pull_only_s']} | "
                      f"{r['pull_vs_compute']}x | {r['pull_gb_s']} | {r['socket_gb_s']} | "
-                     f"{r['pull_vs_socket']} |")
+                     f"{r['pull_vs_socket']} | {r['pull_grpc_gb_s']} | "
+                     f"{r['pull_grpc_vs_socket']} |")
     p = result["parts_gb_s"]
     g = result["grpc_probe_gb_s"]
     lines += ["", f"Parts on one chunk's blocks, in one process (GB/s): gather {p['gather']}, "

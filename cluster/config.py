@@ -144,6 +144,11 @@ class KVTransfer(BaseModel):
     # (WSUM64, kernels/checksum.py) and hashes everything else on the host (XXH3-64); "wsum64"
     # or "xxh3" for every raw payload (MX payloads always take XXH3-64)
     checksum: Literal["auto", "xxh3", "wsum64"] = "auto"
+    # how this worker's pulls take the chunks: "socket" (a TCP connection to the holder's
+    # data port, opened by a one-time ticket from the gRPC call; a host pool's blocks go from
+    # cache to cache with no copy in Python) or "grpc" (in the call's messages). Holders with
+    # TLS configured serve no socket: their pulls stream over gRPC whatever is asked
+    data_plane: Literal["socket", "grpc"] = "socket"
 
     @model_validator(mode="after")
     def _check(self) -> KVTransfer:

@@ -20,6 +20,8 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +30,14 @@ from dataclasses import dataclass
 import grpc
 
 from mxserve.cluster.kv_drain import SECRET_KEY, channel_to, read_file
+from mxserve.cluster.kv_socket import (
+    TICKET_TTL_S,
+    DataPlane,
+    in_thread,
+    recv_frames,
+    send_frames,
+    shut,
+)
 from mxserve.proto import kv_transfer_pb2 as pb
 from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
 from mxserve.worker.async_engine import AsyncEngine
@@ -70,6 +80,7 @@ class TransferOptions:
     tls_ca: str | None = None
     encoding: str = "raw"  # what this worker's pulls ask for (worker/kv_transfer.ENCODINGS)
     checksum: str = "auto"  # what its exports send (worker/kv_transfer.checksum_kind)
+    data_plane: str = "socket"  # how its pulls ask for the chunks: "socket" or "grpc"
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
@@ -95,6 +106,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.on_drain: Callable[[], Awaitable[int]] | None = None  # Worker.drain
         self.num_active = 0  # pulls being served now
         self.last_active = time.monotonic()  # when the last one ended
+        self.data_plane: DataPlane | None = None  # sockets for the chunks (none under TLS)
 
     async def _check_secret(self, context) -> None:
         secret = dict(context.invocation_metadata()).get(SECRET_KEY, "")
@@ -136,17 +148,25 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         pinned = await self.engine.call(lambda engine: self.port.pin(hashes),
                                         self.port.release)
         self.num_active += 1
+        ticket = future = None
         try:
             num_blocks = len(pinned.block_ids) if pinned else 0
             kind = checksum_kind(self.io.device, encoding, self.options.checksum)
+            if request.socket and self.data_plane is not None and pinned is not None:
+                ticket, future = self.data_plane.expect()
             yield pb.KVMessage(header=pb.KVHeader(
                 layout=layout_to_pb(self.layout), num_blocks=num_blocks,
                 bytes_per_block=wire_bytes_per_block(self.layout, encoding), encoding=encoding,
-                checksum=kind))
+                checksum=kind, socket_port=self.data_plane.port if ticket else 0,
+                ticket=ticket or b""))
             if pinned is None:
                 return
-            chunks = Exporter(self.io, self.layout, pinned, self.options.chunk_bytes,
-                              self.faults, encoding, kind).chunks()
+            exporter = Exporter(self.io, self.layout, pinned, self.options.chunk_bytes,
+                                self.faults, encoding, kind)
+            if ticket is not None:
+                await self._send_over_socket(future, exporter)
+                return
+            chunks = exporter.chunks()
             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                 if self.faults.get("delay_s"):
                     await asyncio.sleep(self.faults["delay_s"])
@@ -159,8 +179,38 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         finally:
             self.num_active -= 1
             self.last_active = time.monotonic()
+            if ticket is not None:
+                self.data_plane.forget(ticket)
             if pinned is not None:  # not awaited: the call may be ending by cancellation
                 self.engine.submit(lambda engine: self.port.release(pinned))
+
+    async def _send_over_socket(self, future, exporter: Exporter) -> None:
+        """The chunks as frames on the connection that brings the ticket. The frames read the
+        pinned blocks in place, so the sending thread is waited for (its socket shut first
+        when the call ends early) before the caller releases them."""
+        try:
+            conn = await asyncio.wait_for(asyncio.wrap_future(future), TICKET_TTL_S)
+        except TimeoutError:
+            self.counts["socket_unclaimed"] += 1
+            return
+        stop = threading.Event()
+        sender = in_thread(send_frames, conn, exporter.frames(), stop,
+                           self.faults.get("delay_s", 0.0))
+        try:
+            num_blocks, num_bytes = await asyncio.shield(sender)  # (waited for below)
+            self.counts["blocks"] += num_blocks
+            self.counts["bytes"] += num_bytes
+            self.counts["served"] += 1
+            self.counts["served_by_socket"] += 1
+        except OSError:  # the receiver went away (or refused a chunk): its pull has failed
+            self.counts["socket_failed"] += 1
+        finally:
+            stop.set()
+            shut(conn)
+            if not sender.done():
+                await asyncio.wait([sender])
+            if not sender.cancelled():
+                sender.exception()  # retrieved: an error here was the receiver's doing
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainReply:  # noqa: N802
         await self._check_secret(context)
@@ -325,7 +375,8 @@ class KVPuller:
                   reservation.block_hashes[lo:lo + importer.size]]
         stream = pb_grpc.KVTransferStub(self._channel(address)).Pull(
             pb.PullRequest(layout=layout_to_pb(self.layout), block_hashes=hashes,
-                           encoding=importer.encoding),
+                           encoding=importer.encoding,
+                           socket=self.options.data_plane == "socket"),
             metadata=self._metadata)
         try:
             header = None
@@ -339,6 +390,9 @@ class KVPuller:
                                                       f"{importer.encoding!r} was asked")
                     importer.accept(layout_from_pb(header.layout), header.num_blocks,
                                     header.bytes_per_block, header.checksum or "xxh3")
+                    if header.socket_port:
+                        await self._receive_over_socket(address, header, importer, stream)
+                        break
                     continue
                 d = message.data
                 await asyncio.to_thread(importer.add, d.first_block, d.num_blocks, d.payload,
@@ -346,6 +400,35 @@ class KVPuller:
             importer.finish()
         finally:
             stream.cancel()
+
+    async def _receive_over_socket(self, address: str, header: pb.KVHeader,
+                                   importer: Importer, stream) -> None:
+        """The chunks as frames on a connection to the holder's data plane. Its gRPC stream
+        ends once every frame is sent (or fails if the holder goes away); then what the
+        socket brought is checked to the last block."""
+        host = address.rsplit(":", 1)[0]
+
+        def connect():
+            conn = socket.create_connection((host, header.socket_port), timeout=5.0)
+            conn.settimeout(None)
+            conn.sendall(header.ticket)
+            return conn
+
+        try:
+            conn = await asyncio.to_thread(connect)
+        except OSError as e:
+            raise TransferError("peer", f"the holder's data port: {e}") from None
+        receiver = in_thread(recv_frames, conn, importer)
+        try:
+            async for _ in stream:
+                raise TransferError("order", "a chunk on the stream of a socket pull")
+            await asyncio.shield(receiver)  # (waited for below when this is cancelled)
+        finally:
+            shut(conn)
+            if not receiver.done():
+                await asyncio.wait([receiver])
+            if not receiver.cancelled():
+                receiver.exception()  # retrieved: the stream's error, if any, is the one
 
     def _failed(self, address: str, error: TransferError) -> None:
         self.counts[error.reason] += 1
@@ -390,6 +473,8 @@ class KVNode:
                              f"model's KV blocks (MX needs whole groups of 32 values)")
         service = KVTransferService(worker.async_engine, port_, io, layout, options)
         server, address = await start_server(service, host, port)
+        if options.tls_cert is None:  # a plain socket would carry the KV unencrypted
+            service.data_plane = DataPlane(host)
         policy = PullPolicy(prefill_tokens_per_s, min_blocks=options.min_pull_blocks,
                             encoding=options.encoding)
         puller = KVPuller(worker.async_engine, port_, io, layout, policy, options, address)
@@ -410,3 +495,5 @@ class KVNode:
     async def stop(self) -> None:
         await self.puller.close()
         await self.server.stop(grace=1.0)
+        if self.service.data_plane is not None:
+            self.service.data_plane.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmxserve/proto/kv_transfer.proto\x12\nmxserve.v1\"\x8c\x01\n\x08KVLayout\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\"[\n\x0bPullRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\"\x81\x01\n\x08KVHeader\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\"T\n\x06KVData\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\x05\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"_\n\tKVMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.mxserve.v1.KVDataH\x00\x42\x06\n\x04kind\"6\n\x0cProbeRequest\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\x0e\n\x0c\x44rainRequest\"\"\n\nDrainReply\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x32\xbd\x01\n\nKVTransfer\x12\x38\n\x04Pull\x12\x17.mxserve.v1.PullRequest\x1a\x15.mxserve.v1.KVMessage0\x01\x12:\n\x05Probe\x12\x18.mxserve.v1.ProbeRequest\x1a\x15.mxserve.v1.KVMessage0\x01\x12\x39\n\x05\x44rain\x12\x18.mxserve.v1.DrainRequest\x1a\x16.mxserve.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmxserve/proto/kv_transfer.proto\x12\nmxserve.v1\"\x8c\x01\n\x08KVLayout\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\"k\n\x0bPullRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08\x65ncoding\x18\x03 \x01(\t\x12\x0e\n\x06socket\x18\x04 \x01(\x08\"\xa6\x01\n\x08KVHeader\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x13\n\x0bsocket_port\x18\x06 \x01(\x05\x12\x0e\n\x06ticket\x18\x07 \x01(\x0c\"T\n\x06KVData\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\x05\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"_\n\tKVMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.mxserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.mxserve.v1.KVDataH\x00\x42\x06\n\x04kind\"6\n\x0cProbeRequest\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\x0e\n\x0c\x44rainRequest\"\"\n\nDrainReply\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x05\x32\xbd\x01\n\nKVTransfer\x12\x38\n\x04Pull\x12\x17.mxserve.v1.PullRequest\x1a\x15.mxserve.v1.KVMessage0\x01\x12:\n\x05Probe\x12\x18.mxserve.v1.ProbeRequest\x1a\x15.mxserve.v1.KVMessage0\x01\x12\x39\n\x05\x44rain\x12\x18.mxserve.v1.DrainRequest\x1a\x16.mxserve.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=48
   _globals['_KVLAYOUT']._serialized_end=188
   _globals['_PULLREQUEST']._serialized_start=190
-  _globals['_PULLREQUEST']._serialized_end=281
-  _globals['_KVHEADER']._serialized_start=284
-  _globals['_KVHEADER']._serialized_end=413
-  _globals['_KVDATA']._serialized_start=415
-  _globals['_KVDATA']._serialized_end=499
-  _globals['_KVMESSAGE']._serialized_start=501
-  _globals['_KVMESSAGE']._serialized_end=596
-  _globals['_PROBEREQUEST']._serialized_start=598
-  _globals['_PROBEREQUEST']._serialized_end=652
-  _globals['_DRAINREQUEST']._serialized_start=654
-  _globals['_DRAINREQUEST']._serialized_end=668
-  _globals['_DRAINREPLY']._serialized_start=670
-  _globals['_DRAINREPLY']._serialized_end=704
-  _globals['_KVTRANSFER']._serialized_start=707
-  _globals['_KVTRANSFER']._serialized_end=896
+  _globals['_PULLREQUEST']._serialized_end=297
+  _globals['_KVHEADER']._serialized_start=300
+  _globals['_KVHEADER']._serialized_end=466
+  _globals['_KVDATA']._serialized_start=468
+  _globals['_KVDATA']._serialized_end=552
+  _globals['_KVMESSAGE']._serialized_start=554
+  _globals['_KVMESSAGE']._serialized_end=649
+  _globals['_PROBEREQUEST']._serialized_start=651
+  _globals['_PROBEREQUEST']._serialized_end=705
+  _globals['_DRAINREQUEST']._serialized_start=707
+  _globals['_DRAINREQUEST']._serialized_end=721
+  _globals['_DRAINREPLY']._serialized_start=723
+  _globals['_DRAINREPLY']._serialized_end=757
+  _globals['_KVTRANSFER']._serialized_start=760
+  _globals['_KVTRANSFER']._serialized_end=949
 # @@protoc_insertion_point(module_scope)

@@ -25,28 +25,34 @@ class KVLayout(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("layout", "block_hashes", "encoding")
+    __slots__ = ("layout", "block_hashes", "encoding", "socket")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     encoding: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., encoding: _Optional[str] = ...) -> None: ...
+    socket: bool
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., encoding: _Optional[str] = ..., socket: _Optional[bool] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("layout", "num_blocks", "bytes_per_block", "encoding", "checksum")
+    __slots__ = ("layout", "num_blocks", "bytes_per_block", "encoding", "checksum", "socket_port", "ticket")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     num_blocks: int
     bytes_per_block: int
     encoding: str
     checksum: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., encoding: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
+    socket_port: int
+    ticket: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., encoding: _Optional[str] = ..., checksum: _Optional[str] = ..., socket_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("first_block", "num_blocks", "payload", "checksum")

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +87,14 @@ def checksum(payload: bytes) -> int:
     """XXH3-64: a transfer's integrity check on the host, several times faster than CRC-32 on
     a CPU."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksum_parts(parts: Sequence) -> int:
+    """`checksum` of the parts' concatenation, without making it."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
 
 
 CHECKSUMS = ("xxh3", "wsum64")
@@ -193,9 +201,26 @@ class BlockIO:
         self.block_shape = self.caches[0].shape[1:]  # [block_size, num_kv_heads, head_dim]
         self._buffers: list[torch.Tensor] = []  # host staging buffers, reused (`_take`)
         self._lock = threading.Lock()
+        # a host pool's caches as numpy rows of bytes, one a block: `views` indexes these (a
+        # torch index a block and cache cost more than the bytes it names)
+        self._rows = [c.view(torch.uint8).numpy().reshape(c.shape[0], -1)
+                      for c in self.caches] if self.device.type == "cpu" else None
 
     def read(self, block_ids: Sequence[int]) -> bytes:
         return self._read(block_ids, False)[0]
+
+    def views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
+        """The blocks' bytes in the canonical order as views of the cache itself (each cache's
+        blocks in turn), for a socket to send from or receive into without a copy; None for a
+        pool not in host memory."""
+        if self._rows is None:
+            return None
+        runs, start = [], 0  # consecutive block ids: one view of each cache for the run
+        for i in range(1, len(block_ids) + 1):
+            if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+                runs.append((block_ids[start], block_ids[i - 1] + 1))
+                start = i
+        return [memoryview(rows[lo:hi]).cast("B") for rows in self._rows for lo, hi in runs]
 
     def read_summed(self, block_ids: Sequence[int]) -> tuple[bytes, int]:
         """`read`'s bytes and their WSUM64, summed on the pool's device before the copy out."""
@@ -417,19 +442,35 @@ class Exporter:
 
     def chunks(self) -> Iterator[tuple[int, int, bytes, int]]:
         """(first block, number of blocks, payload, checksum) per chunk, gathered as they go."""
+        for first, n, parts, digest in self.frames(in_place=False):
+            yield first, n, parts[0], digest
+
+    def frames(self, in_place: bool = True) -> Iterator[tuple[int, int, list, int | None]]:
+        """`chunks` with each payload as a list of parts to send in order: with in_place, a
+        host pool's raw XXH3 chunks are views of the cache itself (no gather; the blocks are
+        pinned while they are sent) and their checksum None, for the sender to take as it
+        sends them (each part hashed while it is in cache, not in a pass of its own); any
+        other payload is one bytes object with its checksum."""
         ids = self.pinned.block_ids
+        views = in_place and self.checksum == "xxh3" and ENCODINGS[self.encoding] is None
         for i, first in enumerate(range(0, len(ids), self.blocks_per_chunk)):
             if i > self.faults.get("truncate_after", len(ids)):
                 return
             block_ids = ids[first:first + self.blocks_per_chunk]
-            if self.checksum == "wsum64":  # raw payloads only (checksum_kind)
+            parts = self.io.views(block_ids) if views and hasattr(self.io, "views") else None
+            if parts is not None:
+                digest = None
+                if self.faults.get("corrupt_chunk") == i:  # the checksum of the true bytes
+                    digest = checksum_parts(parts)
+            elif self.checksum == "wsum64":  # raw payloads only (checksum_kind)
                 payload, digest = self.io.read_summed(block_ids)
+                parts = [payload]
             else:
                 payload = encode(self.io.read(block_ids), self.layout.dtype, self.encoding)
-                digest = checksum(payload)
+                parts, digest = [payload], checksum(payload)
             if self.faults.get("corrupt_chunk") == i:
-                payload = bytes([payload[0] ^ 0x01]) + payload[1:]
-            yield first, len(block_ids), payload, digest
+                parts = [bytes([parts[0][0] ^ 0x01]) + bytes(parts[0][1:]), *parts[1:]]
+            yield first, len(block_ids), parts, digest
 
 
 class WriteGate:
@@ -490,13 +531,7 @@ class Importer:
         self.num_blocks = num_blocks
 
     def add(self, first: int, num_blocks: int, payload: bytes, digest: int) -> None:
-        if first != self.num_verified or num_blocks <= 0 \
-                or first + num_blocks > self.num_blocks:
-            raise TransferError("order", f"chunk of blocks {first}..{first + num_blocks} "
-                                         f"after {self.num_verified} of {self.num_blocks}")
-        if len(payload) != num_blocks * wire_bytes_per_block(self.layout, self.encoding):
-            raise TransferError("truncated", f"chunk of {num_blocks} blocks has "
-                                             f"{len(payload)} bytes")
+        self._check_chunk(first, num_blocks, len(payload))
         mismatch = TransferError("checksum", f"blocks {first}..{first + num_blocks}: "
                                              f"{self.checksum} mismatch")
         if self.checksum == "xxh3" and checksum(payload) != digest:
@@ -511,6 +546,41 @@ class Importer:
                 raise mismatch
             self.num_verified += num_blocks
             self.num_bytes += len(payload)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether chunks can be received straight into the reserved blocks (`add_into`): a
+        host pool, raw payloads, XXH3."""
+        return self.checksum == "xxh3" and self.encoding == "raw" \
+            and getattr(self.io, "device", None) == torch.device("cpu") \
+            and hasattr(self.io, "views")
+
+    def add_into(self, first: int, num_blocks: int, num_bytes: int,
+                 receive: Callable[[list[memoryview]], tuple[int, int]]) -> None:
+        """`add` for a chunk received in place: receive(views) writes its bytes straight into
+        the reserved blocks (they are no one's until commit) and returns (the XXH3 of what it
+        wrote, the sender's); a chunk whose two differ is not counted (its blocks are
+        released)."""
+        self._check_chunk(first, num_blocks, num_bytes)
+        start = self.lo + first
+        with self.gate.lock:
+            if self.gate.closed:
+                raise TransferError("timeout", "the pull ended before this chunk was written")
+            got, sent = receive(self.io.views(self.reservation.block_ids[start:start + num_blocks]))
+            if got != sent:
+                raise TransferError("checksum", f"blocks {first}..{first + num_blocks}: "
+                                                "xxh3 mismatch")
+            self.num_verified += num_blocks
+            self.num_bytes += num_bytes
+
+    def _check_chunk(self, first: int, num_blocks: int, num_bytes: int) -> None:
+        if first != self.num_verified or num_blocks <= 0 \
+                or first + num_blocks > self.num_blocks:
+            raise TransferError("order", f"chunk of blocks {first}..{first + num_blocks} "
+                                         f"after {self.num_verified} of {self.num_blocks}")
+        if num_bytes != num_blocks * wire_bytes_per_block(self.layout, self.encoding):
+            raise TransferError("truncated", f"chunk of {num_blocks} blocks has "
+                                             f"{num_bytes} bytes")
 
     def close(self) -> int:
         """No more writes; returns the blocks verified and written."""

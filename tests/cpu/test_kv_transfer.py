@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 
 import grpc
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from mxserve import LLM, SamplingParams
+from mxserve.cluster import kv_socket
 from mxserve.cluster.kv_service import SECRET_KEY, KVNode, TransferOptions, layout_to_pb
 from mxserve.cluster.worker import Worker
 from mxserve.kernels.checksum import wsum64_torch
@@ -182,6 +184,53 @@ def test_importer_checks_layout_order_size_and_checksum(ckpt):
     assert not llm.engine.kv.cached_block_hashes(), "an unverified block was registered"
 
 
+def _send_and_close(conn: socket.socket, exporter: Exporter) -> None:
+    kv_socket.send_frames(conn, exporter.frames(), threading.Event())
+    kv_socket.shut(conn)
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "wsum64"])
+def test_frames_over_a_socket_land_in_the_reserved_blocks(ckpt, reference, checksum):
+    """cluster/kv_socket without gRPC, over a socket pair: a host pool's XXH3 frames go from
+    the holder's cache (views of the pinned blocks) into the receiver's reserved blocks
+    (add_into); WSUM64 frames are staged. A corrupted frame is refused, the frames before it
+    are kept, and a connection closed early is a truncation."""
+    holder, receiver = LLM(model=ckpt, **ENGINE), LLM(model=ckpt, **ENGINE)
+    holder.generate(PROMPTS[:1], GREEDY)
+    (h_port, h_io, layout), (r_port, r_io, _) = _parts(holder), _parts(receiver)
+    hashes = receiver.engine.make_request(PROMPTS[1], GREEDY).block_hashes[:6]
+    for faults, verified in (({"corrupt_chunk": 1}, 2), ({"truncate_after": 0}, 2), ({}, 6)):
+        receiver.engine.kv.reset_prefix_cache()  # what an earlier round kept
+        pinned, reservation = h_port.pin(hashes), r_port.reserve(hashes, 6)
+        importer = Importer(r_io, layout, reservation)
+        importer.accept(layout, 6, layout.bytes_per_block, checksum)
+        assert importer.in_place == (checksum == "xxh3")
+        exporter = Exporter(h_io, layout, pinned, 2 * layout.bytes_per_block, faults,
+                            checksum=checksum)
+        a, b = socket.socketpair()
+        sender = threading.Thread(target=_send_and_close, args=(a, exporter))
+        sender.start()
+        try:
+            if verified == 6:
+                kv_socket.recv_frames(b, importer)
+            else:
+                with pytest.raises(TransferError) as e:
+                    kv_socket.recv_frames(b, importer)
+                assert e.value.reason == ("checksum" if faults.get("corrupt_chunk")
+                                          else "truncated")
+        finally:
+            sender.join(10)
+            kv_socket.shut(b)
+        assert importer.close() == verified
+        h_port.release(pinned)
+        r_port.commit(reservation, verified)
+    _no_transfer_entries(holder)
+    _no_transfer_entries(receiver)
+    out = receiver.generate(PROMPTS[1:], GREEDY)
+    assert [o.token_ids for o in out] == reference[1:]
+    assert [o.num_cached_tokens for o in out] == [96, 96]
+
+
 def test_checksum_kind_sums_a_gpu_pools_raw_payloads_on_the_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert checksum_kind(cpu, "raw") == "xxh3" and checksum_kind(gpu, "raw") == "wsum64"
@@ -252,16 +301,23 @@ def _check_pools(workers) -> None:
         assert not kv._tables, f"{w.worker_id} still holds blocks: {list(kv._tables)}"
 
 
-@pytest.mark.parametrize("checksum", ["auto", "wsum64"])
+@pytest.mark.parametrize("checksum, data_plane", [
+    ("auto", "socket"), ("auto", "grpc"), ("wsum64", "socket")])
 def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it(ckpt, reference,
-                                                                                checksum):
+                                                                                checksum,
+                                                                                data_plane):
+    """The chunks over the holder's data port (socket: in place, from cache to cache, or
+    staged where WSUM64 is asked) or in the gRPC stream."""
     async def main():
-        async with _workers(ckpt, checksum=checksum) as ((holder, receiver), (h_node, r_node)):
+        async with _workers(ckpt, checksum=checksum, data_plane=data_plane) as (
+                (holder, receiver), (h_node, r_node)):
             assert (await _generate(holder, PROMPTS[0]))[0] == reference[0]
             got = await _generate(receiver, PROMPTS[1], _source(h_node))
             assert got == (reference[1], 96)
             assert r_node.puller.counts["ok"] == 1 and r_node.puller.counts["blocks"] == 6
             assert h_node.service.counts["served"] == 3  # 3 chunks of 2 blocks: 3 streams
+            assert h_node.service.counts["served_by_socket"] == (3 if data_plane == "socket"
+                                                                 else 0)
             assert r_node.puller.policy.links[h_node.address] > 0  # probed, then measured
             # the pulled blocks serve this worker's later requests without another pull
             assert await _generate(receiver, PROMPTS[2]) == (reference[2], 96)
@@ -417,6 +473,11 @@ def test_the_transfer_port_refuses_bad_calls_with_a_clear_status(ckpt):
             huge.layout.model_id = "x" * (2 << 20)  # past the port's message cap
             assert (await call(h_node, huge))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert h_node.service.counts["served"] == 0
+            # the data port: a connection without a ticket it handed out gets nothing
+            port = h_node.service.data_plane.port
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(bytes(16))
+                assert conn.recv(64) == b""  # closed
             await asyncio.sleep(0.05)
             holder.engine.kv.check_integrity()
             assert not holder.engine.kv._tables
