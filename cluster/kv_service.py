@@ -406,7 +406,7 @@ class KVPuller:
         """The chunks as frames on a connection to the holder's data plane. Its gRPC stream
         ends once every frame is sent (or fails if the holder goes away); then what the
         socket brought is checked to the last block."""
-        host = address.rsplit(":", 1)[0]
+        host = address.rsplit(":", 1)[0].strip("[]")
 
         def connect():
             conn = socket.create_connection((host, header.socket_port), timeout=5.0)

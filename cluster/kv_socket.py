@@ -44,6 +44,7 @@ TRAILER = struct.Struct("<Q")  # the payload's checksum
 PIECE_BYTES = 256 << 10  # hashed, then sent or received, a piece at a time
 TICKET_BYTES = 16
 TICKET_TTL_S = 10.0
+MAX_ADMITTING = 64  # connections waiting to send their ticket; more are closed at once
 _MAX_FRAME_BYTES = 64 << 20
 
 
@@ -57,6 +58,7 @@ class DataPlane:
         self._pending: dict[bytes, tuple[float, concurrent.futures.Future]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._admitting = 0
         threading.Thread(target=self._accept, name="kv-data-plane", daemon=True).start()
 
     def expect(self) -> tuple[bytes, concurrent.futures.Future]:
@@ -89,6 +91,12 @@ class DataPlane:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            with self._lock:
+                full = self._admitting >= MAX_ADMITTING
+                self._admitting += not full
+            if full:
+                conn.close()
+                continue
             threading.Thread(target=self._admit, args=(conn,), daemon=True).start()
 
     def _admit(self, conn: socket.socket) -> None:
@@ -104,6 +112,9 @@ class DataPlane:
         except (OSError, TransferError) as e:
             logger.warning("KV data plane: a connection refused (%s)", e)
             conn.close()
+        finally:
+            with self._lock:
+                self._admitting -= 1
 
 
 def send_frames(conn: socket.socket, frames: Iterator[tuple[int, int, list, int]],
