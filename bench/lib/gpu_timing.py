@@ -93,7 +93,8 @@ def timed(totals: dict, key: str, fn):
 
 def header(bench: str) -> dict:
     """bench name, device, date, versions and the command that reproduces the result."""
-    return {"bench": bench, "device": torch.cuda.get_device_name(),
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"bench": bench, "device": device,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
             "command": f"python bench/{bench}.py --out $OUT"}
