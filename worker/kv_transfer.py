@@ -209,6 +209,11 @@ class BlockIO:
     def read(self, block_ids: Sequence[int]) -> bytes:
         return self._read(block_ids, False)[0]
 
+    @property
+    def has_views(self) -> bool:
+        """Whether `views` can show the blocks in place (a pool in host memory)."""
+        return self._rows is not None
+
     def views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
         """The blocks' bytes in the canonical order as views of the cache itself (each cache's
         blocks in turn), for a socket to send from or receive into without a copy; None for a
@@ -307,6 +312,7 @@ class TPBlockIO:
         self.block_shape = (block_size, num_kv_heads, head_dim)
         self.dtype = self.local.caches[0].dtype
         self.device = torch.device("cpu")  # where the wire's payload is put together
+        self.has_views = False  # the payload is put together from the ranks' shards
 
     def _shard(self, payload: bytes, rank: int, n: int) -> torch.Tensor:
         start, stop = self.heads[rank]
@@ -457,7 +463,7 @@ class Exporter:
             if i > self.faults.get("truncate_after", len(ids)):
                 return
             block_ids = ids[first:first + self.blocks_per_chunk]
-            parts = self.io.views(block_ids) if views and hasattr(self.io, "views") else None
+            parts = self.io.views(block_ids) if views and self.io.has_views else None
             if parts is not None:
                 digest = None
                 if self.faults.get("corrupt_chunk") == i:  # the checksum of the true bytes
@@ -551,9 +557,7 @@ class Importer:
     def in_place(self) -> bool:
         """Whether chunks can be received straight into the reserved blocks (`add_into`): a
         host pool, raw payloads, XXH3."""
-        return self.checksum == "xxh3" and self.encoding == "raw" \
-            and getattr(self.io, "device", None) == torch.device("cpu") \
-            and hasattr(self.io, "views")
+        return self.checksum == "xxh3" and self.encoding == "raw" and self.io.has_views
 
     def add_into(self, first: int, num_blocks: int, num_bytes: int,
                  receive: Callable[[list[memoryview]], tuple[int, int]]) -> None:
