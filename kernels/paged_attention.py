@@ -245,18 +245,23 @@ def _decode_mass_kernel(
     end = tl.minimum(tl.load(seq_lens_ptr + b), width)
     if pid_p * BLOCK_P >= end:
         return
+    TILES: tl.constexpr = BLOCK_P // TILE_N  # the program's positions start a tile
     pos, offs_h = pid_p * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_H)
+    tiles = pid_p * TILES + tl.arange(0, TILES)
     valid = pos < end
     mass = tl.zeros((BLOCK_P,), tl.float32)
     for h0 in range(0, NUM_HEADS, BLOCK_H):
         heads = h0 + offs_h
         lse = tl.load(lse_ptr + b * stride_lt + heads, mask=heads < NUM_HEADS, other=0.0)
-        mask = (heads < NUM_HEADS)[:, None] & valid[None, :]
-        p = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
-                    mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+        tile_mask = (heads < NUM_HEADS)[:, None] & (tiles * TILE_N < end)[None, :]
         tile_max = tl.load(tile_max_ptr + b * stride_xt + heads[:, None] * stride_xh
-                           + (pos // TILE_N)[None, :], mask=mask, other=0.0)
-        mass += tl.sum(tl.where(mask, p * tl.exp2(tile_max - lse[:, None]), 0.0), axis=0)
+                           + tiles[None, :], mask=tile_mask, other=0.0)  # [BLOCK_H, TILES]
+        scale = tl.where(tile_mask, tl.exp2(tile_max - lse[:, None]), 0.0)  # one a tile
+        p = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
+                    mask=(heads < NUM_HEADS)[:, None] & valid[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+        scaled = tl.reshape(p, [BLOCK_H, TILES, TILE_N]) * scale[:, :, None]
+        mass += tl.reshape(tl.sum(scaled, axis=0), [BLOCK_P])
     row = mass_ptr + b * stride_mr + pos
     tl.store(row, tl.load(row, mask=valid, other=0.0) + mass, mask=valid)
 
@@ -444,8 +449,8 @@ def _mass_tiles(num_seqs: int, num_heads: int, width: int, device) -> tuple[int,
     """(BLOCK_P, BLOCK_H) of _decode_mass_kernel: 4096 scores a load; long rows of positions
     once the batch fills two programs an SM, else all heads at once over short rows (swept on
     the H200: bench/tune/h2o_fold_probe.py, results/h2o_fold_probe.json)."""
-    if device.type != "cuda":
-        return 16, min(4, triton.next_power_of_2(num_heads))
+    if device.type != "cuda":  # (two attention tiles a program, as on the GPU: several)
+        return 32, min(4, triton.next_power_of_2(num_heads))
     block_p = 512 if num_seqs * triton.cdiv(width, 512) >= 2 * _num_sms(device) else 128
     return block_p, min(triton.next_power_of_2(num_heads), 4096 // block_p)
 
