@@ -95,7 +95,7 @@ def shape_section(shape: str) -> dict:
     wsum_ok = wsum64(gathered) == wsum64_torch(gathered.cpu())
     per = max(1, (2 << 20) // layout.bytes_per_block)
     chunks = [(src[i:i + per], dst[i:i + per]) for i in range(0, n, per)]
-    payloads = [(io.read(a), *io.read_summed(a)[1:]) for a, _ in chunks]
+    payloads = [io.read_summed(a) for a, _ in chunks]  # (bytes, WSUM64)
 
     def export(summed: bool):
         for a, _ in chunks:

@@ -326,12 +326,16 @@ def spec_section(args, state: dict, method: str, eager: bool = False) -> dict:
 
 
 def write_random_head(args, path: str) -> None:
-    """An EAGLE head of the model's shape with random weights, saved where load_head reads."""
+    """An EAGLE head of the model's shape (or of args.model's checkpoint, where a bench has
+    one) with random weights, saved where load_head reads."""
     from mxserve.worker.eagle import save_head
     from mxserve.worker.eagle_train import init_head
     from mxserve.worker.model.dummy import open_dummy
+    from mxserve.worker.model.loader import open_checkpoint
 
-    config = open_dummy(args.shape, torch.device("cpu"), torch.float32).config
+    model = getattr(args, "model", None)
+    config = open_checkpoint(model).config if model else \
+        open_dummy(args.shape, torch.device("cpu"), torch.float32).config
     save_head(init_head(config, seed=1, device=args.device), path, config.model_id,
               dtype=getattr(torch, args.dtype))
 

@@ -50,10 +50,12 @@ from mxserve.worker.eagle import DEFAULT_HEAD  # noqa: E402
 from mxserve.worker.eagle_train import chat_prompts  # noqa: E402
 
 
-def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> dict:
+def run(llm: LLM, prompts: list, batch: int, params: SamplingParams, chat: bool = True) -> dict:
+    """Output tok/s and acceptance over the prompts in batches (chat conversations, or token
+    ids / text with chat False)."""
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs += llm.chat(prompts[i:i + batch], params)
+        outs += (llm.chat if chat else llm.generate)(prompts[i:i + batch], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     drafts = sum(o.num_drafts for o in outs)

@@ -37,15 +37,14 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
 
 from gpu_timing import header  # noqa: E402
 from revision import write_result  # noqa: E402
-from spec_gpu import keep_all_drafts  # noqa: E402
-from spec_replica import replica_stats  # noqa: E402
+from spec_gpu import keep_all_drafts, write_random_head  # noqa: E402
+from spec_replica import replica_stats, run  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.worker.draft_server import DraftServer, _Ahead  # noqa: E402
@@ -150,31 +149,6 @@ def make_llm(args, spec=None) -> LLM:
                speculative_config=spec)
 
 
-def write_random_head(args, path: str) -> None:
-    """An EAGLE head of the target's shape with random weights, where load_head reads."""
-    from mxserve.worker.eagle import save_head
-    from mxserve.worker.eagle_train import init_head
-    from mxserve.worker.model.dummy import open_dummy
-    from mxserve.worker.model.loader import open_checkpoint
-
-    config = open_checkpoint(args.model).config if args.model else \
-        open_dummy(args.shape, torch.device("cpu"), torch.float32).config
-    save_head(init_head(config, seed=1, device=args.device), path, config.model_id,
-              dtype=getattr(torch, args.dtype))
-
-
-def timed(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams) -> dict:
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i:i + batch], params)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    drafts = sum(o.num_drafts for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
-    return dict(tok_s=round(tokens / seconds, 2), tokens=tokens,
-                acceptance_length=round(1 + accepted / drafts, 3) if drafts else None)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.2-1b")
@@ -228,13 +202,13 @@ def main() -> None:
             runs: dict[tuple, list[dict]] = {}
             with keep_all_drafts(True):
                 for llm in llms.values():
-                    timed(llm, prompts[:2], 2, params)  # warm-up
+                    run(llm, prompts[:2], 2, params, chat=False)  # warm-up
                 for _ in range(args.rounds):
                     for batch in (1, 8):
                         for method, llm in llms.items():
                             llm.engine.kv.reset_prefix_cache()
                             runs.setdefault((method, batch), []).append(
-                                timed(llm, prompts, batch, params))
+                                run(llm, prompts, batch, params, chat=False))
             for (method, batch), rs in runs.items():
                 row = dict(method=method, batch=batch,
                            tok_s=round(statistics.median(r["tok_s"] for r in rs), 2),

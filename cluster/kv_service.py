@@ -33,10 +33,10 @@ from mxserve.cluster.kv_drain import SECRET_KEY, channel_to, read_file
 from mxserve.cluster.kv_socket import (
     TICKET_TTL_S,
     DataPlane,
+    close_and_join,
     in_thread,
     recv_frames,
     send_frames,
-    shut,
 )
 from mxserve.proto import kv_transfer_pb2 as pb
 from mxserve.proto import kv_transfer_pb2_grpc as pb_grpc
@@ -206,11 +206,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             self.counts["socket_failed"] += 1
         finally:
             stop.set()
-            shut(conn)
-            if not sender.done():
-                await asyncio.wait([sender])
-            if not sender.cancelled():
-                sender.exception()  # retrieved: an error here was the receiver's doing
+            await close_and_join(conn, sender)
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainReply:  # noqa: N802
         await self._check_secret(context)
@@ -423,12 +419,8 @@ class KVPuller:
             async for _ in stream:
                 raise TransferError("order", "a chunk on the stream of a socket pull")
             await asyncio.shield(receiver)  # (waited for below when this is cancelled)
-        finally:
-            shut(conn)
-            if not receiver.done():
-                await asyncio.wait([receiver])
-            if not receiver.cancelled():
-                receiver.exception()  # retrieved: the stream's error, if any, is the one
+        finally:  # (a stream's error, if any, is the pull's, not the receiving thread's)
+            await close_and_join(conn, receiver)
 
     def _failed(self, address: str, error: TransferError) -> None:
         self.counts[error.reason] += 1

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 
 import xxhash
 
+from mxserve.worker.async_engine import settle
 from mxserve.worker.kv_transfer import Importer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def in_thread(fn, *args) -> asyncio.Future:
         except BaseException as e:
             result, error = None, e
         try:
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, result, error)
         except RuntimeError:  # the loop is closed: no one waits for this any more
             pass
 
@@ -200,13 +201,15 @@ def in_thread(fn, *args) -> asyncio.Future:
     return future
 
 
-def _settle(future: asyncio.Future, result, error) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+async def close_and_join(conn: socket.socket, frames: asyncio.Future) -> None:
+    """Shut conn (the thread sending or receiving frames on it returns) and wait for that
+    thread (`in_thread`'s future): the blocks it reads or writes in place are not given back
+    before it is done. Its error, if any, is taken here: the caller has its own reason."""
+    shut(conn)
+    if not frames.done():
+        await asyncio.wait([frames])
+    if not frames.cancelled():
+        frames.exception()
 
 
 def shut(conn: socket.socket) -> None:
@@ -234,16 +237,9 @@ def _pieces(views: list[memoryview]) -> Iterator[list[memoryview]]:
 
 
 def _send_all(conn: socket.socket, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
-        sent = conn.sendmsg(views[:512])  # under IOV_MAX
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        views = _drop_front(views, conn.sendmsg(views[:512]))  # (512: under IOV_MAX)
 
 
 def _recv_into(conn: socket.socket, views: list[memoryview]) -> None:
@@ -252,13 +248,19 @@ def _recv_into(conn: socket.socket, views: list[memoryview]) -> None:
         got = conn.recvmsg_into(views[:512])[0]
         if not got:
             raise TransferError("truncated", "the holder closed the connection early")
-        while got:
-            if got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][got:]
-                got = 0
+        views = _drop_front(views, got)
+
+
+def _drop_front(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views less their first n bytes (what a sendmsg / recvmsg_into moved)."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

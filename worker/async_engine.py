@@ -301,7 +301,7 @@ class AsyncEngine:
             if future is None:
                 logger.exception("engine call %r failed", fn)
         if future is not None:
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, result, error)
 
     def _flush_kv_events(self) -> None:
         if self._kv_sink is not None:
@@ -346,7 +346,9 @@ class AsyncEngine:
                           RuntimeError(f"engine step failed: {error!r}"))
 
 
-def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """Set a loop's future from another thread's outcome (call_soon_threadsafe), unless its
+    waiter has gone."""
     if future.done():  # its caller was cancelled
         return
     if error is not None:
