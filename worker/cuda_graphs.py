@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mxserve.worker.attention_triton import static_decode_metadata, static_verify_metadata
-from mxserve.worker.host_to_device import fill_inflight_tokens, index_on
+from mxserve.worker.host_to_device import fill_inflight_tokens, index_on, to_device
 from mxserve.worker.scheduler import StepPlan
 
 
@@ -58,6 +58,13 @@ class _Graph:
     logits: torch.Tensor  # [size, vocab] float32, written by each replay
     hidden: torch.Tensor  # [size, hidden]
     mass: torch.Tensor | None = None  # [size, max_model_len] fp32 attention mass (H2O)
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    drafts: torch.Tensor  # [size, k] int64 target ids, written by each replay
+    confidence: torch.Tensor  # [size, k] float32: the head's probability of each
 
 
 class DecodeGraphs:
@@ -147,10 +154,13 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden, logits = self._forward(size)
-            self.graphs[size] = _Graph(graph, logits, hidden,
-                                       None if self.mass is None else self.mass[:size])
+                outputs = self._forward(size)
+            self.graphs[size] = self._keep(graph, outputs, size)
         torch.cuda.synchronize()
+
+    def _keep(self, graph: torch.cuda.CUDAGraph, outputs: tuple, size: int) -> _Graph:
+        hidden, logits = outputs
+        return _Graph(graph, logits, hidden, None if self.mass is None else self.mass[:size])
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.runner.model
@@ -300,27 +310,36 @@ class VerifyGraphs(DecodeGraphs):
         return logits.index_select(0, rows), hidden.index_select(0, rows)
 
     def _copy_inputs(self, plan: StepPlan, size: int) -> None:
-        sched, bs, q = plan.scheduled, self.block_size, self.q
+        sched = plan.scheduled
+        self._fill(sched, size, np.fromiter((s.num_new_tokens for s in sched), np.int64,
+                                            len(sched)),
+                   [s.token_ids for s in sched], np.zeros(len(sched), np.int64))
+
+    def _fill(self, sched: list, size: int, counts: np.ndarray, ids: list[list[int]],
+              rope_offsets: np.ndarray) -> None:
+        """Stage and copy the inputs of q rows a request: request i (sched[i], a scheduled
+        request) computes counts[i] tokens ids[i] from its start_position on, their RoPE
+        positions offset by rope_offsets[i]."""
+        bs, q = self.block_size, self.q
         batch = len(sched)
         turn, self._turn = self._turn, 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
         tokens_h, lens_h, tables_h = self._staging[turn]
         width = self._update_tables(sched)
-        counts = np.fromiter((s.num_new_tokens for s in sched), np.int64, batch)
         starts = np.fromiter((s.start_position for s in sched), np.int64, batch)
         offsets = np.arange(q)
         real = offsets[None, :] < counts[:, None]  # [batch, q]
         positions = starts[:, None] + offsets[None, :]
         blocks = np.minimum(positions // bs, self.max_blocks - 1)
         slots = self._tables[np.arange(batch)[:, None], blocks] * bs + positions % bs
-        ids = np.zeros((batch, q), np.int64)
-        for i, s in enumerate(sched):
-            ids[i, :len(s.token_ids)] = s.token_ids
+        rows = np.zeros((batch, q), np.int64)
+        for i, t in enumerate(ids):
+            rows[i, :len(t)] = t
         tokens = tokens_h[:3 * size * q].view(3, size * q).numpy()
         tokens[:, batch * q:] = np.array([0, 0, -1])[:, None]  # padding requests
-        tokens[0, :batch * q] = ids.ravel()
-        tokens[1, :batch * q] = np.where(real, positions, 0).ravel()
+        tokens[0, :batch * q] = rows.ravel()
+        tokens[1, :batch * q] = np.where(real, positions + rope_offsets[:, None], 0).ravel()
         tokens[2, :batch * q] = np.where(real, slots, -1).ravel()
         lens = lens_h.numpy()
         lens[:batch], lens[batch:size] = starts + counts, 0  # seq_lens
@@ -334,3 +353,118 @@ class VerifyGraphs(DecodeGraphs):
         if self._tokens.is_cuda:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
+
+
+class EagleGraphs(VerifyGraphs):
+    """An EAGLE head's drafting round (eagle.draft_round: the catch-up pass, then its chain) as
+    one CUDA graph replay a batch size. Eagerly the round is k passes of one decoder layer, each
+    launched kernel by kernel from Python with a sync between passes to read the drafts; on a
+    GPU that costs several times a decode step of the target.
+
+    The catch-up is laid out as a verify (k + 1 rows a request, VerifyGraphs' inputs): request i
+    kept counts[i] <= k + 1 positions, the head reads the next token of each and the target's
+    hidden state there (copied on the device into `features` from the step's hidden states).
+    Each request's last kept row's output drafts token 1; the chain then runs k - 1 single
+    positions, every request for every step, their slots, lengths and RoPE positions computed on
+    the device from the request's first chain position. A request asking fewer drafts, or whose
+    chain ends at a draft the head is unsure of, is cut on the host after the one sync: the
+    extra positions write head KV only into the request's own blocks past its computed tokens
+    (the next catch-up rewrites them before anything reads them), and none past its block table
+    (slot -1, nothing attended)."""
+
+    def __init__(self, head, kv_cache: tuple[torch.Tensor, torch.Tensor], runner,
+                 max_model_len: int, num_speculative_tokens: int) -> None:
+        super().__init__(runner, max_model_len, num_speculative_tokens + 1)
+        self.head, self.kv_cache = head, kv_cache
+        n, dev = self.sizes[-1], runner.device
+        self.features = torch.zeros(n * self.q, head.config.hidden_size, dtype=runner.dtype,
+                                    device=dev)
+        # [4, size] at the front: each request's last kept row (in the q-row layout), its first
+        # chain position (held: slots and lengths), that position's RoPE position, and its
+        # block table's capacity in tokens
+        self.chain = torch.zeros(4 * n, dtype=torch.long, device=dev)
+
+    def fits_spans(self, kept: list[tuple]) -> bool:
+        """(scheduled request, positions kept) pairs of a finished step (eagle.kept_spans) the
+        graphs can catch up on: at most k + 1 positions each, within the captured sizes."""
+        return (bool(self.graphs) and 0 < len(kept) <= self.sizes[-1]
+                and all(n <= self.q for _, n in kept)
+                and max(len(s.block_table) for s, _ in kept) <= self.max_blocks)
+
+    def draft(self, kept: list[tuple], hidden: torch.Tensor, offsets: list[int],
+              num_drafts: list[int], min_confidence: float) -> list[list[int]]:
+        """eagle.draft_round's drafts for the kept spans (their first rows in `hidden` at
+        `offsets`): up to num_drafts[i] each, cut before the first below min_confidence."""
+        size = next(s for s in self.sizes if s >= len(kept))
+        self.copy_spans(kept, hidden, offsets, size)
+        graph = self.graphs[size]
+        graph.graph.replay()
+        self.num_replays += 1
+        self.last_size = size
+        return self.cut(graph.drafts[:len(kept)], graph.confidence[:len(kept)], num_drafts,
+                        min_confidence)
+
+    @staticmethod
+    def cut(drafts: torch.Tensor, confidence: torch.Tensor, num_drafts: list[int],
+            min_confidence: float) -> list[list[int]]:
+        ids, sure = drafts.tolist(), (confidence >= min_confidence).tolist()
+        out = []
+        for row, ok, n in zip(ids, sure, num_drafts):
+            m = 0
+            while m < n and ok[m]:
+                m += 1
+            out.append(row[:m])
+        return out
+
+    def copy_spans(self, kept: list[tuple], hidden: torch.Tensor, offsets: list[int],
+                   size: int) -> None:
+        sched = [s for s, _ in kept]
+        counts = np.fromiter((n for _, n in kept), np.int64, len(kept))
+        rope = np.fromiter((s.position_offset for s in sched), np.int64, len(kept))
+        ids = [s.request.all_token_ids[s.start_position + off + 1:
+                                       s.start_position + off + 1 + n]
+               for (s, n), off in zip(kept, rope.tolist())]
+        self._fill(sched, size, counts, ids, rope)
+        q, bs = self.q, self.block_size
+        at = np.arange(len(kept)) * q
+        src = np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, counts.tolist())])
+        dst = np.concatenate([np.arange(a, a + n) for a, n in zip(at.tolist(),
+                                                                   counts.tolist())])
+        rows = index_on(np.stack([src, dst]), hidden)
+        self.features.index_copy_(0, rows[1], hidden.index_select(0, rows[0]))
+        first = np.fromiter((s.start_position for s in sched), np.int64, len(kept)) + counts
+        chain = np.zeros((4, size), np.int64)
+        chain[0, :len(kept)] = at + counts - 1
+        chain[1, :len(kept)] = first
+        chain[2, :len(kept)] = first + rope
+        chain[3, :len(kept)] = [len(s.block_table) * bs for s in sched]
+        self.chain[:4 * size].copy_(to_device(chain.ravel(), torch.long, hidden.device))
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        head, q, bs = self.head, self.q, self.block_size
+        tokens = self.tokens(size)
+        attn = self.runner.attn
+        meta = static_verify_metadata(tokens[2], self.block_tables[:size],
+                                      self.query_start_loc[:size + 1], self.seq_lens[:size],
+                                      self.context_lens[:size], q, self.max_model_len)
+        g = head(tokens[0], self.features[:size * q], tokens[1], self.kv_cache, attn, meta)
+        last, held, rope, limit = self.chain[:4 * size].view(4, size)
+        g = g.index_select(0, last)
+        ids, confidence = head.draft_tokens(g)
+        drafts, sure = [ids], [confidence]
+        tables = self.block_tables[:size]
+        for j in range(q - 2):
+            at = held + j
+            inside = at < limit
+            block = tables.gather(1, (at // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
+            slots = torch.where(inside, block.long() * bs + at % bs, -1)
+            seq_lens = torch.where(inside, at + 1, 0).to(torch.int32)
+            step = static_decode_metadata(slots, tables, seq_lens, self.max_model_len)
+            g = head(ids, g, rope + j, self.kv_cache, attn, step)
+            ids, confidence = head.draft_tokens(g)
+            drafts.append(ids)
+            sure.append(confidence)
+        return torch.stack(drafts, 1), torch.stack(sure, 1)
+
+    def _keep(self, graph: torch.cuda.CUDAGraph, outputs: tuple, size: int) -> _DraftGraph:
+        return _DraftGraph(graph, *outputs)

@@ -226,6 +226,14 @@ class EagleDrafter:
         runner.extra_kv_caches.append(self.kv_cache)  # KV eviction moves it with the target's
         pack_head_for_cpu(self.head, runner.config)
         self.attn = runner.attn
+        # The round as CUDA graph replays wherever the target verifies in graphs.
+        self.graphs = None
+        if runner.verify_graphs is not None:
+            from mxserve.worker.cuda_graphs import EagleGraphs
+
+            self.graphs = EagleGraphs(self.head, self.kv_cache, runner,
+                                      runner.verify_graphs.max_model_len, self.k)
+            self.graphs.capture()
 
     def release(self, request: Request) -> None:
         pass  # the head's KV is in the request's own blocks
@@ -234,14 +242,18 @@ class EagleDrafter:
         kept = kept_spans(plan)
         if not kept:
             return
-        drafts, _ = draft_round(
-            self.head, self.kv_cache, self.attn, self.runner.config.block_size,
-            [Span(s.start_position, n, s.block_table, s.position_offset) for s, n in kept],
-            [t for s, n in kept for t in _next_tokens(
-                s.request, s.start_position + s.position_offset, n)],
-            torch.cat([hidden[off:off + n] for (s, n), off
-                       in zip(kept, kept_offsets(plan, kept))]),
-            [num_drafts.get(s.request, 0) for s, _ in kept], self.min_confidence)
+        offsets = kept_offsets(plan, kept)
+        asked = [num_drafts.get(s.request, 0) for s, _ in kept]
+        if self.graphs is not None and self.graphs.fits_spans(kept):
+            drafts = self.graphs.draft(kept, hidden, offsets, asked, self.min_confidence)
+        else:
+            drafts, _ = draft_round(
+                self.head, self.kv_cache, self.attn, self.runner.config.block_size,
+                [Span(s.start_position, n, s.block_table, s.position_offset) for s, n in kept],
+                [t for s, n in kept for t in _next_tokens(
+                    s.request, s.start_position + s.position_offset, n)],
+                torch.cat([hidden[off:off + n] for (s, n), off in zip(kept, offsets)]),
+                asked, self.min_confidence)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
                 s.request.draft_token_ids = d

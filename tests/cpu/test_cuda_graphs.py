@@ -221,3 +221,59 @@ def test_decode_graph_inputs_under_h2o_give_the_eager_step_and_its_mass(tiny_che
         assert int(graphs.seq_lens[i]) == p + 1
         units = engine.model_config.num_hidden_layers * engine.model_config.num_attention_heads
         assert abs(graphs.mass[i, :p + 1].sum().item() - units) <= 1e-4 * units
+
+
+def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, random_eagle_head):
+    """EagleGraphs' forward run eagerly on the CPU (Triton interpreter; the captured replays:
+    tests/gpu): after every step whose kept spans it fits, the catch-up laid out as a verify
+    (q = k + 1 rows a request, padding requests), the last kept row's output gathered on the
+    device and the chain's slots and lengths computed there give eagle.draft_round's drafts,
+    cut on the host to each request's ask and at the first draft below the floor. Spans longer
+    than k + 1 (a prompt's last chunk) are the eager round's."""
+    import os
+
+    from mxserve import SamplingParams
+    from mxserve.worker import eagle
+    from mxserve.worker.cuda_graphs import EagleGraphs
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    ckpt = str(tiny_checkpoint("llama"))
+    floor = 0.99  # this head is sure of most drafts: cut some chains
+    llm = LLM(model=ckpt, device="cpu", load_progress=False, dtype="float32", max_num_seqs=4,
+              attention_backend="triton", max_model_len=128, max_num_batched_tokens=32,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 3,
+                                  "model": random_eagle_head(ckpt, seed=3, std=0.5),
+                                  "min_draft_confidence": floor})
+    engine, drafter = llm.engine, llm.engine.drafter
+    assert drafter.graphs is None  # nothing captured on a CPU
+    graphs = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len, 3)
+    assert graphs.sizes == [1, 2, 4] and graphs.q == 4
+    seen = {"rounds": 0, "partial": 0, "cut": 0, "eager_only": 0}
+    propose = drafter.propose
+
+    def propose_both(plan, hidden, num_drafts):
+        kept = eagle.kept_spans(plan)
+        propose(plan, hidden, num_drafts)  # the eager round: drafts set, head KV written
+        if not kept:
+            return
+        if not all(n <= graphs.q for _, n in kept):
+            seen["eager_only"] += 1
+            return
+        graphs.graphs = {4: None}  # fits_spans asks for captured graphs
+        assert graphs.fits_spans(kept)
+        size = next(s for s in graphs.sizes if s >= len(kept))
+        graphs.copy_spans(kept, hidden, eagle.kept_offsets(plan, kept), size)
+        drafts, confidence = graphs._forward(size)
+        asked = [num_drafts.get(s.request, 0) for s, _ in kept]
+        got = graphs.cut(drafts[:len(kept)], confidence[:len(kept)], asked, floor)
+        want = [s.request.draft_token_ids if s.request in num_drafts else [] for s, _ in kept]
+        assert got == want
+        seen["rounds"] += 1
+        seen["partial"] += any(1 < n < graphs.q for _, n in kept)
+        seen["cut"] += any(0 < len(d) < a for d, a in zip(got, asked))
+
+    drafter.propose = propose_both
+    prompts = [[5, 6, 7, 8] * 5, list(range(3, 40)), [9, 10] * 4]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert seen["rounds"] >= 10 and seen["partial"] and seen["cut"] and seen["eager_only"], seen
+    assert all(len(o.token_ids) == 24 for o in outs)

@@ -273,3 +273,46 @@ def test_prompt_logprobs_with_graphs_and_async_scheduling_match_eager(path, chun
         assert [list(d) for d in g.prompt_logprobs[1:]] == [list(d) for d in e.prompt_logprobs[1:]]
         assert [v for d in g.prompt_logprobs[1:] for v in d.values()] == pytest.approx(
             [v for d in e.prompt_logprobs[1:] for v in d.values()], abs=1e-4)
+
+
+@pytest.mark.parametrize("num_prompts", [1, 5, 11])
+def test_eagle_graphs_draft_as_the_eager_round(path, tmp_path, num_prompts):
+    """An EAGLE engine on CUDA drafts from EagleGraphs (one replay a round): each round's
+    drafts equal the eager round's on the same inputs (run first, float32), the greedy tokens
+    equal plain decoding's, and every block is freed."""
+    from mxserve.worker.eagle import save_head
+    from mxserve.worker.eagle_train import init_head
+    from mxserve.worker.model.loader import open_checkpoint
+
+    config = open_checkpoint(path).config
+    save_head(init_head(config, seed=2, std=0.5), str(tmp_path), config.model_id)
+    prompts, params = _prompts(num_prompts), _params(num_prompts)
+    common = dict(model=path, device="cuda", dtype="float32", load_progress=False,
+                  max_num_seqs=13)
+    expected = [o.token_ids for o in LLM(**common).generate(prompts, params)]
+    llm = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 3,
+                                  "model": str(tmp_path)}, **common)
+    drafter = llm.engine.drafter
+    graphs = drafter.graphs
+    assert graphs is not None and graphs.graphs
+    propose, rounds = drafter.propose, []
+
+    def eager_then_graph(plan, hidden, num_drafts):
+        drafter.graphs = None
+        propose(plan, hidden, num_drafts)
+        eager = {r: list(r.draft_token_ids) for r in num_drafts}
+        drafter.graphs = graphs
+        replays = graphs.num_replays
+        propose(plan, hidden, num_drafts)
+        if graphs.num_replays > replays:
+            got = {r: r.draft_token_ids for r in num_drafts}
+            rounds.append((eager == got, any(got.values())))
+
+    drafter.propose = eager_then_graph
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert len(rounds) > 5 and all(same for same, _ in rounds), rounds
+    assert any(drafted for _, drafted in rounds)
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
