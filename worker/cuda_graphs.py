@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mxserve.worker.attention_triton import static_decode_metadata, static_verify_metadata
+from mxserve.worker.eagle import ChainEnd, Span
 from mxserve.worker.host_to_device import fill_inflight_tokens, index_on, to_device
 from mxserve.worker.scheduler import StepPlan
 
@@ -65,6 +66,7 @@ class _DraftGraph:
     graph: torch.cuda.CUDAGraph
     drafts: torch.Tensor  # [size, k] int64 target ids, written by each replay
     confidence: torch.Tensor  # [size, k] float32: the head's probability of each
+    features: torch.Tensor  # [size, k, hidden]: the head's output that predicted each
 
 
 class DecodeGraphs:
@@ -197,15 +199,17 @@ class DecodeGraphs:
     def _update_tables(self, sched) -> int:
         """Bring rows 0..len(sched)-1 of the kept block tables up to the plan's; returns the
         longest table's length (blocks)."""
+        return self._update_rows([s.block_table for s in sched], [s.table_version for s in sched])
+
+    def _update_rows(self, block_tables: list[list[int]], table_versions: list[int]) -> int:
         versions, written, tables = self._row_version, self._row_blocks, self._tables
-        for i, s in enumerate(sched):
-            table = s.block_table
-            if versions[i] != s.table_version:
-                versions[i], written[i] = s.table_version, 0
+        for i, (table, version) in enumerate(zip(block_tables, table_versions)):
+            if versions[i] != version:
+                versions[i], written[i] = version, 0
             if written[i] != len(table):  # the blocks it gained
                 tables[i, written[i]:len(table)] = table[written[i]:]
                 written[i] = len(table)
-        return max(written[:len(sched)])
+        return max(written[:len(block_tables)])
 
     def _copy_inputs(self, plan: StepPlan, size: int) -> None:
         sched, bs = plan.scheduled, self.block_size
@@ -311,23 +315,25 @@ class VerifyGraphs(DecodeGraphs):
 
     def _copy_inputs(self, plan: StepPlan, size: int) -> None:
         sched = plan.scheduled
-        self._fill(sched, size, np.fromiter((s.num_new_tokens for s in sched), np.int64,
-                                            len(sched)),
+        self._fill(size, [s.start_position for s in sched],
+                   np.fromiter((s.num_new_tokens for s in sched), np.int64, len(sched)),
+                   [s.block_table for s in sched], [s.table_version for s in sched],
                    [s.token_ids for s in sched], np.zeros(len(sched), np.int64))
 
-    def _fill(self, sched: list, size: int, counts: np.ndarray, ids: list[list[int]],
+    def _fill(self, size: int, starts: list[int], counts: np.ndarray,
+              block_tables: list[list[int]], table_versions: list[int], ids: list[list[int]],
               rope_offsets: np.ndarray) -> None:
-        """Stage and copy the inputs of q rows a request: request i (sched[i], a scheduled
-        request) computes counts[i] tokens ids[i] from its start_position on, their RoPE
-        positions offset by rope_offsets[i]."""
+        """Stage and copy the inputs of q rows a request: request i computes counts[i] tokens
+        ids[i] from position starts[i] on (slots in block_tables[i], whose version the kept
+        rows compare), their RoPE positions offset by rope_offsets[i]."""
         bs, q = self.block_size, self.q
-        batch = len(sched)
+        batch = len(starts)
         turn, self._turn = self._turn, 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
         tokens_h, lens_h, tables_h = self._staging[turn]
-        width = self._update_tables(sched)
-        starts = np.fromiter((s.start_position for s in sched), np.int64, batch)
+        width = self._update_rows(block_tables, table_versions)
+        starts = np.asarray(starts, np.int64)
         offsets = np.arange(q)
         real = offsets[None, :] < counts[:, None]  # [batch, q]
         positions = starts[:, None] + offsets[None, :]
@@ -383,26 +389,37 @@ class EagleGraphs(VerifyGraphs):
         # chain position (held: slots and lengths), that position's RoPE position, and its
         # block table's capacity in tokens
         self.chain = torch.zeros(4 * n, dtype=torch.long, device=dev)
+        self._fresh = 0
 
-    def fits_spans(self, kept: list[tuple]) -> bool:
-        """(scheduled request, positions kept) pairs of a finished step (eagle.kept_spans) the
-        graphs can catch up on: at most k + 1 positions each, within the captured sizes."""
-        return (bool(self.graphs) and 0 < len(kept) <= self.sizes[-1]
-                and all(n <= self.q for _, n in kept)
-                and max(len(s.block_table) for s, _ in kept) <= self.max_blocks)
+    def fits_spans(self, spans: list[Span]) -> bool:
+        """Spans (eagle.Span: the positions to catch up on) the graphs can draft from: at most
+        k + 1 positions each, within the captured sizes."""
+        return (bool(self.graphs) and 0 < len(spans) <= self.sizes[-1]
+                and all(sp.length <= self.q for sp in spans)
+                and max(len(sp.block_table) for sp in spans) <= self.max_blocks)
 
-    def draft(self, kept: list[tuple], hidden: torch.Tensor, offsets: list[int],
-              num_drafts: list[int], min_confidence: float) -> list[list[int]]:
-        """eagle.draft_round's drafts for the kept spans (their first rows in `hidden` at
-        `offsets`): up to num_drafts[i] each, cut before the first below min_confidence."""
-        size = next(s for s in self.sizes if s >= len(kept))
-        self.copy_spans(kept, hidden, offsets, size)
+    def draft(self, spans: list[Span], tokens: list[int], features: torch.Tensor,
+              first_rows: list[int], num_drafts: list[int], min_confidence: float,
+              table_versions: list[int] | None = None, ends: bool = False
+              ) -> tuple[list[list[int]], list[ChainEnd | None] | None]:
+        """eagle.draft_round by one replay: its drafts for the spans (`tokens` flat in span
+        order; span i's features are rows first_rows[i] onward of `features`), up to
+        num_drafts[i] each, cut before the first below min_confidence; and, with `ends`, where
+        each chain ended (draft_round's ChainEnd, features copied out of the graph).
+        table_versions: KVCacheManager.table_version of each span's table (None: unknown, every
+        table is written)."""
+        size = next(s for s in self.sizes if s >= len(spans))
+        self.copy_spans(spans, tokens, features, first_rows, size, table_versions)
         graph = self.graphs[size]
         graph.graph.replay()
         self.num_replays += 1
         self.last_size = size
-        return self.cut(graph.drafts[:len(kept)], graph.confidence[:len(kept)], num_drafts,
-                        min_confidence)
+        n = len(spans)
+        drafts = self.cut(graph.drafts[:n], graph.confidence[:n], num_drafts, min_confidence)
+        if not ends:
+            return drafts, None
+        return drafts, self.chain_ends(spans, drafts, num_drafts, graph.drafts[:n].tolist(),
+                                       graph.features[:n].clone())
 
     @staticmethod
     def cut(drafts: torch.Tensor, confidence: torch.Tensor, num_drafts: list[int],
@@ -416,29 +433,50 @@ class EagleGraphs(VerifyGraphs):
             out.append(row[:m])
         return out
 
-    def copy_spans(self, kept: list[tuple], hidden: torch.Tensor, offsets: list[int],
-                   size: int) -> None:
-        sched = [s for s, _ in kept]
-        counts = np.fromiter((n for _, n in kept), np.int64, len(kept))
-        rope = np.fromiter((s.position_offset for s in sched), np.int64, len(kept))
-        ids = [s.request.all_token_ids[s.start_position + off + 1:
-                                       s.start_position + off + 1 + n]
-               for (s, n), off in zip(kept, rope.tolist())]
-        self._fill(sched, size, counts, ids, rope)
+    @staticmethod
+    def chain_ends(spans: list[Span], drafts: list[list[int]], num_drafts: list[int],
+                   ids: list[list[int]], features: torch.Tensor) -> list[ChainEnd | None]:
+        """draft_round's chain ends from the graph's outputs: a chain cut at draft m ends on
+        that token as a guess, a full one on its last draft (features [R, k, hidden]: the
+        output that predicted each draft)."""
+        out: list[ChainEnd | None] = []
+        for i, (sp, d, n) in enumerate(zip(spans, drafts, num_drafts)):
+            if n == 0:
+                out.append(None)
+                continue
+            m = len(d) if len(d) < n else n - 1
+            out.append(ChainEnd(sp.start + sp.length + m, ids[i][m], features[i, m],
+                                len(d) < n, sp.block_table, sp.offset))
+        return out
+
+    def copy_spans(self, spans: list[Span], tokens: list[int], features: torch.Tensor,
+                   first_rows: list[int], size: int,
+                   table_versions: list[int] | None = None) -> None:
+        counts = np.fromiter((sp.length for sp in spans), np.int64, len(spans))
+        if table_versions is None:
+            self._fresh -= 1  # versions below any KVCacheManager's: every row rewritten
+            table_versions = [self._fresh] * len(spans)
+        cuts = np.cumsum(counts)[:-1].tolist()
+        flat = np.asarray(tokens, np.int64)
+        self._fill(size, [sp.start for sp in spans], counts,
+                   [sp.block_table for sp in spans], table_versions, np.split(flat, cuts),
+                   np.fromiter((sp.offset for sp in spans), np.int64, len(spans)))
         q, bs = self.q, self.block_size
-        at = np.arange(len(kept)) * q
-        src = np.concatenate([np.arange(o, o + n) for o, n in zip(offsets, counts.tolist())])
-        dst = np.concatenate([np.arange(a, a + n) for a, n in zip(at.tolist(),
+        at = np.arange(len(spans)) * q
+        src = np.concatenate([np.arange(o, o + c) for o, c in zip(first_rows, counts.tolist())])
+        dst = np.concatenate([np.arange(a, a + c) for a, c in zip(at.tolist(),
                                                                    counts.tolist())])
-        rows = index_on(np.stack([src, dst]), hidden)
-        self.features.index_copy_(0, rows[1], hidden.index_select(0, rows[0]))
-        first = np.fromiter((s.start_position for s in sched), np.int64, len(kept)) + counts
+        rows = index_on(np.stack([src, dst]), features)
+        self.features.index_copy_(0, rows[1], features.index_select(0, rows[0]).to(
+            self.features.dtype))
+        first = np.fromiter((sp.start for sp in spans), np.int64, len(spans)) + counts
         chain = np.zeros((4, size), np.int64)
-        chain[0, :len(kept)] = at + counts - 1
-        chain[1, :len(kept)] = first
-        chain[2, :len(kept)] = first + rope
-        chain[3, :len(kept)] = [len(s.block_table) * bs for s in sched]
-        self.chain[:4 * size].copy_(to_device(chain.ravel(), torch.long, hidden.device))
+        chain[0, :len(spans)] = at + counts - 1
+        chain[1, :len(spans)] = first
+        chain[2, :len(spans)] = first + np.fromiter((sp.offset for sp in spans), np.int64,
+                                                    len(spans))
+        chain[3, :len(spans)] = [len(sp.block_table) * bs for sp in spans]
+        self.chain[:4 * size].copy_(to_device(chain.ravel(), torch.long, features.device))
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         head, q, bs = self.head, self.q, self.block_size
@@ -451,7 +489,7 @@ class EagleGraphs(VerifyGraphs):
         last, held, rope, limit = self.chain[:4 * size].view(4, size)
         g = g.index_select(0, last)
         ids, confidence = head.draft_tokens(g)
-        drafts, sure = [ids], [confidence]
+        drafts, sure, outputs = [ids], [confidence], [g]
         tables = self.block_tables[:size]
         for j in range(q - 2):
             at = held + j
@@ -464,7 +502,8 @@ class EagleGraphs(VerifyGraphs):
             ids, confidence = head.draft_tokens(g)
             drafts.append(ids)
             sure.append(confidence)
-        return torch.stack(drafts, 1), torch.stack(sure, 1)
+            outputs.append(g)
+        return torch.stack(drafts, 1), torch.stack(sure, 1), torch.stack(outputs, 1)
 
     def _keep(self, graph: torch.cuda.CUDAGraph, outputs: tuple, size: int) -> _DraftGraph:
         return _DraftGraph(graph, *outputs)

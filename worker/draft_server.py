@@ -28,6 +28,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -117,6 +118,18 @@ class DraftServer:
         self.attn = get_attention_backend(_attention_name(self.device, self.dtype, cfg,
                                                           self.block_size))
         self.hidden_size = target.hidden_size
+        # On a GPU a round is one CUDA graph replay (cuda_graphs.EagleGraphs, as the local
+        # drafter's); the graphs read only a runner's config, device, dtype and attention.
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from mxserve.worker.cuda_graphs import EagleGraphs
+
+            runner = SimpleNamespace(config=config, device=self.device, dtype=self.dtype,
+                                     attn=self.attn)
+            max_len = min(config.max_model_len or target.max_position_embeddings,
+                          num_blocks * self.block_size)
+            self.graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len, self.k)
+            self.graphs.capture()
         self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
         self.num_rounds = 0  # requests drafted for (a round each)
         self.num_batches = 0
@@ -154,7 +167,7 @@ class DraftServer:
                                  f"{vocab}) for at least one kept position and num_drafts >= 0")
         features = features.to(self.device, self.dtype)
         busy = {r.key for r in rounds}
-        spans, tokens, rows, nums, placed = [], [], [], [], []
+        spans, tokens, rows, firsts, nums, placed = [], [], [], [], [], []
         at = 0
         for i, r in enumerate(rounds):
             table = self._place(r, busy, model_id)
@@ -162,18 +175,23 @@ class DraftServer:
                 spans.append(Span(r.start, r.kept, table))
                 tokens += r.tokens[1:]
                 rows += range(at, at + r.kept)
+                firsts.append(at)
                 nums.append(min(r.num_drafts, self.k))
                 placed.append(i)
             at += r.kept
         drafts: list[list[int]] = [[] for _ in rounds]
         hits = {i: self._prepared(rounds[i]) for i in placed}
         if spans:
-            feats = features if len(rows) == features.shape[0] else features[rows]
             # a round run-ahead prepared for only catches up (its KV, from true features)
-            out, ends = draft_round(self.head, self.kv_cache, self.attn, self.block_size, spans,
-                                    tokens, feats, [0 if hits[i] is not None else n
-                                                    for i, n in zip(placed, nums)],
-                                    self.min_confidence)
+            asked = [0 if hits[i] is not None else n for i, n in zip(placed, nums)]
+            if self.graphs is not None and self.graphs.fits_spans(spans):
+                out, ends = self.graphs.draft(
+                    spans, tokens, features, firsts, asked, self.min_confidence,
+                    [self.kv.table_version(rounds[i].key) for i in placed], ends=True)
+            else:
+                feats = features if len(rows) == features.shape[0] else features[rows]
+                out, ends = draft_round(self.head, self.kv_cache, self.attn, self.block_size,
+                                        spans, tokens, feats, asked, self.min_confidence)
             for i, n, d, end in zip(placed, nums, out, ends):
                 r, ahead = rounds[i], hits[i]
                 self._computed(r, model_id)

@@ -244,15 +244,17 @@ class EagleDrafter:
             return
         offsets = kept_offsets(plan, kept)
         asked = [num_drafts.get(s.request, 0) for s, _ in kept]
-        if self.graphs is not None and self.graphs.fits_spans(kept):
-            drafts = self.graphs.draft(kept, hidden, offsets, asked, self.min_confidence)
+        spans = [Span(s.start_position, n, s.block_table, s.position_offset) for s, n in kept]
+        tokens = [t for s, n in kept for t in _next_tokens(
+            s.request, s.start_position + s.position_offset, n)]
+        if self.graphs is not None and self.graphs.fits_spans(spans):
+            drafts, _ = self.graphs.draft(spans, tokens, hidden, offsets, asked,
+                                          self.min_confidence,
+                                          [s.table_version for s, _ in kept])
         else:
             drafts, _ = draft_round(
-                self.head, self.kv_cache, self.attn, self.runner.config.block_size,
-                [Span(s.start_position, n, s.block_table, s.position_offset) for s, n in kept],
-                [t for s, n in kept for t in _next_tokens(
-                    s.request, s.start_position + s.position_offset, n)],
-                torch.cat([hidden[off:off + n] for (s, n), off in zip(kept, offsets)]),
+                self.head, self.kv_cache, self.attn, self.runner.config.block_size, spans,
+                tokens, torch.cat([hidden[off:off + n] for (s, n), off in zip(kept, offsets)]),
                 asked, self.min_confidence)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:

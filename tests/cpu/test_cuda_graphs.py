@@ -232,6 +232,8 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
     than k + 1 (a prompt's last chunk) are the eager round's."""
     import os
 
+    import torch
+
     from mxserve import SamplingParams
     from mxserve.worker import eagle
     from mxserve.worker.cuda_graphs import EagleGraphs
@@ -259,15 +261,35 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
         if not all(n <= graphs.q for _, n in kept):
             seen["eager_only"] += 1
             return
+        spans = [eagle.Span(s.start_position, n, s.block_table, s.position_offset)
+                 for s, n in kept]
+        tokens = [t for s, n in kept
+                  for t in s.request.all_token_ids[s.start_position + 1:][:n]]
         graphs.graphs = {4: None}  # fits_spans asks for captured graphs
-        assert graphs.fits_spans(kept)
+        assert graphs.fits_spans(spans)
         size = next(s for s in graphs.sizes if s >= len(kept))
-        graphs.copy_spans(kept, hidden, eagle.kept_offsets(plan, kept), size)
-        drafts, confidence = graphs._forward(size)
+        versions = [s.table_version for s, _ in kept] if seen["rounds"] % 2 else None
+        graphs.copy_spans(spans, tokens, hidden, eagle.kept_offsets(plan, kept), size, versions)
+        drafts, confidence, features = graphs._forward(size)
         asked = [num_drafts.get(s.request, 0) for s, _ in kept]
         got = graphs.cut(drafts[:len(kept)], confidence[:len(kept)], asked, floor)
         want = [s.request.draft_token_ids if s.request in num_drafts else [] for s, _ in kept]
         assert got == want
+        # the chain ends run-ahead starts from, as draft_round gives them (its KV rewritten
+        # with the same values)
+        _, ends = eagle.draft_round(drafter.head, drafter.kv_cache, drafter.attn,
+                                    engine.kv.block_size, spans, tokens, hidden[torch.cat([
+                                        torch.arange(o, o + n) for (_, n), o in zip(
+                                            kept, eagle.kept_offsets(plan, kept))])],
+                                    asked, floor)
+        mine = graphs.chain_ends(spans, got, asked, drafts[:len(kept)].tolist(), features)
+        for a, b in zip(ends, mine):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.position, a.token, a.guess, a.block_table, a.offset) == \
+                    (b.position, b.token, b.guess, b.block_table, b.offset)
+                # the CPU head's int4 rows round their inputs: an element may move a step
+                assert (a.feature - b.feature).norm() <= 1e-2 * a.feature.norm()
         seen["rounds"] += 1
         seen["partial"] += any(1 < n < graphs.q for _, n in kept)
         seen["cut"] += any(0 < len(d) < a for d, a in zip(got, asked))

@@ -316,3 +316,43 @@ def test_eagle_graphs_draft_as_the_eager_round(path, tmp_path, num_prompts):
     kv = llm.engine.kv
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_draft_server_on_cuda_drafts_from_graphs_as_eagerly(path, tmp_path):
+    """A DraftServer on CUDA drafts rounds of at most k + 1 kept positions from EagleGraphs: the
+    same drafts as an eager server's (enforce_eager) over rounds of several requests, fewer
+    drafts asked and catch-up only; run-ahead from the graph's chain ends prepares the same."""
+    from mxserve.worker.config import EngineConfig
+    from mxserve.worker.draft_server import DraftRound, DraftServer
+    from mxserve.worker.eagle import save_head
+    from mxserve.worker.eagle_train import init_head
+    from mxserve.worker.model.loader import open_checkpoint
+
+    config = open_checkpoint(path).config
+    save_head(init_head(config, seed=4, std=0.5), str(tmp_path), config.model_id)
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path),
+            "draft_placement": "replica", "run_ahead": True}
+    servers = {eager: DraftServer(EngineConfig(model=path, device="cuda", dtype="float32",
+                                               enforce_eager=eager, speculative_config=spec),
+                                  256) for eager in (True, False)}
+    assert servers[True].graphs is None and servers[False].graphs.graphs
+    gen = torch.Generator().manual_seed(0)
+    hidden = config.hidden_size
+    starts = {f"t/{i}": 0 for i in range(3)}
+    for step in range(8):
+        rounds, n = [], 0
+        for i, key in enumerate(starts):
+            kept = 17 + 5 * i if step == 0 else 1 + (step + i) % 4
+            tokens = torch.randint(3, 256, (kept + 1,), generator=gen).tolist()
+            rounds.append(DraftRound(key, starts[key], tokens, (0, 2, 3)[(step + i) % 3]))
+            starts[key] += kept
+            n += kept
+        features = torch.randn(n, hidden, generator=gen)
+        got = {eager: s.draft(rounds, features, "m") for eager, s in servers.items()}
+        assert got[True] == got[False]
+        for s in servers.values():
+            s.run_ahead()
+        ahead = {eager: [(s._states[k].ahead.drafts if s._states[k].ahead else None)
+                         for k in starts] for eager, s in servers.items()}
+        assert ahead[True] == ahead[False]
+    assert servers[False].graphs.num_replays == 7  # the first round's spans are too long
