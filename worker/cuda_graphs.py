@@ -379,8 +379,12 @@ class EagleGraphs(VerifyGraphs):
     (slot -1, nothing attended)."""
 
     def __init__(self, head, kv_cache: tuple[torch.Tensor, torch.Tensor], runner,
-                 max_model_len: int, num_speculative_tokens: int) -> None:
-        super().__init__(runner, max_model_len, num_speculative_tokens + 1)
+                 max_model_len: int, num_speculative_tokens: int,
+                 rows: int | None = None) -> None:
+        """k = num_speculative_tokens drafts a round; rows: positions a request catches up on
+        at most (default k + 1; run-ahead's graphs: 1, and k + 1 outputs, see `ahead`)."""
+        super().__init__(runner, max_model_len, rows or num_speculative_tokens + 1)
+        self.k = num_speculative_tokens
         self.head, self.kv_cache = head, kv_cache
         n, dev = self.sizes[-1], runner.device
         self.features = torch.zeros(n * self.q, head.config.hidden_size, dtype=runner.dtype,
@@ -408,18 +412,50 @@ class EagleGraphs(VerifyGraphs):
         each chain ended (draft_round's ChainEnd, features copied out of the graph).
         table_versions: KVCacheManager.table_version of each span's table (None: unknown, every
         table is written)."""
-        size = next(s for s in self.sizes if s >= len(spans))
-        self.copy_spans(spans, tokens, features, first_rows, size, table_versions)
-        graph = self.graphs[size]
-        graph.graph.replay()
-        self.num_replays += 1
-        self.last_size = size
+        graph = self.replay(spans, tokens, features, first_rows, table_versions)
         n = len(spans)
         drafts = self.cut(graph.drafts[:n], graph.confidence[:n], num_drafts, min_confidence)
         if not ends:
             return drafts, None
         return drafts, self.chain_ends(spans, drafts, num_drafts, graph.drafts[:n].tolist(),
                                        graph.features[:n].clone())
+
+    def replay(self, spans: list[Span], tokens: list[int], features: torch.Tensor,
+               first_rows: list[int], table_versions: list[int] | None = None) -> _DraftGraph:
+        """Copy the spans' inputs and replay the graph of their batch size (its outputs: views
+        valid until the next replay)."""
+        size = next(s for s in self.sizes if s >= len(spans))
+        self.copy_spans(spans, tokens, features, first_rows, size, table_versions)
+        graph = self.graphs[size]
+        graph.graph.replay()
+        self.num_replays += 1
+        self.last_size = size
+        return graph
+
+    def ahead(self, ends: list[ChainEnd], num_drafts: int, min_confidence: float
+              ) -> tuple[list[int], list[list[int]], list[ChainEnd]]:
+        """eagle.draft_ahead by one replay of graphs built with rows=1 and k + 1 outputs: each
+        chain end is a one-position catch-up on its token and feature. An end on a last draft
+        gives its guess at the target's next token first (output 0), then the next round's
+        drafts; an end on a guess gives the drafts at once (its last output unused)."""
+        spans = [Span(e.position, 1, e.block_table, e.offset) for e in ends]
+        graph = self.replay(spans, [e.token for e in ends],
+                            torch.stack([e.feature for e in ends]), list(range(len(ends))))
+        n = len(ends)
+        ids, sure = graph.drafts[:n].tolist(), (graph.confidence[:n] >= min_confidence).tolist()
+        features = graph.features[:n].clone()
+        guesses, drafts, chain_ends = [], [], []
+        for i, e in enumerate(ends):
+            skip = 0 if e.guess else 1
+            guesses.append(e.token if e.guess else ids[i][0])
+            m = 0
+            while m < num_drafts and sure[i][skip + m]:
+                m += 1
+            drafts.append(ids[i][skip:skip + m])
+            last = skip + (m if m < num_drafts else num_drafts - 1)
+            chain_ends.append(ChainEnd(e.position + last + 1, ids[i][last], features[i, last],
+                                       m < num_drafts, e.block_table, e.offset))
+        return guesses, drafts, chain_ends
 
     @staticmethod
     def cut(drafts: torch.Tensor, confidence: torch.Tensor, num_drafts: list[int],
@@ -491,7 +527,7 @@ class EagleGraphs(VerifyGraphs):
         ids, confidence = head.draft_tokens(g)
         drafts, sure, outputs = [ids], [confidence], [g]
         tables = self.block_tables[:size]
-        for j in range(q - 2):
+        for j in range(self.k - 1):
             at = held + j
             inside = at < limit
             block = tables.gather(1, (at // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]

@@ -120,7 +120,7 @@ class DraftServer:
         self.hidden_size = target.hidden_size
         # On a GPU a round is one CUDA graph replay (cuda_graphs.EagleGraphs, as the local
         # drafter's); the graphs read only a runner's config, device, dtype and attention.
-        self.graphs = None
+        self.graphs = self.ahead_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from mxserve.worker.cuda_graphs import EagleGraphs
 
@@ -130,6 +130,10 @@ class DraftServer:
                           num_blocks * self.block_size)
             self.graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len, self.k)
             self.graphs.capture()
+            if self.run_ahead_enabled:  # run-ahead: chains from one position, k + 1 long
+                self.ahead_graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len,
+                                                self.k + 1, rows=1)
+                self.ahead_graphs.capture()
         self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
         self.num_rounds = 0  # requests drafted for (a round each)
         self.num_batches = 0
@@ -255,8 +259,14 @@ class DraftServer:
                                             block_table=self.kv.get_block_ids(key)))
         if not keys:
             return
-        ahead = draft_ahead(self.head, self.kv_cache, self.attn, self.block_size, ends, self.k,
-                            self.min_confidence, stop)
+        graphs = self.ahead_graphs
+        if graphs is not None and graphs.fits_spans([Span(e.position, 1, e.block_table)
+                                                     for e in ends]):
+            ahead = None if stop is not None and stop() else \
+                graphs.ahead(ends, self.k, self.min_confidence)
+        else:
+            ahead = draft_ahead(self.head, self.kv_cache, self.attn, self.block_size, ends,
+                                self.k, self.min_confidence, stop)
         if ahead is None:
             return
         self._last_keys = []

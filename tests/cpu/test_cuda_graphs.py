@@ -236,7 +236,7 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
 
     from mxserve import SamplingParams
     from mxserve.worker import eagle
-    from mxserve.worker.cuda_graphs import EagleGraphs
+    from mxserve.worker.cuda_graphs import EagleGraphs, _DraftGraph
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     ckpt = str(tiny_checkpoint("llama"))
@@ -250,7 +250,17 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
     assert drafter.graphs is None  # nothing captured on a CPU
     graphs = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len, 3)
     assert graphs.sizes == [1, 2, 4] and graphs.q == 4
-    seen = {"rounds": 0, "partial": 0, "cut": 0, "eager_only": 0}
+    ahead = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len, 4,
+                        rows=1)
+    assert ahead.q == 1 and ahead.k == 4
+
+    def forward_as_replay(spans, tokens, features, first_rows, versions=None):
+        size = next(s for s in ahead.sizes if s >= len(spans))
+        ahead.copy_spans(spans, tokens, features, first_rows, size, versions)
+        return _DraftGraph(None, *ahead._forward(size))
+
+    ahead.replay = forward_as_replay
+    seen = {"rounds": 0, "partial": 0, "cut": 0, "eager_only": 0, "ahead": 0, "ahead_guess": 0}
     propose = drafter.propose
 
     def propose_both(plan, hidden, num_drafts):
@@ -290,6 +300,19 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
                     (b.position, b.token, b.guess, b.block_table, b.offset)
                 # the CPU head's int4 rows round their inputs: an element may move a step
                 assert (a.feature - b.feature).norm() <= 1e-2 * a.feature.norm()
+        # run-ahead from those ends (the replica's, here over the engine's head KV): its graphs
+        # catch up one position a chain and give k + 1 outputs
+        bs = engine.kv.block_size
+        starts = [e for e in mine if e is not None and e.position + 5 <= len(e.block_table) * bs]
+        if starts:
+            want = eagle.draft_ahead(drafter.head, drafter.kv_cache, drafter.attn, bs, starts,
+                                     3, floor)
+            got = ahead.ahead(starts, 3, floor)
+            assert got[:2] == want[:2]
+            assert [(e.position, e.token, e.guess) for e in got[2]] == \
+                [(e.position, e.token, e.guess) for e in want[2]]
+            seen["ahead"] += 1
+            seen["ahead_guess"] += any(e.guess for e in starts)
         seen["rounds"] += 1
         seen["partial"] += any(1 < n < graphs.q for _, n in kept)
         seen["cut"] += any(0 < len(d) < a for d, a in zip(got, asked))
@@ -298,4 +321,5 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
     prompts = [[5, 6, 7, 8] * 5, list(range(3, 40)), [9, 10] * 4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen["rounds"] >= 10 and seen["partial"] and seen["cut"] and seen["eager_only"], seen
+    assert seen["ahead"] >= 5 and seen["ahead_guess"], seen
     assert all(len(o.token_ids) == 24 for o in outs)
