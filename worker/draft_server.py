@@ -120,7 +120,7 @@ class DraftServer:
         self.hidden_size = target.hidden_size
         # On a GPU a round is one CUDA graph replay (cuda_graphs.EagleGraphs, as the local
         # drafter's); the graphs read only a runner's config, device, dtype and attention.
-        self.graphs = self.ahead_graphs = None
+        self.graphs = self.ahead_graphs = self.catch_up_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from mxserve.worker.cuda_graphs import EagleGraphs
 
@@ -130,10 +130,14 @@ class DraftServer:
                           num_blocks * self.block_size)
             self.graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len, self.k)
             self.graphs.capture()
-            if self.run_ahead_enabled:  # run-ahead: chains from one position, k + 1 long
+            if self.run_ahead_enabled:  # run-ahead: chains from one position, k + 1 long;
+                # and rounds answered from them only catch up (no chain)
                 self.ahead_graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len,
                                                 self.k + 1, rows=1)
                 self.ahead_graphs.capture()
+                self.catch_up_graphs = EagleGraphs(self.head, self.kv_cache, runner, max_len,
+                                                   1, rows=self.k + 1)
+                self.catch_up_graphs.capture()
         self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
         self.num_rounds = 0  # requests drafted for (a round each)
         self.num_batches = 0
@@ -188,8 +192,9 @@ class DraftServer:
         if spans:
             # a round run-ahead prepared for only catches up (its KV, from true features)
             asked = [0 if hits[i] is not None else n for i, n in zip(placed, nums)]
-            if self.graphs is not None and self.graphs.fits_spans(spans):
-                out, ends = self.graphs.draft(
+            graphs = self.catch_up_graphs if not any(asked) else self.graphs
+            if graphs is not None and graphs.fits_spans(spans):
+                out, ends = graphs.draft(
                     spans, tokens, features, firsts, asked, self.min_confidence,
                     [self.kv.table_version(rounds[i].key) for i in placed], ends=True)
             else:
