@@ -253,6 +253,8 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
     ahead = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len, 4,
                         rows=1)
     assert ahead.q == 1 and ahead.k == 4
+    catch_up = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len,
+                           1, rows=4)
 
     def forward_as_replay(spans, tokens, features, first_rows, versions=None):
         size = next(s for s in ahead.sizes if s >= len(spans))
@@ -285,6 +287,11 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
         got = graphs.cut(drafts[:len(kept)], confidence[:len(kept)], asked, floor)
         want = [s.request.draft_token_ids if s.request in num_drafts else [] for s, _ in kept]
         assert got == want
+        # the replica's catch-up-only graphs (k = 1: no chain pass): the same first drafts
+        catch_up.copy_spans(spans, tokens, hidden, eagle.kept_offsets(plan, kept), size)
+        first, _, _ = catch_up._forward(size)
+        assert first.shape == (size, 1) and first[:len(kept), 0].tolist() == \
+            drafts[:len(kept), 0].tolist()
         # the chain ends run-ahead starts from, as draft_round gives them (its KV rewritten
         # with the same values)
         _, ends = eagle.draft_round(drafter.head, drafter.kv_cache, drafter.attn,
