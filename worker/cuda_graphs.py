@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mxserve.worker.attention_triton import static_decode_metadata, static_verify_metadata
-from mxserve.worker.eagle import ChainEnd, Span
+from mxserve.worker.draft_spans import ChainEnd, Span
 from mxserve.worker.host_to_device import fill_inflight_tokens, index_on, to_device
 from mxserve.worker.scheduler import StepPlan
 

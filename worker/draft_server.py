@@ -36,10 +36,9 @@ from mxserve.api.block_hash import extend_block_hashes
 from mxserve.kernels import cpu_attention
 from mxserve.worker.attention_backends import get_attention_backend
 from mxserve.worker.config import EngineConfig
+from mxserve.worker.draft_spans import ChainEnd, Span
 from mxserve.worker.eagle import (
     DEFAULT_HEAD,
-    ChainEnd,
-    Span,
     draft_ahead,
     draft_round,
     load_embedding_and_head,

@@ -35,7 +35,6 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ from torch import nn
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels import cpu_linear
 from mxserve.worker.attention import AttentionBatch
+from mxserve.worker.draft_spans import ChainEnd, Span
 from mxserve.worker.model.checkpoint import set_default_permissions
 from mxserve.worker.model.config import ModelConfig
 from mxserve.worker.model.layers import RotaryEmbedding
@@ -293,33 +293,6 @@ def kept_offsets(plan, kept: list[tuple]) -> list[int]:
 def _next_tokens(request: Request, start: int, length: int) -> list[int]:
     """The tokens after positions start .. start + length - 1: the head's token inputs."""
     return request.all_token_ids[start + 1:start + length + 1]
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Positions start .. start + length - 1 of a request for the head to run over, its KV
-    going to the block table's slots; their RoPE positions are offset further by the tokens
-    KV eviction dropped before them."""
-
-    start: int
-    length: int
-    block_table: list[int]
-    offset: int = 0
-
-
-@dataclass(slots=True)
-class ChainEnd:
-    """Where a request's chain of drafts stopped: the head's output `feature` [hidden] predicted
-    `token`, and `position` is where the head would run on that token next. `guess`: the token
-    was not drafted (the head was unsure of it), so it is the head's guess at the token the
-    target adds after the drafts; otherwise it is the last draft."""
-
-    position: int
-    token: int
-    feature: torch.Tensor
-    guess: bool
-    block_table: list[int]
-    offset: int = 0
 
 
 def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
