@@ -336,8 +336,12 @@ def write_random_head(args, path: str) -> None:
     model = getattr(args, "model", None)
     config = open_checkpoint(model).config if model else \
         open_dummy(args.shape, torch.device("cpu"), torch.float32).config
-    save_head(init_head(config, seed=1, device=args.device), path, config.model_id,
-              dtype=getattr(torch, args.dtype))
+    head = init_head(config, seed=1, device=args.device)
+    vocab = getattr(args, "draft_vocab", 0)
+    if vocab:  # the ids a real head's ranking would put first: any N cost the same
+        head.draft_vocab_ranking = torch.arange(config.vocab_size)
+        head.draft_vocab_size = vocab
+    save_head(head, path, config.model_id, dtype=getattr(torch, args.dtype))
 
 
 def summary(sections: dict) -> tuple[list[dict], dict]:
@@ -480,7 +484,7 @@ def environment(args) -> dict:
         triton_version = None
     cuda = args.device.startswith("cuda")
     keys = ("shape", "dtype", "device", "k", "batches", "steps", "warmup_steps", "prompt_len",
-            "max_tokens", "max_model_len", "kv_gb", "accept", "profile_steps")
+            "max_tokens", "max_model_len", "kv_gb", "accept", "profile_steps", "draft_vocab")
     return {"bench": "spec_gpu",
             "device": torch.cuda.get_device_name() if cuda
             else platform.processor() or platform.machine(),
@@ -501,6 +505,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default bfloat16 (cpu: float32)")
     p.add_argument("--quick", action="store_true", help="tiny shape and counts: a smoke test")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="the random head drafts from this many ids, as a head trained with a "
+                        "draft vocabulary does (0: the whole vocabulary)")
     p.add_argument("--batches", default=None, help="default 1,8,32 (--quick: 1,4)")
     p.add_argument("--steps", type=int, default=40, help="measured steps a batch and mode")
     p.add_argument("--warmup-steps", type=int, default=5)

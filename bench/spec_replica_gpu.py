@@ -159,6 +159,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="the random head drafts from this many ids (0: the whole vocabulary)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved passes (medians)")
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -239,7 +241,8 @@ def main() -> None:
     result = {**header("spec_replica_gpu"),
               "command": "python bench/spec_replica_gpu.py " + " ".join(sys.argv[1:]),
               "model": f"{args.model or args.shape + ' dummy weights'} ({args.dtype}), a random "
-                       "EAGLE head",
+                       "EAGLE head" + (f" drafting from {args.draft_vocab} ids" if args.draft_vocab
+                                       else ""),
               "acceptance": "forced: every draft is the target's plain greedy token and the "
                             "verify keeps all (spec_gpu.keep_all_drafts)",
               "prompts": args.prompts, "prompt_len": args.prompt_len,
