@@ -244,6 +244,17 @@ class DecodeGraphs:
             fill_inflight_tokens(self.tokens(size)[0], inflight, plan.inflight_tokens)
 
 
+def _cut(ids: list[list[int]], sure: list[list[bool]], num_drafts: list[int]) -> list[list[int]]:
+    """Row i's drafts: its first num_drafts[i] ids, up to the first it is not sure of."""
+    out = []
+    for row, ok, n in zip(ids, sure, num_drafts):
+        m = 0
+        while m < n and ok[m]:
+            m += 1
+        out.append(row[:m])
+    return out
+
+
 # Verify graphs are captured for batches of at most this many tokens (rows x (k + 1)): their
 # logits buffers grow with it, and past it a step's device work dwarfs its launches.
 VERIFY_MAX_TOKENS = 256
@@ -414,11 +425,11 @@ class EagleGraphs(VerifyGraphs):
         table is written)."""
         graph = self.replay(spans, tokens, features, first_rows, table_versions)
         n = len(spans)
-        drafts = self.cut(graph.drafts[:n], graph.confidence[:n], num_drafts, min_confidence)
+        ids, sure = graph.drafts[:n].tolist(), (graph.confidence[:n] >= min_confidence).tolist()
+        drafts = _cut(ids, sure, num_drafts)
         if not ends:
             return drafts, None
-        return drafts, self.chain_ends(spans, drafts, num_drafts, graph.drafts[:n].tolist(),
-                                       graph.features[:n].clone())
+        return drafts, self.chain_ends(spans, drafts, num_drafts, ids, graph.features[:n].clone())
 
     def replay(self, spans: list[Span], tokens: list[int], features: torch.Tensor,
                first_rows: list[int], table_versions: list[int] | None = None) -> _DraftGraph:
@@ -444,44 +455,36 @@ class EagleGraphs(VerifyGraphs):
         n = len(ends)
         ids, sure = graph.drafts[:n].tolist(), (graph.confidence[:n] >= min_confidence).tolist()
         features = graph.features[:n].clone()
-        guesses, drafts, chain_ends = [], [], []
-        for i, e in enumerate(ends):
-            skip = 0 if e.guess else 1
-            guesses.append(e.token if e.guess else ids[i][0])
-            m = 0
-            while m < num_drafts and sure[i][skip + m]:
-                m += 1
-            drafts.append(ids[i][skip:skip + m])
-            last = skip + (m if m < num_drafts else num_drafts - 1)
-            chain_ends.append(ChainEnd(e.position + last + 1, ids[i][last], features[i, last],
-                                       m < num_drafts, e.block_table, e.offset))
-        return guesses, drafts, chain_ends
+        skips = [0 if e.guess else 1 for e in ends]  # output 0 of an end on a draft: its guess
+        guesses = [e.token if e.guess else row[0] for e, row in zip(ends, ids)]
+        ids = [row[k:] for row, k in zip(ids, skips)]
+        asked = [num_drafts] * n
+        drafts = _cut(ids, [ok[k:] for ok, k in zip(sure, skips)], asked)
+        # the drafts' chains, as if run from the position after each guess
+        after = [Span(e.position + k, 1, e.block_table, e.offset) for e, k in zip(ends, skips)]
+        return guesses, drafts, self.chain_ends(after, drafts, asked, ids,
+                                                [features[i, k:] for i, k in enumerate(skips)])
 
     @staticmethod
     def cut(drafts: torch.Tensor, confidence: torch.Tensor, num_drafts: list[int],
             min_confidence: float) -> list[list[int]]:
-        ids, sure = drafts.tolist(), (confidence >= min_confidence).tolist()
-        out = []
-        for row, ok, n in zip(ids, sure, num_drafts):
-            m = 0
-            while m < n and ok[m]:
-                m += 1
-            out.append(row[:m])
-        return out
+        """Each row's drafts [R, k] up to num_drafts[i], cut before the first whose confidence is
+        below min_confidence."""
+        return _cut(drafts.tolist(), (confidence >= min_confidence).tolist(), num_drafts)
 
     @staticmethod
     def chain_ends(spans: list[Span], drafts: list[list[int]], num_drafts: list[int],
-                   ids: list[list[int]], features: torch.Tensor) -> list[ChainEnd | None]:
+                   ids: list[list[int]], features) -> list[ChainEnd | None]:
         """draft_round's chain ends from the graph's outputs: a chain cut at draft m ends on
-        that token as a guess, a full one on its last draft (features [R, k, hidden]: the
-        output that predicted each draft)."""
+        that token as a guess, a full one on its last draft (features[i][m] [hidden]: the
+        output that predicted row i's draft m)."""
         out: list[ChainEnd | None] = []
         for i, (sp, d, n) in enumerate(zip(spans, drafts, num_drafts)):
             if n == 0:
                 out.append(None)
                 continue
             m = len(d) if len(d) < n else n - 1
-            out.append(ChainEnd(sp.start + sp.length + m, ids[i][m], features[i, m],
+            out.append(ChainEnd(sp.start + sp.length + m, ids[i][m], features[i][m],
                                 len(d) < n, sp.block_table, sp.offset))
         return out
 
@@ -489,14 +492,14 @@ class EagleGraphs(VerifyGraphs):
                    first_rows: list[int], size: int,
                    table_versions: list[int] | None = None) -> None:
         counts = np.fromiter((sp.length for sp in spans), np.int64, len(spans))
+        rope = np.fromiter((sp.offset for sp in spans), np.int64, len(spans))
         if table_versions is None:
             self._fresh -= 1  # versions below any KVCacheManager's: every row rewritten
             table_versions = [self._fresh] * len(spans)
         cuts = np.cumsum(counts)[:-1].tolist()
         flat = np.asarray(tokens, np.int64)
         self._fill(size, [sp.start for sp in spans], counts,
-                   [sp.block_table for sp in spans], table_versions, np.split(flat, cuts),
-                   np.fromiter((sp.offset for sp in spans), np.int64, len(spans)))
+                   [sp.block_table for sp in spans], table_versions, np.split(flat, cuts), rope)
         q, bs = self.q, self.block_size
         at = np.arange(len(spans)) * q
         src = np.concatenate([np.arange(o, o + c) for o, c in zip(first_rows, counts.tolist())])
@@ -509,8 +512,7 @@ class EagleGraphs(VerifyGraphs):
         chain = np.zeros((4, size), np.int64)
         chain[0, :len(spans)] = at + counts - 1
         chain[1, :len(spans)] = first
-        chain[2, :len(spans)] = first + np.fromiter((sp.offset for sp in spans), np.int64,
-                                                    len(spans))
+        chain[2, :len(spans)] = first + rope
         chain[3, :len(spans)] = [len(sp.block_table) * bs for sp in spans]
         self.chain[:4 * size].copy_(to_device(chain.ravel(), torch.long, features.device))
 
