@@ -9,10 +9,10 @@ engine's decode step. One script, side by side in one run:
    output checked against an fp32 reference first (max error in bf16 ulps of the output).
    CUDA graphs of 2 passes over weight copies that together exceed L2, per call.
 2. engine: the 1B dummy bf16 model (and MXFP4, whose LM head is bf16), decode batch 1 and 4,
-   with the model's dense linears on gemv (GemvOptions: rows <= max_rows; with and without PDL)
-   vs all on cuBLAS (max_rows = 0), one engine each: graph replay p50 and engine step p50 over
-   128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s). MXFP4 also with
-   every MX weight on gemv at one row (mx_max_elements lifted).
+   with the model's dense linears on gemv (GemvOptions: rows <= max_rows, 1 and 4; with and
+   without PDL) vs all on cuBLAS (max_rows = 0), one engine each: graph replay p50 and engine
+   step p50 over 128 greedy tokens, against the weight-read roofline (bytes / 4.27 TB/s).
+   MXFP4 also with every MX weight on gemv at one row (mx_max_elements lifted).
 
     python bench/gemv_gpu.py --out DIR     (DIR/gemv_gpu.json, DIR/gemv_gpu.md)
 """
@@ -57,15 +57,16 @@ def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | N
     return alt
 
 
-def kernel_section() -> list[dict]:
+def kernel_section(models=tuple(SHAPES), ms=MS) -> list[dict]:
     rows = []
-    for model, shapes in SHAPES.items():
+    for model in models:
+        shapes = SHAPES[model]
         for name, (n, k) in shapes.items():
             copies = max(2, min(8, int(240e6 // (n * k * 2)) + 1))  # > 2x L2 in all
             gen = torch.Generator(device="cuda").manual_seed(n + k)
             ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
                   for _ in range(copies)]
-            for m in MS:
+            for m in ms:
                 x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
                 ref = x.float() @ ws[0].float().T
                 row = {"model": model, "layer": name, "n": n, "k": k, "m": m,
@@ -142,7 +143,7 @@ def mx_section() -> list[dict]:
 def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
     default = GemvOptions()
     variants = {"cublas": GemvOptions(max_rows=0), "gemv": GemvOptions(pdl=False),
-                "gemv_pdl": default}
+                "gemv_pdl": default, "gemv_pdl_4_rows": GemvOptions(max_rows=4)}
     if quantization:  # every MX weight on gemv at one row, whatever its size
         variants["gemv_pdl_mx_all"] = GemvOptions(mx_max_elements=1 << 62)
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
@@ -176,6 +177,8 @@ def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
         last["greedy_tokens_equal_cublas"] = tokens_by["gemv", batch] == tokens_by["cublas", batch]
         last["greedy_tokens_equal_without_pdl"] = \
             tokens_by["gemv_pdl", batch] == tokens_by["gemv", batch]
+        last["greedy_tokens_equal_4_rows"] = \
+            tokens_by["gemv_pdl_4_rows", batch] == tokens_by["cublas", batch]
         if quantization:
             last["greedy_tokens_equal_mx_rule"] = \
                 tokens_by["gemv_pdl_mx_all", batch] == tokens_by["gemv_pdl", batch]
@@ -187,14 +190,14 @@ def markdown(res: dict) -> str:
              "", f"`{res['command']}`", "",
              "Few-row dense linear (kernels/gemv.py, default program shape) vs cuBLAS "
              "(F.linear), us per call, CUDA graphs, weights cycled past L2:", "",
-             "| model | layer | N x K | " + " | ".join(f"M={m}" for m in MS) + " |",
-             "|---|---|---|" + "---|" * len(MS)]
+             "| model | layer | N x K | " + " | ".join(f"M={m}" for m in res["ms"]) + " |",
+             "|---|---|---|" + "---|" * len(res["ms"])]
     by = {}
     for r in res.get("kernels", []):
         by.setdefault((r["model"], r["layer"], r["n"], r["k"]), {})[r["m"]] = r
     for (model, layer, n, k), ms in by.items():
         cells = [f"{ms[m]['default']['us']:.1f} vs {ms[m]['cublas_us']:.1f} "
-                 f"({ms[m]['default']['x_cublas']:.2f}x)" for m in MS]
+                 f"({ms[m]['default']['x_cublas']:.2f}x)" for m in res["ms"]]
         lines.append(f"| {model} | {layer} | {n}x{k} | " + " | ".join(cells) + " |")
     if res.get("mx"):
         lines += ["", "MX weights at M = 1: mx_linear (tensor-core decode) vs gemv (whole row, "
@@ -222,11 +225,14 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--sections", default="kernels,mx,engine")
     p.add_argument("--batches", default="1,4", help="engine section: decode batch sizes")
+    p.add_argument("--models", default="1b,8b", help="kernels section: decoder shapes")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="kernels section: rows of x")
     args = p.parse_args()
     res = header("gemv_gpu")
     res["max_rows"] = GemvOptions().max_rows
+    res["ms"] = [int(m) for m in args.ms.split(",")]
     if "kernels" in args.sections:
-        res["kernels"] = kernel_section()
+        res["kernels"] = kernel_section(tuple(args.models.split(",")), res["ms"])
     if "mx" in args.sections:
         res["mx"] = mx_section()
     if "engine" in args.sections:
