@@ -17,6 +17,7 @@ Targets (issue 31): served output tok/s on the mix >= 90% of in-process; batch 1
 <= in-process TPOT + 0.2 ms, served TTFT <= in-process TTFT + 10 ms.
 
     python bench/serve_gpu.py --out bench/results/serve_gpu.json        # on the H200
+    python bench/serve_gpu.py --variants serve,direct --out ...         # both output paths
     python bench/serve_gpu.py --shape tiny --num-requests 32 --out /tmp/s.json   # a CPU smoke
 """
 
@@ -248,7 +249,7 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
     results.put(asyncio.run(main()))
 
 
-def run_served(args, model: str, mix, b1, warm) -> dict:
+def run_served(args, model: str, mix, b1, warm, direct: bool = False) -> dict:
     import ray
     from ray import serve
 
@@ -266,7 +267,7 @@ def run_served(args, model: str, mix, b1, warm) -> dict:
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
         router_resources=Resources(num_cpus=1), num_routers=args.routers,
         streaming=dict(streams_per_token=args.streams_per_token,
-                       max_tokens_per_message=args.max_tokens_per_message))
+                       max_tokens_per_message=args.max_tokens_per_message, direct=direct))
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     try:
@@ -326,20 +327,20 @@ def targets(inproc: dict, served: dict) -> dict:
 def markdown(result: dict) -> str:
     rows = ["| load | path | output tok/s | TTFT p50 / p99 ms | TPOT mean / p50 / p99 ms | "
             "messages a request |", "|---|---|---|---|---|---|"]
+    paths = ["inproc", *result.get("served_variants", {"served": None})]
     for load_name in ("mix", "batch1"):
-        for path in ("inproc", "served"):
+        for path in paths:
             r = result[path][load_name]
             rows.append(f"| {load_name} | {path} | {r['output_tok_s']:.0f} | "
                         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p99']} | "
                         f"{r['tpot_ms']['mean']} / {r['tpot_ms']['p50']} / "
                         f"{r['tpot_ms']['p99']} | {r['messages_per_request']} |")
     mix = {k: result[p][m]["output_tok_s"] for k, p, m in (
-        ("engine", "inproc", "engine_mix"), ("stream", "inproc", "mix"),
-        ("served", "served", "mix"))}
+        ("engine", "inproc", "engine_mix"), ("stream", "inproc", "mix"))}
     em = result["inproc"]["engine_mix"]
     loops = [("engine loop", em["num_steps"], 1e3 * em["wall_s"] / em["num_steps"],
               1e3 * em["cpu_s"] / em["num_steps"], None)]
-    for path in ("inproc", "served"):
+    for path in paths:
         lp = result[path]["mix"]["engine_loop"]
         loops.append((f"{path} streams", lp["num_steps"], lp["step_wall_ms"], lp["step_cpu_ms"],
                       result[path]["mix"].get("worker_process_cpu_s")))
@@ -347,10 +348,15 @@ def markdown(result: dict) -> str:
                  "process CPU s |", "|---|---|---|---|---|"] + [
         f"| {name} | {n} | {wall:.3f} | {cpu:.3f} | {'' if proc is None else proc} |"
         for name, n, wall, cpu, proc in loops]
-    served_mix = result["served"]["mix"]
-    cpu_rows = ["| process | CPU s over the mix | cores |", "|---|---|---|"] + [
-        f"| {title} | {s} | {s / served_mix['wall_s']:.2f} |"
-        for title, s in served_mix.get("process_cpu_s", {}).items()]
+    cpu_rows = ["| path | process | CPU s over the mix | cores |", "|---|---|---|---|"]
+    for path in paths[1:]:
+        served_mix = result[path]["mix"]
+        cpu_rows += [f"| {path} | {title} | {s} | {s / served_mix['wall_s']:.2f} |"
+                     for title, s in served_mix.get("process_cpu_s", {}).items()]
+    served = "; ".join(f"{path} {result[path]['mix']['output_tok_s']:.0f} "
+                       f"({result[path]['mix']['output_tok_s'] / mix['engine']:.2f} of the "
+                       f"engine's)" for path in paths[1:])
+    targets = result.get("targets_by_variant", {"served": result["targets_met"]})
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
             f"{result['num_requests']} requests, {result['clients']} client processes, "
@@ -358,8 +364,7 @@ def markdown(result: dict) -> str:
             + "\n".join(rows) + "\n\n" + "\n".join(loop_rows) + "\n\n" + "\n".join(cpu_rows)
             + "\n\nMix output tok/s: the engine stepped in a loop "
             f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
-            f"served {mix['served']:.0f} ({mix['served'] / mix['engine']:.2f} of the engine's). "
-            f"Targets: {json.dumps(result['targets_met'])}\n")
+            f"{served}. Targets: {json.dumps(targets)}\n")
 
 
 def main() -> None:
@@ -376,6 +381,9 @@ def main() -> None:
                     help="ServeConfig.streaming: one more token a message per this many streams")
     ap.add_argument("--max-tokens-per-message", type=int, default=16)
     ap.add_argument("--b1-requests", type=int, default=8)
+    ap.add_argument("--variants", default="serve",
+                    help="served runs, each its own Ray session: serve (outputs as Serve stream "
+                         "messages) and/or direct (ServeConfig.streaming.direct)")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -394,8 +402,14 @@ def main() -> None:
     warm = (warm_prompts, [min(k, 32) for k in warm_outs])
     inproc = run_inproc(args, model, mix, b1, warm)
     print("in-process:", json.dumps(inproc), flush=True)
-    served = run_served(args, model, mix, b1, warm)
-    print("served:", json.dumps(served), flush=True)
+    variants = {}
+    for name in args.variants.split(","):
+        if name not in ("serve", "direct"):
+            raise SystemExit(f"--variants: serve and/or direct, got {name!r}")
+        path = "served" if name == "serve" else "served_direct"
+        variants[path] = run_served(args, model, mix, b1, warm, direct=name == "direct")
+        print(f"{path}:", json.dumps(variants[path]), flush=True)
+    by_variant = {path: targets(inproc, out) for path, out in variants.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import grpc
     import ray
@@ -409,7 +423,10 @@ def main() -> None:
               "routers": args.routers, "streaming": {
                   "streams_per_token": args.streams_per_token,
                   "max_tokens_per_message": args.max_tokens_per_message},
-              "inproc": inproc, "served": served, "targets_met": targets(inproc, served)}
+              "inproc": inproc, **variants, "served_variants": list(variants),
+              "targets_by_variant": by_variant,
+              # the served path as configured last in --variants (direct where both ran)
+              "targets_met": by_variant[list(variants)[-1]]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_result(args.out, result, markdown(result))
     print(markdown(result))

@@ -168,11 +168,14 @@ class Streaming(BaseModel):
     """How a worker packs a stream's tokens into messages under load (cluster/worker.py): one
     more token a message for every `streams_per_token` streams running, up to
     `max_tokens_per_message` (1: every token its own message). A lone stream always gets each
-    token at once."""
+    token at once. direct: the messages go from each worker's engine thread to the router over
+    one TCP connection a (worker, router) pair, a frame a step, instead of as Serve stream
+    messages (cluster/output_channel.py)."""
 
     model_config = ConfigDict(extra="forbid")
     streams_per_token: int = Field(32, ge=1)
     max_tokens_per_message: int = Field(16, ge=1)
+    direct: bool = False
 
 
 class Limits(BaseModel):

@@ -31,6 +31,7 @@ from mxserve.cluster.grpc_proxy import publish_admission
 from mxserve.cluster.handles import DraftAddress, HandleWorkers
 from mxserve.cluster.logs import rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
+from mxserve.cluster.output_channel import OutputReceiver
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Admission, Router, TokenAuth
 from mxserve.router.openai import OpenAIServer
@@ -91,9 +92,10 @@ class WorkerDeployment:
             tokens = kv_transfer.pop("calibration_tokens")
             prefill_rate = kv_transfer.pop("prefill_tokens_per_s") or await asyncio.to_thread(
                 measure_prefill_rate, engine, tokens)
+        packing = {k: v for k, v in (streaming or {}).items() if k != "direct"}  # (routers')
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id(),
-                             stall_timeout_s=stall_timeout_s, **(streaming or {}))
+                             stall_timeout_s=stall_timeout_s, **packing)
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
         self.kv_node = None
         if kv_transfer is not None:
@@ -112,12 +114,14 @@ class WorkerDeployment:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, kv_source: dict | None = None,
-                       resume: ResumeState | None = None) -> AsyncIterator[bytes]:
+                       resume: ResumeState | None = None,
+                       stream_to: dict | None = None) -> AsyncIterator[bytes]:
         """Each output as `encode_output` bytes (HandleWorkers decodes them). kv_source: a peer
         holding the prompt's prefix (the request router's or the router's); resume: go on from
-        where a draining worker stopped (router/ingress.py)."""
+        where a draining worker stopped (router/ingress.py); stream_to: the router's output
+        channel, which then carries the engine's outputs (cluster/output_channel.py)."""
         async for out in self.worker.generate(prompt_token_ids, params, request_id, kv_source,
-                                              resume):
+                                              resume, stream_to):
             yield encode_output(out)
 
     async def drain(self, worker_id: str | None = None) -> int | None:
@@ -239,10 +243,14 @@ class RouterDeployment:
     async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
                        token_digests: list[str] | None = None, admission: dict | None = None,
-                       migration_limit: int = 3) -> None:
+                       migration_limit: int = 3, direct_streams: bool = False) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
+        self.receiver = None  # direct streams: the workers' outputs come here, not over Serve
+        if direct_streams:
+            self.receiver = OutputReceiver()
+            await self.receiver.start(ray.util.get_node_ip_address())
         checkpoint = await asyncio.to_thread(open_checkpoint, model)
         cfg = checkpoint.config
         card = ModelCard(model_name, max_model_len or cfg.max_position_embeddings,
@@ -254,7 +262,8 @@ class RouterDeployment:
             await asyncio.to_thread(publish_admission, app_name, capacity,
                                     admission.retry_after_s)
 
-        self.router = Router(checkpoint.tokenizer, card, HandleWorkers(workers, app_name, WORKER),
+        self.router = Router(checkpoint.tokenizer, card,
+                             HandleWorkers(workers, app_name, WORKER, self.receiver),
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
@@ -294,11 +303,15 @@ class RouterDeployment:
         return dict(replica_id=serve.get_replica_context().replica_id.unique_id,
                     in_flight=self.router.num_in_flight, shed=self.router.num_shed,
                     capacity=self.router.capacity, tasks=len(asyncio.all_tasks()),
-                    rss_bytes=rss_bytes())
+                    rss_bytes=rss_bytes(), output_channel=None if self.receiver is None else
+                    dict(connections=self.receiver.num_connections,
+                         rejected=self.receiver.num_rejected, frames=self.receiver.num_frames))
 
     def __del__(self) -> None:
         if hasattr(self, "router"):
             self.router.close()
+        if getattr(self, "receiver", None) is not None:
+            self.receiver.close_server()
 
 
 def _set_status(grpc_context, error: ServeError) -> None:
@@ -400,4 +413,4 @@ def build_app(config: ServeConfig) -> serve.Application:
     ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
            config.app_name, config.limits.request_limits(), config.token_digests(),
            dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s),
-           config.migration_limit)
+           config.migration_limit, config.streaming.direct)

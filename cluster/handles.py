@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from mxserve.api.errors import WorkerLostError
 from mxserve.api.outputs import StepOutput, decode_output
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.cluster.output_channel import OutputReceiver
 
 logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
@@ -77,11 +78,33 @@ def _apart_from_its_caller():
         context._serve_request_context.reset(token)
 
 
-class HandleWorkers:
-    """`router.ingress.Workers` over a Serve deployment handle."""
+DIRECT_TAIL_S = 30.0  # after a direct stream's Serve call ended, the longest its last output
+_SERVE_END = object()  # may take to come over the output channel
 
-    def __init__(self, handle: DeploymentHandle, app_name: str, deployment: str) -> None:
+
+async def _pump(response, inbox: asyncio.Queue) -> None:
+    """A direct stream's Serve call into its inbox: its outputs (a hand-back), then its end
+    or its error."""
+    try:
+        async for data in response:
+            inbox.put_nowait(decode_output(data))
+        inbox.put_nowait(_SERVE_END)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        inbox.put_nowait(e)
+
+
+class HandleWorkers:
+    """`router.ingress.Workers` over a Serve deployment handle. With a receiver (direct
+    streams, cluster/output_channel.py) the engine's outputs come over it and the Serve call
+    carries the rest: routing, admission errors, the request's lifetime, a hand-back."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str, deployment: str,
+                 receiver: OutputReceiver | None = None) -> None:
         self.handle = handle.options(stream=True)
+        self.receiver = receiver
+        self._pumps: set[asyncio.Task] = set()  # Serve calls of direct streams, read to their end
         self.replica_prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
         # replica actor id (hex) -> worker id, to name the worker a lost stream was on: the
         # error names the actor, and a dead actor's name can no longer be looked up
@@ -96,6 +119,12 @@ class HandleWorkers:
         stream: a SIGKILLed or lost replica's gRPC stream breaks with ActorUnavailableError;
         over Ray's object store it is an ActorDiedError."""
         self._keep_listed()
+        if self.receiver is not None:  # (closed with this generator: the abort goes at once)
+            async with contextlib.aclosing(self._direct(prompt_token_ids, params, request_id,
+                                                        hints)) as outs:
+                async for out in outs:
+                    yield out
+            return
         with _apart_from_its_caller():
             response = self.handle.generate.remote(prompt_token_ids, params, request_id,
                                                    **hints)
@@ -106,12 +135,57 @@ class HandleWorkers:
                 finished = out.finished
                 yield out
         except (RayActorError, ActorUnavailableError) as e:
-            worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
-            raise WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
-                                  f"({type(e).__name__})", worker_id) from None
+            raise self._lost(e) from None
         finally:
             if not finished:  # closed early (cancel, deadline, stop string): abort there
                 response.cancel()
+
+    async def _direct(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str, hints: dict) -> AsyncIterator[StepOutput]:
+        """`generate` with the outputs over the receiver: one queue takes both those and what
+        the Serve call brings (a hand-back, its end, its error), each in its own order."""
+        key = uuid.uuid4().hex
+        inbox = self.receiver.open(key)
+        with _apart_from_its_caller():
+            response = self.handle.generate.remote(prompt_token_ids, params, request_id,
+                                                   stream_to=self.receiver.target(key), **hints)
+        pump = asyncio.create_task(_pump(response, inbox))
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        finished, serve_ended = False, False
+        try:
+            while True:
+                if serve_ended:  # the last output was sent before the call ended: it comes
+                    try:
+                        item = await asyncio.wait_for(inbox.get(), DIRECT_TAIL_S)
+                    except TimeoutError:
+                        raise WorkerLostError(f"its outputs stopped coming over the output "
+                                              f"channel ({DIRECT_TAIL_S:g} s)", "") from None
+                else:
+                    item = await inbox.get()
+                if item is _SERVE_END:
+                    serve_ended = True
+                    continue
+                if isinstance(item, (RayActorError, ActorUnavailableError)):
+                    raise self._lost(item)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.receiver.close(key)
+            if not finished:  # closed early: abort there (a finished call ends by itself)
+                response.cancel()
+                pump.cancel()
+
+    def _lost(self, e: Exception) -> WorkerLostError:
+        """A lost replica's error: a SIGKILLed or lost replica's gRPC stream breaks with
+        ActorUnavailableError; over Ray's object store it is an ActorDiedError."""
+        worker_id = self.worker_ids.get(getattr(e, "actor_id", None), "")
+        return WorkerLostError(f"its worker {worker_id or '(unknown)'} is gone "
+                               f"({type(e).__name__})", worker_id)
 
     def _keep_listed(self, max_age_s: float = 5.0) -> None:
         """Refresh `worker_ids` in the background when older than max_age_s (replicas come and

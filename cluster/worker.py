@@ -5,6 +5,10 @@ control, and the load report routing and autoscaling read.
 Admission: the engine runs `max_num_seqs` requests at once; up to `max_queued_requests` more may
 wait. A request beyond that is rejected at once with RESOURCE_EXHAUSTED rather than queued
 without bound.
+
+Outputs go back as this generator's items, or (a request with `stream_to`, from a router with
+direct streams) from the engine thread over the router's output channel
+(cluster/output_channel.py), the generator then yielding nothing but a hand-back.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mxserve.api.errors import (
 from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.logs import rss_bytes
+from mxserve.cluster.output_channel import OutputSender
 from mxserve.worker import migration
 from mxserve.worker.async_engine import AsyncEngine
 from mxserve.worker.engine import Engine
@@ -71,6 +76,10 @@ class Worker:
         # (bench/results/serve_gpu.md); a lone stream still gets every token at once.
         self.streams_per_token = streams_per_token
         self.max_tokens_per_message = max_tokens_per_message
+        # Direct streams: a sender a router's output channel (address, token), made on the
+        # first request that names it, and the requests each carries now.
+        self._senders: dict[tuple[str, str], OutputSender] = {}
+        self._direct_requests: dict[OutputSender, set[str]] = {}
 
     def start(self, freeze_gc: bool = False) -> None:
         """Start the engine loop. freeze_gc (a process serving this one engine, as a Serve
@@ -86,6 +95,8 @@ class Worker:
         self.async_engine.start()
 
     def shutdown(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
         self.async_engine.shutdown()
         self.engine.shutdown()
         if self._froze_gc:
@@ -94,7 +105,8 @@ class Worker:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, kv_source: dict | None = None,
-                       resume: ResumeState | None = None) -> AsyncIterator[StepOutput]:
+                       resume: ResumeState | None = None,
+                       stream_to: dict | None = None) -> AsyncIterator[StepOutput]:
         """Stream the request's engine outputs. Closing the stream (or cancelling the task
         iterating it) aborts the request in the engine, which frees its KV blocks.
 
@@ -103,6 +115,9 @@ class Worker:
         resume: the request was running on a worker that drained; it goes on from there. A
         draining worker answers with one output, finish_reason "migrate", for the caller to
         go on elsewhere (so does every request running here when `drain` is called).
+        stream_to: {"address", "token", "key"}: the engine's outputs go over that router's
+        output channel instead (the module's docstring); this yields only a hand-back, and
+        raises UNAVAILABLE when the channel fails.
 
         Raises ServeError: INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full)."""
         if self.draining:
@@ -125,6 +140,11 @@ class Worker:
             yield self._handed_back(request_id, prompt_token_ids, resume)
             return
         self.num_resumed += resume is not None
+        sender = direct = None
+        if stream_to is not None:
+            sender = self._sender(stream_to)
+            direct = (sender, stream_to["key"])
+            self._direct_requests[sender].add(request_id)
         # (a resumed request computes its prompt + output so far, less what it finds cached)
         pending = max(0, request.num_tokens - self.engine.num_prefix_hit_tokens(request))
         self.num_in_flight += 1
@@ -132,7 +152,7 @@ class Worker:
         self.num_prefill_tokens_pending += pending
         first, finished, counted = True, False, True
         try:  # (closed with this stream, not when collected: the abort goes out at once)
-            async with contextlib.aclosing(self.async_engine.stream(request)) as stream:
+            async with contextlib.aclosing(self.async_engine.stream(request, direct)) as stream:
                 async for out in stream:
                     finished = out.finished
                     if finished:  # counted out before its last output leaves: a router
@@ -148,7 +168,8 @@ class Worker:
                         self.num_drafts += out.num_drafts
                         self.num_draft_tokens += out.num_draft_tokens
                         self.num_accepted_tokens += out.num_accepted_tokens
-                    yield out
+                    if sender is None:
+                        yield out
         except InvalidRequestError as e:
             finished = True  # rejected, not aborted
             raise ServeError.invalid(e) from None
@@ -159,6 +180,29 @@ class Worker:
             self.num_requests_aborted += not finished
             if first:  # ended before its first output
                 self.num_prefill_tokens_pending -= pending
+            if sender is not None:
+                self._direct_requests.get(sender, set()).discard(request_id)
+
+    def _sender(self, stream_to: dict) -> OutputSender:
+        """The sender to a router's output channel (a new one where the last failed)."""
+        where = (stream_to["address"], stream_to["token"])
+        sender = self._senders.get(where)
+        if sender is None or sender.failed is not None:
+            loop = asyncio.get_running_loop()
+            sender = OutputSender(*where)
+            sender.on_failure = lambda e, s=sender: loop.call_soon_threadsafe(
+                self._channel_failed, s, e)
+            self._senders[where] = sender
+            self._direct_requests[sender] = set()
+            sender.start()
+        return sender
+
+    def _channel_failed(self, sender: OutputSender, error: Exception) -> None:
+        """A router's output channel broke: its requests end UNAVAILABLE (their generators
+        raise; closing them aborts each in the engine, freeing its blocks)."""
+        for request_id in self._direct_requests.pop(sender, ()):
+            self.async_engine.fail_stream(request_id, UnavailableError(
+                f"the output channel to its router {sender.address} failed: {error!r}"))
 
     def tokens_per_message(self, num_streams: int) -> int:
         """How many tokens a stream's message carries with num_streams open (see __init__);

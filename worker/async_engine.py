@@ -14,6 +14,11 @@ due, and always for its first output, its last and an error: under load each wak
 consumer task costs the event loop more than a step's share per token, and the event loop
 holds the GIL the loop thread steps with (bench/results/serve_gpu.engine_loop.md). vLLM's
 `--stream-interval` is the same trade.
+
+A direct stream (`stream(request, direct=(sender, key))`, cluster/output_channel.py) sends its
+messages from the loop thread: each step's due messages go to their sender as one batch of
+(key, encode_output) pairs, and the consumer is woken only for the first and the last (it
+takes every message sent, merged, as before: the caller counts tokens as it always did).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mxserve.api.errors import UnavailableError
-from mxserve.api.outputs import StepOutput, merge_outputs
+from mxserve.api.outputs import StepOutput, encode_output, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.worker.engine import Engine
 from mxserve.worker.kv_cache import KVEvent
@@ -54,10 +59,16 @@ class _Stream:
     the consumer `take`s everything put so far as one message, so one that lags gets all
     that piled up, not only what was due."""
 
-    __slots__ = ("loop", "ready", "_lock", "_items", "_tokens", "_wake_pending", "_woken")
+    __slots__ = ("loop", "ready", "_lock", "_items", "_tokens", "_wake_pending", "_woken",
+                 "direct", "held", "held_tokens")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, direct: tuple | None = None) -> None:
         self.loop = loop
+        # (sender, key): messages leave from the loop thread (the module's docstring); `held`
+        # are outputs not yet due (loop thread only)
+        self.direct = direct
+        self.held: list[StepOutput] = []
+        self.held_tokens = 0
         self.ready = asyncio.Event()
         self._lock = threading.Lock()
         self._items: list = []
@@ -152,15 +163,19 @@ class AsyncEngine:
         async for out in self.stream(request):
             yield out
 
-    async def stream(self, request: Request) -> AsyncIterator[StepOutput]:
-        """`generate` for a request built by `engine.make_request` (safe on any thread)."""
+    async def stream(self, request: Request,
+                     direct: tuple | None = None) -> AsyncIterator[StepOutput]:
+        """`generate` for a request built by `engine.make_request` (safe on any thread).
+        direct: (sender, key): every message goes as (key, encode_output) in a batch to
+        sender.send(list) from the loop thread; this yields only the first message and, at the
+        end, everything after it merged (the module's docstring)."""
         if self.fatal is not None:
             raise UnavailableError(self.fatal)
         rid = request.request_id
         if rid in self._streams:
             from mxserve.api.errors import InvalidRequestError
             raise InvalidRequestError("request_id", f"{rid!r} is already running")
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), direct)
         self._streams[rid] = stream
         self._commands.put(("add", request))
         finished, error = False, None
@@ -190,6 +205,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def fail_stream(self, request_id: str, error: BaseException) -> None:
+        """End a request's stream with error (any thread; the consumer raises it, and closing
+        the stream aborts the request): its direct sender failed."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(error, 0, None)
+            stream.loop.call_soon_threadsafe(stream.ready.set)
 
     async def call(self, fn: Callable[[Engine], object],
                    undo: Callable[[object], object] | None = None) -> object:
@@ -310,11 +333,19 @@ class AsyncEngine:
                 self._kv_sink(events)
 
     def _deliver(self, request_id: str, item: object) -> None:
-        """One output or error for a stream, its consumer woken at once."""
+        """One output or error for a stream, its consumer woken at once (a direct stream's
+        output goes to its sender at once, with what it held)."""
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        if stream.direct is not None and isinstance(item, StepOutput):
+            batches: dict = {}
+            _send_direct(stream, item, None, batches)
+            for sender, batch in batches.items():
+                sender.send(batch)
+        else:
             stream.put(item, 0, None)
-            stream.loop.call_soon_threadsafe(stream.ready.set)
+        stream.loop.call_soon_threadsafe(stream.ready.set)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, the streams a message is due for woken with one hand-over per
@@ -323,13 +354,19 @@ class AsyncEngine:
         batches (bench/results/host_overhead.md, "deliver")."""
         due = 1 if self.tokens_per_wake is None else self.tokens_per_wake(len(self._streams))
         by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        batches: dict = {}  # direct streams' sender -> this step's (key, message) pairs
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
-            if stream is not None and stream.put(
-                    out, len(out.new_token_ids),
-                    None if out.finished or out.finish_reason else due):
+            if stream is None:
+                continue
+            last = out.finished or out.finish_reason
+            if (_send_direct(stream, out, None if last else due, batches)
+                    if stream.direct is not None else
+                    stream.put(out, len(out.new_token_ids), None if last else due)):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
+        for sender, batch in batches.items():
+            sender.send(batch)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
 
@@ -344,6 +381,26 @@ class AsyncEngine:
             self.engine.abort(rid)
             self._deliver(rid, UnavailableError(self.fatal) if self.fatal else
                           RuntimeError(f"engine step failed: {error!r}"))
+
+
+def _send_direct(stream: _Stream, out: StepOutput, due: int | None, batches: dict) -> bool:
+    """A direct stream's output (loop thread): held until due tokens wait (due None: now),
+    then what it held goes out merged, into batches[sender]. True when its consumer is to be
+    woken: the first message and the last."""
+    stream.held.append(out)
+    stream.held_tokens += len(out.new_token_ids)
+    first = not stream._woken
+    if due is not None and not first and stream.held_tokens < due:
+        return False
+    item = stream.held[0]
+    for later in stream.held[1:]:
+        item = merge_outputs(item, later)
+    stream.held, stream.held_tokens = [], 0
+    sender, key = stream.direct
+    batches.setdefault(sender, []).append((key, encode_output(item)))
+    # the consumer takes every message at its end (merged) to count them; woken for the first
+    # and the last only
+    return stream.put(item, 0, None if first or due is None else 1 << 62)
 
 
 def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

@@ -1,0 +1,174 @@
+"""Direct output streams (ServeConfig.streaming.direct): a request's outputs go from the worker
+to its router over one TCP connection a (worker, router) pair, not as Ray Serve stream messages.
+
+Why: every message of a Serve stream costs Python work in the worker's process (the replica's
+event loop wakes the request's task, Serve and Ray core hand the item on), and that process's
+GIL is the one the engine thread steps with; served on a GPU the worker's steps waited ~2 ms for
+it (bench/results/serve_gpu.engine_loop.md). Here the engine thread itself packs each step's
+due outputs (cluster/worker.py's coalescing, unchanged) into one frame a router and a sender
+thread writes it: no event-loop wake-up and no Serve message per output.
+
+The Serve call stays, carrying what it did apart from the tokens: routing (the request router
+picks the worker for the `generate` call), admission errors (raised before any output), the
+request's lifetime (the router closing it aborts the request; the worker's replica dying breaks
+it) and answers made without the engine (a draining worker's hand-back). The call yields
+nothing else and returns once the request's last output is handed to the sender.
+
+Wire: each frame is a 4-byte big-endian length and msgpack. The worker's first frame is the
+router's token (from the request's `stream_to`, which came over Serve); the router drops a
+connection that does not present it. Then each frame is a list of [key, output] pairs, output
+an `encode_output`. The router names each request's key, so outputs go only to the call that
+asked for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import msgpack
+
+from mxserve.api.outputs import decode_output
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!I")
+MAX_FRAME = 256 << 20
+
+
+def frame(payload: object) -> bytes:
+    data = msgpack.packb(payload)
+    return _LEN.pack(len(data)) + data
+
+
+class OutputReceiver:
+    """The router's end: a listening socket on its event loop. `open(key)` before the Serve
+    call gives the queue that call's outputs land in; `close(key)` after it."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        self.address: str | None = None  # host:port once started
+        self._inboxes: dict[str, asyncio.Queue] = {}
+        self._server: asyncio.Server | None = None
+        self.num_connections = 0  # workers connected, in all
+        self.num_rejected = 0  # connections dropped for a wrong token or a bad frame
+        self.num_frames = 0
+
+    async def start(self, host: str = "127.0.0.1") -> None:
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"{host}:{port}"
+
+    def close_server(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def target(self, key: str) -> dict:
+        """The `stream_to` a worker sends this key's outputs by."""
+        return {"address": self.address, "token": self.token, "key": key}
+
+    def open(self, key: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._inboxes[key] = queue
+        return queue
+
+    def close(self, key: str) -> None:
+        self._inboxes.pop(key, None)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if await _read_frame(reader) != self.token:
+                self.num_rejected += 1
+                return
+            self.num_connections += 1
+            while True:
+                items = await _read_frame(reader)
+                self.num_frames += 1
+                for key, data in items:
+                    inbox = self._inboxes.get(key)
+                    if inbox is not None:  # (a closed call's late outputs go nowhere)
+                        inbox.put_nowait(decode_output(data))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker went away: its Serve calls say why
+        except Exception as e:  # a malformed frame: drop the connection
+            self.num_rejected += 1
+            logger.warning("output channel: dropped a connection (%r)", e)
+        finally:
+            writer.close()
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> object:
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    return msgpack.unpackb(await reader.readexactly(n))
+
+
+class OutputSender:
+    """The worker's end for one router: a thread (from `start()`) that connects, presents the
+    token, then writes the frames `send` queues (called on the engine thread; it never blocks
+    there). When the connection fails, `on_failure(error)` is called once (on the sender's
+    thread) and later sends are dropped: the worker fails the requests bound to it."""
+
+    def __init__(self, address: str, token: str,
+                 on_failure: Callable[[Exception], None] | None = None,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.address, self.token = address, token
+        self.on_failure = on_failure
+        self.connect_timeout_s = connect_timeout_s
+        self.failed: Exception | None = None
+        self._pending: list[bytes] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self.num_frames = 0
+        self._thread = threading.Thread(target=self._run, name=f"mxserve-out-{address}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, items: list) -> None:
+        """Queue one frame of [key, encoded output] pairs."""
+        if self.failed is not None:
+            return
+        data = frame(items)
+        with self._cond:
+            self._pending.append(data)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        sock = None
+        try:
+            host, port = self.address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(frame(self.token))
+            while True:
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        self._cond.wait()
+                    if not self._pending:  # closing, everything sent
+                        return
+                    batch, self._pending = self._pending, []
+                sock.sendall(b"".join(batch))
+                self.num_frames += len(batch)
+        except Exception as e:  # refused, reset, timed out
+            self.failed = e
+            logger.warning("output channel to %s failed: %r", self.address, e)
+            if self.on_failure is not None:
+                self.on_failure(e)
+        finally:
+            if sock is not None:
+                sock.close()
+

@@ -1,0 +1,167 @@
+"""Direct output streams without Ray (cluster/output_channel.py): a started Worker over a tiny
+engine sends a request's outputs from its engine thread over real TCP on loopback to an
+OutputReceiver, as a router with `streaming.direct` gets them. The tokens equal those of the
+Serve path (the generator's items) under coalescing; the generator itself yields nothing; a
+cancel, a channel that cannot connect and a connection without the token each end cleanly with
+every KV block free."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+from mxserve import LLM, SamplingParams
+from mxserve.api.errors import UNAVAILABLE, ServeError
+from mxserve.cluster.output_channel import OutputReceiver, OutputSender, frame
+from mxserve.cluster.worker import Worker
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", load_progress=False,
+               num_kv_blocks=96, max_num_seqs=8)
+
+
+def _worker(llm, **packing) -> Worker:
+    worker = Worker(llm.engine, max_queued_requests=8, **packing)
+    worker.start()
+    return worker
+
+
+async def _direct(worker: Worker, receiver: OutputReceiver, prompt, params, rid: str):
+    """(the outputs that came over the channel, what the generator yielded)."""
+    key = f"k-{rid}"
+    inbox = receiver.open(key)
+    yielded = [o async for o in worker.generate(prompt, params, rid,
+                                                stream_to=receiver.target(key))]
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs.append(await asyncio.wait_for(inbox.get(), 10))
+    receiver.close(key)
+    return outs, yielded
+
+
+async def _idle(worker: Worker) -> dict:
+    for _ in range(200):
+        audit = await worker.audit()
+        if audit["engine_requests"] == 0 and audit["streams"] == 0:
+            return audit
+        await asyncio.sleep(0.02)
+    return audit
+
+
+def test_outputs_over_the_channel_equal_the_generators(llm):
+    """Eight streams at once, coalesced (streams_per_token 2: up to 4 tokens a message): the
+    channel's tokens for each equal the plain generator's and the offline ones; the last has
+    the finish reason and counts; the worker's counters are what the Serve path counts."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(8)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    worker = _worker(llm, streams_per_token=2, max_tokens_per_message=4)
+
+    async def run():
+        receiver = OutputReceiver()
+        await receiver.start()
+        try:
+            results = await asyncio.gather(*(_direct(worker, receiver, p, GREEDY, f"r{i}")
+                                             for i, p in enumerate(prompts)))
+            return results, receiver.num_connections, receiver.num_frames, await _idle(worker)
+        finally:
+            receiver.close_server()
+
+    try:
+        results, connections, frames, audit = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    messages = 0
+    for (outs, yielded), want in zip(results, expected):
+        assert yielded == []  # the Serve call carries no token
+        assert [t for o in outs for t in o.new_token_ids] == want
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 24
+        assert outs[0].num_prompt_tokens == 4
+        messages += len(outs)
+    assert connections == 1  # one connection for the pair, however many requests
+    assert frames < messages  # a frame carries a step's messages for every stream
+    assert messages < 8 * 24  # coalesced
+    assert worker.num_output_tokens == 8 * 24 and worker.num_requests_total == 8
+    assert audit["kv_blocks_used"] == 0 and worker.num_in_flight == 0
+
+
+def test_cancel_aborts_the_request_and_frees_its_blocks(llm):
+    worker = _worker(llm)
+
+    async def run():
+        receiver = OutputReceiver()
+        await receiver.start()
+        inbox = receiver.open("k")
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        gen = worker.generate([5, 6, 7], params, "long", stream_to=receiver.target("k"))
+        task = asyncio.ensure_future(anext(gen, None))
+        first = await asyncio.wait_for(inbox.get(), 10)  # it runs
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        audit = await _idle(worker)
+        receiver.close_server()
+        return first, audit
+
+    try:
+        first, audit = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert first.new_token_ids and not first.finished
+    assert audit["kv_blocks_used"] == 0 and audit["engine_requests"] == 0
+    assert worker.num_requests_aborted == 1
+
+
+def test_a_channel_that_cannot_connect_fails_the_request_unavailable(llm):
+    worker = _worker(llm)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        with pytest.raises(ServeError) as e:
+            async for _ in worker.generate([5, 6, 7], params, "r", stream_to={
+                    "address": dead, "token": "t", "key": "k"}):
+                pass
+        return e.value, await _idle(worker)
+
+    try:
+        error, audit = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert error.code == UNAVAILABLE and dead in error.message
+    assert audit["kv_blocks_used"] == 0 and audit["engine_requests"] == 0
+
+
+def test_the_receiver_drops_a_connection_without_its_token():
+    async def run():
+        receiver = OutputReceiver()
+        await receiver.start()
+        inbox = receiver.open("k")
+        host, port = receiver.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(frame("not the token") + frame([["k", b"x"]]))
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 5) == b""  # the receiver hung up
+        writer.close()
+        empty = inbox.empty()
+        good = OutputSender(receiver.address, receiver.token)
+        good.start()
+        from mxserve.api.outputs import StepOutput, encode_output
+        good.send([["k", encode_output(StepOutput("r", [3], None, True, "length", 1, 0, 1))]])
+        out = await asyncio.wait_for(inbox.get(), 5)
+        good.close()
+        receiver.close_server()
+        return closed, empty, out, receiver.num_rejected, receiver.num_connections
+
+    closed, empty, out, rejected, connections = asyncio.run(run())
+    assert closed and empty and rejected == 1 and connections == 1
+    assert out.new_token_ids == [3] and out.finished
