@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.api.errors import WorkerLostError
-from mxserve.api.outputs import StepOutput, decode_output
+from mxserve.api.outputs import StepOutput, decode_output, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.output_channel import OutputReceiver
 
@@ -153,9 +153,12 @@ class HandleWorkers:
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
         finished, serve_ended = False, False
+        held = None  # taken from the inbox while merging, handled next
         try:
             while True:
-                if serve_ended:  # the last output was sent before the call ended: it comes
+                if held is not None:
+                    item, held = held, None
+                elif serve_ended:  # the last output was sent before the call ended: it comes
                     try:
                         item = await asyncio.wait_for(inbox.get(), DIRECT_TAIL_S)
                     except TimeoutError:
@@ -170,6 +173,14 @@ class HandleWorkers:
                     raise self._lost(item)
                 if isinstance(item, BaseException):
                     raise item
+                # what piled up while this stream's consumer was busy goes on as one message
+                # (each costs every hop after this one the same work)
+                while not item.finished and not inbox.empty():
+                    later = inbox.get_nowait()
+                    if not isinstance(later, StepOutput):
+                        held = later
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
                 if finished:
