@@ -8,9 +8,11 @@ ignore_eos), on a local Ray with 1 worker replica and 1 router, as `mxserve serv
 
 Reported per run: output tokens/s over all streams, messages a request received, TTFT and the
 time per output token (p50/p99). `--baseline REV` runs the same measurement from a git worktree
-of REV in a subprocess (its own Ray), one after the other, and reports ratios.
+of REV in a subprocess (its own Ray), one after the other, and reports ratios. `--direct`
+runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py).
 
     python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
+    python bench/serve_stream.py --direct --baseline HEAD --out ...   # direct vs Serve stream
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from revision import head_commit, run_inner, write_result  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(concurrency: int, max_tokens: int, rounds: int) -> dict:
+def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False) -> dict:
     """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -58,7 +60,8 @@ def measure(concurrency: int, max_tokens: int, rounds: int) -> dict:
                                                        max_num_seqs=concurrency),
                          grpc_port=free_port(), http_port=free_port(),
                          worker_resources=Resources(num_cpus=1),
-                         router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly")
+                         router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
+                         **({"streaming": {"direct": True}} if direct else {}))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
     try:
@@ -77,7 +80,8 @@ def measure(concurrency: int, max_tokens: int, rounds: int) -> dict:
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     tpot = [r["tpot_ms"] for r in reqs]
     ttft = [r["ttft_ms"] for r in reqs]
-    return {"mxserve": os.path.dirname(mxserve.__file__), "concurrency": concurrency,
+    return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct,
+            "concurrency": concurrency,
             "max_tokens": max_tokens, "requests": len(reqs),
             "output_tok_s": round(tokens / wall, 1),
             "messages_per_request": round(statistics.fmean(r["messages"] for r in reqs), 1),
@@ -122,15 +126,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", help="a git revision measured the same way, for ratios")
+    ap.add_argument("--direct", action="store_true",
+                    help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
     ap.add_argument("--out", default="/tmp/serve_stream.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:  # a subprocess (revision.run_inner): one JSON line
-        print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds)))
+        print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds, args.direct)))
         return
     inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
              "--rounds", str(args.rounds)]
-    ours = run_inner(__file__, inner)
+    ours = run_inner(__file__, inner + ["--direct"] * args.direct)
     base = run_inner(__file__, inner, args.baseline) if args.baseline else None
     commit = head_commit()
     result = {"bench": "serve_stream", "device": "CPU (2 cores)",
@@ -154,8 +160,9 @@ def main() -> None:
                  f"# serve_stream ({result['device']}, {result['date']}, commit {commit}, "
                  f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
                  f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
-                 "model (1 layer), 1 worker + 1 router on local Ray.\n\n" + "\n".join(lines)
-                 + "\n")
+                 f"model (1 layer), 1 worker + 1 router on local Ray"
+                 f"{'; this run with streaming.direct' if args.direct else ''}.\n\n"
+                 + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
