@@ -189,6 +189,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-tokens-per-message", type=int, default=None,
                    help="the most tokens a message carries under load (default 16; 1: one "
                         "token a message)")
+    p.add_argument("--direct-streams", action=argparse.BooleanOptionalAction, default=None,
+                   help="workers send outputs to the routers over TCP, not as Serve stream "
+                        "messages (streaming.direct; default off; docs/serving.md)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")
@@ -400,7 +403,8 @@ def cmd_serve(args) -> int:
             drafts["resources"][key] = flag
     streaming = config.streaming.model_dump()
     for flag, key in ((args.streams_per_token, "streams_per_token"),
-                      (args.max_tokens_per_message, "max_tokens_per_message")):
+                      (args.max_tokens_per_message, "max_tokens_per_message"),
+                      (args.direct_streams, "direct")):
         if flag is not None:
             streaming[key] = flag
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,

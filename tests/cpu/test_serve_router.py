@@ -491,7 +491,8 @@ def test_serve_cli_builds_the_config(monkeypatch):
                      "--max-num-seqs", "8", "--address", "auto", "--routing", "round_robin",
                      "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?",
                      "--tensor-parallel-size", "2", "--num-routers", "2",
-                     "--streams-per-token", "8", "--max-tokens-per-message", "4"]) == 0
+                     "--streams-per-token", "8", "--max-tokens-per-message", "4",
+                     "--direct-streams"]) == 0
     config = seen["config"]
     assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
     assert config.worker_resources.num_cpus == 0.5
@@ -500,6 +501,7 @@ def test_serve_cli_builds_the_config(monkeypatch):
     assert config.redis_url == "redis://:pw@redis:6379/0" and seen["ask"] == "hi?"
     assert config.num_routers == 2
     assert (config.streaming.streams_per_token, config.streaming.max_tokens_per_message) == (8, 4)
+    assert config.streaming.direct
 
 
 def test_build_request_covers_each_prompt_kind():
