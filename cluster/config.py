@@ -257,6 +257,9 @@ class ServeConfig(BaseModel):
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
         self.engine_config()  # raises ValueError on a bad engine option
+        if self.streaming.direct and self.kv_transfer.tls_cert is not None:
+            raise ValueError("streaming.direct sends outputs over plain TCP: leave it off where "
+                             "kv_transfer.tls_cert asks for encrypted traffic between nodes")
         return self
 
     @classmethod

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 MAX_FRAME = 256 << 20
+IDLE_CHECK_S = 1.0  # an idle sender looks this often whether its router hung up
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The peer closed (the router never writes, so anything readable is its end)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
 
 
 def frame(payload: object) -> bytes:
@@ -55,6 +63,7 @@ class OutputReceiver:
         self.address: str | None = None  # host:port once started
         self._inboxes: dict[str, asyncio.Queue] = {}
         self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # the workers' open connections
         self.num_connections = 0  # workers connected, in all
         self.num_rejected = 0  # connections dropped for a wrong token or a bad frame
         self.num_frames = 0
@@ -65,8 +74,12 @@ class OutputReceiver:
         self.address = f"{host}:{port}"
 
     def close_server(self) -> None:
+        """Stop listening and hang up on every worker (their senders see it and forget this
+        router)."""
         if self._server is not None:
             self._server.close()
+        for writer in list(self._writers):
+            writer.close()
 
     def target(self, key: str) -> dict:
         """The `stream_to` a worker sends this key's outputs by."""
@@ -81,6 +94,7 @@ class OutputReceiver:
         self._inboxes.pop(key, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             if await _read_frame(reader) != self.token:
                 self.num_rejected += 1
@@ -99,6 +113,7 @@ class OutputReceiver:
             self.num_rejected += 1
             logger.warning("output channel: dropped a connection (%r)", e)
         finally:
+            self._writers.discard(writer)
             writer.close()
 
 
@@ -112,8 +127,9 @@ async def _read_frame(reader: asyncio.StreamReader) -> object:
 class OutputSender:
     """The worker's end for one router: a thread (from `start()`) that connects, presents the
     token, then writes the frames `send` queues (called on the engine thread; it never blocks
-    there). When the connection fails, `on_failure(error)` is called once (on the sender's
-    thread) and later sends are dropped: the worker fails the requests bound to it."""
+    there). When the connection fails, or the router hangs up (seen within IDLE_CHECK_S while
+    idle), `on_failure(error)` is called once (on the sender's thread) and later sends are
+    dropped: the worker fails the requests bound to it and forgets the sender."""
 
     def __init__(self, address: str, token: str,
                  on_failure: Callable[[Exception], None] | None = None,
@@ -157,7 +173,8 @@ class OutputSender:
             while True:
                 with self._cond:
                     while not self._pending and not self._closing:
-                        self._cond.wait()
+                        if not self._cond.wait(timeout=IDLE_CHECK_S) and _hung_up(sock):
+                            raise ConnectionError("the router closed the output channel")
                     if not self._pending:  # closing, everything sent
                         return
                     batch, self._pending = self._pending, []

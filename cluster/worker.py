@@ -200,6 +200,9 @@ class Worker:
     def _channel_failed(self, sender: OutputSender, error: Exception) -> None:
         """A router's output channel broke: its requests end UNAVAILABLE (their generators
         raise; closing them aborts each in the engine, freeing its blocks)."""
+        where = (sender.address, sender.token)
+        if self._senders.get(where) is sender:
+            del self._senders[where]
         for request_id in self._direct_requests.pop(sender, ()):
             self.async_engine.fail_stream(request_id, UnavailableError(
                 f"the output channel to its router {sender.address} failed: {error!r}"))

@@ -119,6 +119,37 @@ def test_cancel_aborts_the_request_and_frees_its_blocks(llm):
     assert worker.num_requests_aborted == 1
 
 
+def test_a_router_that_hangs_up_is_forgotten_by_the_worker(llm):
+    """An idle sender sees its router close the connection (a router replica gone) and the
+    worker drops it; the next request to a new receiver gets a new sender."""
+    worker = _worker(llm)
+
+    async def run():
+        first = OutputReceiver()
+        await first.start()
+        await _direct(worker, first, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "a")
+        had = len(worker._senders)
+        first.close_server()
+        for _ in range(100):
+            if not worker._senders:
+                break
+            await asyncio.sleep(0.05)
+        gone = not worker._senders
+        second = OutputReceiver()
+        await second.start()
+        outs, _ = await _direct(worker, second, [5, 6], SamplingParams(
+            max_tokens=3, ignore_eos=True), "b")
+        second.close_server()
+        return had, gone, outs
+
+    try:
+        had, gone, outs = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert had == 1 and gone
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+
+
 def test_a_channel_that_cannot_connect_fails_the_request_unavailable(llm):
     worker = _worker(llm)
     with socket.socket() as s:  # a port nothing listens on

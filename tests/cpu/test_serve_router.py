@@ -480,6 +480,13 @@ def test_serve_config_defaults_and_checks(tmp_path):
     assert config.worker_resources.num_cpus == 2 and config.grpc_port == 9100
 
 
+def test_direct_streams_refuse_a_tls_cluster():
+    with pytest.raises(ValueError, match="streaming.direct"):
+        ServeConfig(streaming={"direct": True}, kv_transfer={
+            "enabled": True, "tls_cert": "c.pem", "tls_key": "k.pem"})
+    assert ServeConfig(streaming={"direct": True}).streaming.direct
+
+
 def test_serve_cli_builds_the_config(monkeypatch):
     from mxserve.cluster import cli, local
 
