@@ -535,9 +535,10 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.ray_actor_options["resources"] == {"big": 1}
     assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
     assert router.init_args[2:5] == ("SmolLM2-135M-Instruct", None, "mxserve")
-    limits, digests, admission, migration_limit = router.init_args[5:]
+    limits, digests, admission, migration_limit, direct = router.init_args[5:]
     assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
     assert admission == {"num_routers": 1, "retry_after_s": 1.0} and migration_limit == 3
+    assert direct is False  # outputs as Serve stream messages unless streaming.direct
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker.init_args[-1] == {"streams_per_token": 32, "max_tokens_per_message": 16}
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
