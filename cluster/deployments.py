@@ -92,10 +92,9 @@ class WorkerDeployment:
             tokens = kv_transfer.pop("calibration_tokens")
             prefill_rate = kv_transfer.pop("prefill_tokens_per_s") or await asyncio.to_thread(
                 measure_prefill_rate, engine, tokens)
-        packing = {k: v for k, v in (streaming or {}).items() if k != "direct"}  # (routers')
         self.worker = Worker(engine, max_queued_requests, worker_id=replica_id,
                              node_id=ray.get_runtime_context().get_node_id(),
-                             stall_timeout_s=stall_timeout_s, **packing)
+                             stall_timeout_s=stall_timeout_s, **(streaming or {}))
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
         self.kv_node = None
         if kv_transfer is not None:
@@ -405,7 +404,7 @@ def build_app(config: ServeConfig) -> serve.Application:
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,
-        config.engine_stall_timeout_s, config.streaming.model_dump())
+        config.engine_stall_timeout_s, config.streaming.model_dump(exclude={"direct"}))
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),
