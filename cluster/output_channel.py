@@ -107,6 +107,9 @@ class OutputReceiver:
                     inbox = self._inboxes.get(key)
                     if inbox is not None:  # (a closed call's late outputs go nowhere)
                         inbox.put_nowait(decode_output(data))
+                # A read of buffered bytes does not yield: with frames queued this loop would
+                # run on while new requests and the streams it feeds wait.
+                await asyncio.sleep(0)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the worker went away: its Serve calls say why
         except Exception as e:  # a malformed frame: drop the connection
