@@ -17,8 +17,9 @@ holds the GIL the loop thread steps with (bench/results/serve_gpu.engine_loop.md
 
 A direct stream (`stream(request, direct=(sender, key))`, cluster/output_channel.py) sends its
 messages from the loop thread: each step's due messages go to their sender as one batch of
-(key, encode_output) pairs, and the consumer is woken only for the first and the last (it
-takes every message sent, merged, as before: the caller counts tokens as it always did).
+(key, encode_output) pairs, and the consumer is woken only for the first, the last and one in
+DIRECT_WAKE_EVERY (it takes every message sent, merged, as before: the caller counts tokens
+as it always did).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class _Stream:
     that piled up, not only what was due."""
 
     __slots__ = ("loop", "ready", "_lock", "_items", "_tokens", "_wake_pending", "_woken",
-                 "direct", "held", "held_tokens")
+                 "direct", "held", "held_tokens", "sent_unwoken")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, direct: tuple | None = None) -> None:
         self.loop = loop
@@ -69,6 +70,7 @@ class _Stream:
         self.direct = direct
         self.held: list[StepOutput] = []
         self.held_tokens = 0
+        self.sent_unwoken = 0  # messages sent since the consumer was last woken
         self.ready = asyncio.Event()
         self._lock = threading.Lock()
         self._items: list = []
@@ -167,8 +169,8 @@ class AsyncEngine:
                      direct: tuple | None = None) -> AsyncIterator[StepOutput]:
         """`generate` for a request built by `engine.make_request` (safe on any thread).
         direct: (sender, key): every message goes as (key, encode_output) in a batch to
-        sender.send(list) from the loop thread; this yields only the first message and, at the
-        end, everything after it merged (the module's docstring)."""
+        sender.send(list) from the loop thread; this yields the first message, then what was
+        sent since, merged, once in DIRECT_WAKE_EVERY messages and at the end."""
         if self.fatal is not None:
             raise UnavailableError(self.fatal)
         rid = request.request_id
@@ -383,6 +385,9 @@ class AsyncEngine:
                           RuntimeError(f"engine step failed: {error!r}"))
 
 
+DIRECT_WAKE_EVERY = 64  # a direct stream's consumer is woken at least once this many messages
+
+
 def _send_direct(stream: _Stream, out: StepOutput, due: int | None, batches: dict) -> bool:
     """A direct stream's output (loop thread): held until due tokens wait (due None: now),
     then what it held goes out merged, into batches[sender]. True when its consumer is to be
@@ -398,9 +403,13 @@ def _send_direct(stream: _Stream, out: StepOutput, due: int | None, batches: dic
     stream.held, stream.held_tokens = [], 0
     sender, key = stream.direct
     batches.setdefault(sender, []).append((key, encode_output(item)))
-    # the consumer takes every message at its end (merged) to count them; woken for the first
-    # and the last only
-    return stream.put(item, 0, None if first or due is None else 1 << 62)
+    # the consumer takes every message sent (merged) to count them: woken for the first, the
+    # last, and every DIRECT_WAKE_EVERY messages so that what it holds stays small
+    stream.sent_unwoken += 1
+    if first or due is None or stream.sent_unwoken >= DIRECT_WAKE_EVERY:
+        stream.sent_unwoken = 0
+        return stream.put(item, 0, None)
+    return stream.put(item, 0, 1 << 62)
 
 
 def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

@@ -91,6 +91,43 @@ def test_outputs_over_the_channel_equal_the_generators(llm):
     assert audit["kv_blocks_used"] == 0 and worker.num_in_flight == 0
 
 
+def test_a_long_direct_stream_holds_few_messages_for_its_consumer(llm):
+    """A lone stream sends a token a message; its consumer (which counts them) is woken every
+    DIRECT_WAKE_EVERY messages, so the messages it has not taken stay few, not the whole
+    request."""
+    from mxserve.worker.async_engine import DIRECT_WAKE_EVERY
+
+    worker = _worker(llm)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def run():
+        receiver = OutputReceiver()
+        await receiver.start()
+        most, done = 0, False
+
+        async def watch():
+            nonlocal most
+            while not done:
+                stream = worker.async_engine._streams.get("long")
+                if stream is not None:
+                    most = max(most, len(stream._items))
+                await asyncio.sleep(0)
+        watcher = asyncio.ensure_future(watch())
+        outs, _ = await _direct(worker, receiver, [5, 6, 7], params, "long")
+        done = True
+        await watcher
+        receiver.close_server()
+        return outs, most
+
+    try:
+        outs, most = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert sum(len(o.new_token_ids) for o in outs) == 300 and len(outs) > 2 * DIRECT_WAKE_EVERY
+    assert 0 < most <= 2 * DIRECT_WAKE_EVERY, most
+    assert worker.num_output_tokens == 300
+
+
 def test_cancel_aborts_the_request_and_frees_its_blocks(llm):
     worker = _worker(llm)
 
