@@ -343,8 +343,7 @@ class AsyncEngine:
         if stream.direct is not None and isinstance(item, StepOutput):
             batches: dict = {}
             _send_direct(stream, item, None, batches)
-            for sender, batch in batches.items():
-                sender.send(batch)
+            _send_batches(batches)
         else:
             stream.put(item, 0, None)
         stream.loop.call_soon_threadsafe(stream.ready.set)
@@ -367,8 +366,7 @@ class AsyncEngine:
                     if stream.direct is not None else
                     stream.put(out, len(out.new_token_ids), None if last else due)):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
-        for sender, batch in batches.items():
-            sender.send(batch)
+        _send_batches(batches)
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
 
@@ -410,6 +408,12 @@ def _send_direct(stream: _Stream, out: StepOutput, due: int | None, batches: dic
         stream.sent_unwoken = 0
         return stream.put(item, 0, None)
     return stream.put(item, 0, 1 << 62)
+
+
+def _send_batches(batches: dict) -> None:
+    """Each direct sender's (key, message) pairs, one frame a sender."""
+    for sender, batch in batches.items():
+        sender.send(batch)
 
 
 def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

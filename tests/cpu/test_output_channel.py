@@ -33,6 +33,14 @@ def _worker(llm, **packing) -> Worker:
     return worker
 
 
+def _run(worker: Worker, coro):
+    """asyncio.run(coro), the worker shut down after, whatever happens."""
+    try:
+        return asyncio.run(coro)
+    finally:
+        worker.shutdown()
+
+
 async def _direct(worker: Worker, receiver: OutputReceiver, prompt, params, rid: str):
     """(the outputs that came over the channel, what the generator yielded)."""
     key = f"k-{rid}"
@@ -73,10 +81,7 @@ def test_outputs_over_the_channel_equal_the_generators(llm):
         finally:
             receiver.close_server()
 
-    try:
-        results, connections, frames, audit = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    results, connections, frames, audit = _run(worker, run())
     messages = 0
     for (outs, yielded), want in zip(results, expected):
         assert yielded == []  # the Serve call carries no token
@@ -119,10 +124,7 @@ def test_a_long_direct_stream_holds_few_messages_for_its_consumer(llm):
         receiver.close_server()
         return outs, most
 
-    try:
-        outs, most = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    outs, most = _run(worker, run())
     assert sum(len(o.new_token_ids) for o in outs) == 300 and len(outs) > 2 * DIRECT_WAKE_EVERY
     assert 0 < most <= 2 * DIRECT_WAKE_EVERY, most
     assert worker.num_output_tokens == 300
@@ -147,10 +149,7 @@ def test_cancel_aborts_the_request_and_frees_its_blocks(llm):
         receiver.close_server()
         return first, audit
 
-    try:
-        first, audit = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    first, audit = _run(worker, run())
     assert first.new_token_ids and not first.finished
     assert audit["kv_blocks_used"] == 0 and audit["engine_requests"] == 0
     assert worker.num_requests_aborted == 1
@@ -179,10 +178,7 @@ def test_a_router_that_hangs_up_is_forgotten_by_the_worker(llm):
         second.close_server()
         return had, gone, outs
 
-    try:
-        had, gone, outs = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    had, gone, outs = _run(worker, run())
     assert had == 1 and gone
     assert sum(len(o.new_token_ids) for o in outs) == 3
 
@@ -201,10 +197,7 @@ def test_a_channel_that_cannot_connect_fails_the_request_unavailable(llm):
                 pass
         return e.value, await _idle(worker)
 
-    try:
-        error, audit = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    error, audit = _run(worker, run())
     assert error.code == UNAVAILABLE and dead in error.message
     assert audit["kv_blocks_used"] == 0 and audit["engine_requests"] == 0
 
