@@ -120,14 +120,15 @@ def record(start: float, times: list[float], tokens: int, messages: int) -> dict
 
 def ray_process_cpu() -> dict[str, float]:
     """CPU seconds (user + system) so far of each Ray process on this host, by its title
-    ("ray::ServeReplica:mxserve:Router", "ray::ProxyActor", ...; several of one title summed),
-    read from /proc (Linux)."""
+    ("ray::ServeReplica:mxserve:Router", "ray::ProxyActor", ...; several of one title summed;
+    without the method an actor runs now, which Ray appends: ".record_routing_stats"), read
+    from /proc (Linux)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace")
+                title = f.read().split(b"\0")[0].decode(errors="replace").split(".")[0]
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
@@ -209,9 +210,11 @@ def run_inproc(args, model: str, mix, b1, warm) -> dict:
 
 # ---- served ----------------------------------------------------------------------------------
 def client_process(port: int, app: str, jobs: list, barrier, results,
-                   sequential: bool = False) -> None:
-    """One load-generating process: its requests all at once once every client is ready, or
-    (sequential) one after another on its one channel, after one unmeasured request: what one
+                   sequential: bool = False, channels: int = 1) -> None:
+    """One load-generating process: its requests all at once once every client is ready,
+    dealt over `channels` channels of their own connection each (grpc otherwise shares one
+    between a process's channels; the routers' own port spreads connections, not calls), or
+    (sequential) one after another on one channel, after one unmeasured request: what one
     client sending one request at a time sees."""
     import grpc
 
@@ -219,11 +222,12 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
     from mxserve.proto import mxserve_pb2_grpc as pb_grpc
 
     async def main() -> list[dict]:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stub = pb_grpc.MxServeStub(channel)
+        opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(channels)]
+        stubs = [pb_grpc.MxServeStub(c) for c in opened]
         metadata = (("application", app),)
 
-        async def one(prompt: list[int], num_tokens: int) -> dict:
+        async def one(prompt: list[int], num_tokens: int, stub=stubs[0]) -> dict:
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                          sampling_params=pb.SamplingParams(
                                              max_tokens=num_tokens, temperature=0,
@@ -236,27 +240,33 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
                     tokens += len(r.token_ids)
             return record(start, times, tokens, messages)
 
-        await channel.channel_ready()
+        for channel in opened:
+            await channel.channel_ready()
         await asyncio.to_thread(barrier.wait)
         if sequential:
             await one(*jobs[0])  # the channel's first call: not measured
             got = [await one(p, k) for p, k in jobs]
         else:
-            got = await asyncio.gather(*(one(p, k) for p, k in jobs))
-        await channel.close()
+            got = await asyncio.gather(*(one(p, k, stubs[i % channels])
+                                         for i, (p, k) in enumerate(jobs)))
+        for channel in opened:
+            await channel.close()
         return got
 
     results.put(asyncio.run(main()))
 
 
-def run_served(args, model: str, mix, b1, warm, direct: bool = False) -> dict:
+def run_served(args, model: str, mix, b1, warm, direct: bool = False,
+               ingress: bool = False) -> dict:
+    """ingress: the clients call the routers' own gRPC port (ServeConfig.router_grpc_port),
+    not Serve's proxy."""
     import ray
     from ray import serve
 
     from mxserve.cluster.config import Resources, ServeConfig
     from mxserve.cluster.deployments import WORKER
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
-    from mxserve.cluster.redis_server import free_port
+    from mxserve.cluster.redis_server import free_fixed_port, free_port
 
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
@@ -267,7 +277,8 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False) -> dict:
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
         router_resources=Resources(num_cpus=1), num_routers=args.routers,
         streaming=dict(streams_per_token=args.streams_per_token,
-                       max_tokens_per_message=args.max_tokens_per_message, direct=direct))
+                       max_tokens_per_message=args.max_tokens_per_message, direct=direct),
+        router_grpc_port=free_fixed_port() if ingress else None)
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     try:
@@ -294,13 +305,16 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False) -> dict:
 
 def load(config, jobs: list, num_clients: int, raw: bool = False, one_by_one: bool = False):
     """`jobs` (prompt, tokens) dealt round-robin over num_clients processes, all at once
-    (one_by_one: each process sends its share one after another)."""
+    (one_by_one: each process sends its share one after another), to the routers' own port
+    where it is on (4 connections a process), else to Serve's proxy."""
     ctx = mp.get_context("spawn")
     num_clients = min(num_clients, len(jobs))
     barrier, results = ctx.Barrier(num_clients), ctx.Queue()
+    port, channels = (config.grpc_port, 1) if config.router_grpc_port is None else \
+        (config.router_grpc_port, 4)
     procs = [ctx.Process(target=client_process, args=(
-        config.grpc_port, config.app_name, jobs[i::num_clients], barrier, results, one_by_one))
-        for i in range(num_clients)]
+        port, config.app_name, jobs[i::num_clients], barrier, results, one_by_one,
+        1 if one_by_one else channels)) for i in range(num_clients)]
     for p in procs:
         p.start()
     records = [r for _ in procs for r in results.get(timeout=1800)]
@@ -367,6 +381,9 @@ def markdown(result: dict) -> str:
             f"{served}. Targets: {json.dumps(targets)}\n")
 
 
+VARIANTS = ("serve", "direct", "ingress", "ingress_direct")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", help="a DUMMY_MODELS name, or tiny")
@@ -382,8 +399,10 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-message", type=int, default=16)
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--variants", default="serve",
-                    help="served runs, each its own Ray session: serve (outputs as Serve stream "
-                         "messages) and/or direct (ServeConfig.streaming.direct)")
+                    help="served runs, each its own Ray session, of: serve (outputs as Serve "
+                         "stream messages), direct (ServeConfig.streaming.direct), ingress "
+                         "(the clients call the routers' own port, router_grpc_port), "
+                         "ingress_direct (both)")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -404,10 +423,11 @@ def main() -> None:
     print("in-process:", json.dumps(inproc), flush=True)
     variants = {}
     for name in args.variants.split(","):
-        if name not in ("serve", "direct"):
-            raise SystemExit(f"--variants: serve and/or direct, got {name!r}")
-        path = "served" if name == "serve" else "served_direct"
-        variants[path] = run_served(args, model, mix, b1, warm, direct=name == "direct")
+        if name not in VARIANTS:
+            raise SystemExit(f"--variants: of {', '.join(VARIANTS)}, got {name!r}")
+        path = "served" if name == "serve" else f"served_{name}"
+        variants[path] = run_served(args, model, mix, b1, warm, direct="direct" in name,
+                                    ingress="ingress" in name)
         print(f"{path}:", json.dumps(variants[path]), flush=True)
     by_variant = {path: targets(inproc, out) for path, out in variants.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

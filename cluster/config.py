@@ -216,6 +216,10 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: OpenAI's API
+    # Each router replica also serves the gRPC API itself on this port (the routers of a node
+    # share it), a client's calls skipping Serve's proxy actor (cluster/router_grpc.py); on
+    # the local cluster on `host`, on an existing Ray cluster on every interface. None: off.
+    router_grpc_port: int | None = Field(None, ge=1, le=65535)
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
@@ -257,6 +261,9 @@ class ServeConfig(BaseModel):
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
         self.engine_config()  # raises ValueError on a bad engine option
+        if self.router_grpc_port in (self.grpc_port, self.http_port, self.metrics_port):
+            raise ValueError(f"router_grpc_port {self.router_grpc_port} is also grpc_port, "
+                             "http_port or metrics_port: give it a port of its own")
         if self.streaming.direct and self.kv_transfer.tls_cert is not None:
             raise ValueError("streaming.direct sends outputs over plain TCP: leave it off where "
                              "kv_transfer.tls_cert asks for encrypted traffic between nodes")

@@ -1,5 +1,6 @@
-"""The Ray Serve application: a router ingress deployment (gRPC, via Serve's gRPC proxy) in
-front of a worker deployment, one engine per replica. Wiring only: the logic is
+"""The Ray Serve application: a router ingress deployment (gRPC, via Serve's gRPC proxy or, with
+router_grpc_port, each router's own server) in front of a worker deployment, one engine per
+replica. Wiring only: the logic is
 router/ingress.py (`Router`) and cluster/worker.py (`Worker`). The worker side is imported in
 the worker replicas only, so a router replica's process loads no torch.
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -29,9 +31,10 @@ from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.grpc_proxy import publish_admission
 from mxserve.cluster.handles import DraftAddress, HandleWorkers
-from mxserve.cluster.logs import rss_bytes, setup_process
+from mxserve.cluster.logs import GRPC_HOST_ENV, rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.cluster.output_channel import OutputReceiver
+from mxserve.cluster.router_grpc import RouterGrpcServer
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Admission, Router, TokenAuth
 from mxserve.router.openai import OpenAIServer
@@ -242,7 +245,8 @@ class RouterDeployment:
     async def __init__(self, workers: DeploymentHandle, model: str | None, model_name: str,
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
                        token_digests: list[str] | None = None, admission: dict | None = None,
-                       migration_limit: int = 3, direct_streams: bool = False) -> None:
+                       migration_limit: int = 3, direct_streams: bool = False,
+                       grpc_ingress: dict | None = None) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
@@ -267,6 +271,12 @@ class RouterDeployment:
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
         self.http = OpenAIServer(self.router)
+        self.grpc_server = None  # router_grpc_port: this replica's own gRPC server
+        if grpc_ingress is not None:
+            self.grpc_grace_s = grpc_ingress.get("grace_s", 30.0)
+            self.grpc_server = RouterGrpcServer(self.router, grpc_ingress.get("timeout_s"))
+            await self.grpc_server.start(os.environ.get(GRPC_HOST_ENV) or "0.0.0.0",
+                                         grpc_ingress["port"])
 
     async def __call__(self, request: Request) -> Response:
         return await self.http(request)
@@ -304,9 +314,14 @@ class RouterDeployment:
                     capacity=self.router.capacity, tasks=len(asyncio.all_tasks()),
                     rss_bytes=rss_bytes(), output_channel=None if self.receiver is None else
                     dict(connections=self.receiver.num_connections,
-                         rejected=self.receiver.num_rejected, frames=self.receiver.num_frames))
+                         rejected=self.receiver.num_rejected, frames=self.receiver.num_frames),
+                    router_grpc=None if self.grpc_server is None else
+                    dict(calls=self.grpc_server.service.num_calls))
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:  # Serve calls this when the replica stops
+        if getattr(self, "grpc_server", None) is not None:
+            # new calls go to the node's other routers; those in flight may finish
+            await self.grpc_server.stop(self.grpc_grace_s)
         if hasattr(self, "router"):
             self.router.close()
         if getattr(self, "receiver", None) is not None:
@@ -412,4 +427,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     ).bind(workers, config.model, config.served_model_name, engine.max_model_len,
            config.app_name, config.limits.request_limits(), config.token_digests(),
            dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s),
-           config.migration_limit, config.streaming.direct)
+           config.migration_limit, config.streaming.direct,
+           None if config.router_grpc_port is None else dict(
+               port=config.router_grpc_port, timeout_s=config.request_timeout_s,
+               grace_s=config.graceful_shutdown_timeout_s))

@@ -243,8 +243,11 @@ def ready_line(config: ServeConfig, address: str | None) -> str:
     host = config.host if not address else "<each proxy node>"
     metrics = (f"metrics http://{_url_host(config.host)}:{config.metrics_port}/metrics"
                if not address else "metrics on each node's Ray metrics export port")
+    routers = "" if config.router_grpc_port is None else \
+        f", the routers' own {host if not address else '<each router node>'}:" \
+        f"{config.router_grpc_port}"
     return (f"mxserve: ready: {config.served_model_name!r} on {config.num_workers} worker(s); "
-            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}); "
+            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}){routers}; "
             f"OpenAI API {http_base_url(config, address)}; {metrics}; {routing}")
 
 

@@ -32,6 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_fixed_port(low: int = 20000, high: int = 32000) -> int:
+    """A port free now below Linux's ephemeral range, as an operator's fixed port is: one from
+    the ephemeral range may meanwhile become the local port of an outgoing connection (Ray
+    opens many), and a server that binds it again later (a restarted replica) would fail."""
+    import random
+
+    for port in random.Random().sample(range(low, high), min(200, high - low)):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
 class LocalRedis:
     """`start()` a redis-server on 127.0.0.1 (a free port unless given); `stop()` ends it.
     Usable as a context manager."""
