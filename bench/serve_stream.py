@@ -9,10 +9,13 @@ ignore_eos), on a local Ray with 1 worker replica and 1 router, as `mxserve serv
 Reported per run: output tokens/s over all streams, messages a request received, TTFT and the
 time per output token (p50/p99). `--baseline REV` runs the same measurement from a git worktree
 of REV in a subprocess (its own Ray), one after the other, and reports ratios. `--direct`
-runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py).
+runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py), `--ingress`
+with the clients calling the router's own gRPC port (router_grpc_port, cluster/router_grpc.py)
+instead of Serve's proxy.
 
     python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
     python bench/serve_stream.py --direct --baseline HEAD --out ...   # direct vs Serve stream
+    python bench/serve_stream.py --direct --ingress --baseline HEAD --out ...
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from revision import head_commit, run_inner, write_result  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False) -> dict:
+def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False,
+            ingress: bool = False) -> dict:
     """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -46,7 +50,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     from mxserve.cluster.client import build_request
     from mxserve.cluster.config import Resources, ServeConfig
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
-    from mxserve.cluster.redis_server import free_port
+    from mxserve.cluster.redis_server import free_fixed_port, free_port
     from mxserve.proto import mxserve_pb2_grpc as pb_grpc
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -61,6 +65,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
                          grpc_port=free_port(), http_port=free_port(),
                          worker_resources=Resources(num_cpus=1),
                          router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
+                         router_grpc_port=free_fixed_port() if ingress else None,
                          **({"streaming": {"direct": True}} if direct else {}))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
@@ -80,7 +85,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     tpot = [r["tpot_ms"] for r in reqs]
     ttft = [r["ttft_ms"] for r in reqs]
-    return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct,
+    return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct, "ingress": ingress,
             "concurrency": concurrency,
             "max_tokens": max_tokens, "requests": len(reqs),
             "output_tok_s": round(tokens / wall, 1),
@@ -90,7 +95,8 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
 
 
 async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, rounds):
-    channels = [grpc.aio.insecure_channel(f"localhost:{config.grpc_port}") for _ in range(8)]
+    port = config.grpc_port if config.router_grpc_port is None else config.router_grpc_port
+    channels = [grpc.aio.insecure_channel(f"localhost:{port}") for _ in range(8)]
     stubs = [pb_grpc.MxServeStub(c) for c in channels]
     metadata = (("application", config.app_name),)
 
@@ -128,15 +134,18 @@ def main() -> None:
     ap.add_argument("--baseline", help="a git revision measured the same way, for ratios")
     ap.add_argument("--direct", action="store_true",
                     help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
+    ap.add_argument("--ingress", action="store_true",
+                    help="this checkout's clients call the router's own port (router_grpc_port)")
     ap.add_argument("--out", default="/tmp/serve_stream.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:  # a subprocess (revision.run_inner): one JSON line
-        print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds, args.direct)))
+        print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds, args.direct,
+                                 args.ingress)))
         return
     inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
              "--rounds", str(args.rounds)]
-    ours = run_inner(__file__, inner + ["--direct"] * args.direct)
+    ours = run_inner(__file__, inner + ["--direct"] * args.direct + ["--ingress"] * args.ingress)
     base = run_inner(__file__, inner, args.baseline) if args.baseline else None
     commit = head_commit()
     result = {"bench": "serve_stream", "device": "CPU (2 cores)",
@@ -161,7 +170,8 @@ def main() -> None:
                  f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
                  f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
                  f"model (1 layer), 1 worker + 1 router on local Ray"
-                 f"{'; this run with streaming.direct' if args.direct else ''}.\n\n"
+                 f"{'; this run with streaming.direct' if args.direct else ''}"
+                 f"{'; this run through the router port' if args.ingress else ''}.\n\n"
                  + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
