@@ -126,6 +126,18 @@ async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, r
             await c.close()
 
 
+def no_regression(ours: dict, base: dict | None, slack: float = 0.1) -> dict | None:
+    """Issue 31's CPU target, against the baseline of the same run: no figure worse than it by
+    more than `slack` (this box's run-to-run spread)."""
+    if base is None:
+        return None
+    out = {"output_tok_s": ours["output_tok_s"] >= (1 - slack) * base["output_tok_s"]}
+    for key in ("ttft_ms", "tpot_ms"):
+        for q in ("p50", "p99"):
+            out[f"{key[:-3]}_{q}"] = ours[key][q] <= (1 + slack) * base[key][q]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=64)
@@ -153,7 +165,7 @@ def main() -> None:
               "versions": {"python": platform.python_version()}, "commit": commit,
               "command": "python bench/serve_stream.py " + " ".join(sys.argv[1:]),
               "loadavg": os.getloadavg(), "this": ours, "baseline": args.baseline,
-              "baseline_result": base}
+              "baseline_result": base, "targets_met": no_regression(ours, base)}
     lines = ["| | this | baseline | this / baseline |", "|---|---|---|---|"]
     for key, label in [("output_tok_s", "output tok/s"),
                        ("messages_per_request", "messages a request")]:
@@ -172,7 +184,8 @@ def main() -> None:
                  f"model (1 layer), 1 worker + 1 router on local Ray"
                  f"{'; this run with streaming.direct' if args.direct else ''}"
                  f"{'; this run through the router port' if args.ingress else ''}.\n\n"
-                 + "\n".join(lines) + "\n")
+                 + "\n".join(lines) + f"\n\nNo regression (10% slack): "
+                 f"{json.dumps(result['targets_met'])}\n")
     print("\n".join(lines))
 
 
