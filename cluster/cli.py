@@ -156,6 +156,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--router-grpc-port", type=int, default=None,
                    help="the routers also serve gRPC themselves on this port, a call skipping "
                         "Serve's proxy (default: off; docs/serving.md)")
+    p.add_argument("--router-http-port", type=int, default=None,
+                   help="the routers also serve OpenAI's HTTP API themselves on this port "
+                        "(default: off; docs/serving.md)")
     p.add_argument("--http-port", type=int, default=None,
                    help="HTTP port: OpenAI's API, {route prefix}/v1/... (default 8000)")
     p.add_argument("--route-prefix", default=None,
@@ -382,7 +385,8 @@ def cmd_serve(args) -> int:
                  metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
                  request_timeout_s=args.request_timeout_s, redis_url=args.redis_url,
                  route_prefix=args.route_prefix, app_name=args.app_name,
-                 num_routers=args.num_routers, router_grpc_port=args.router_grpc_port)
+                 num_routers=args.num_routers, router_grpc_port=args.router_grpc_port,
+                 router_http_port=args.router_http_port)
     flags = {k: v for k, v in flags.items() if v is not None}
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig()
     engine = {**config.engine, **{k: getattr(args, k) for k in _ENGINE_FLAGS

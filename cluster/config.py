@@ -220,6 +220,8 @@ class ServeConfig(BaseModel):
     # share it), a client's calls skipping Serve's proxy actor (cluster/router_grpc.py); on
     # the local cluster on `host`, on an existing Ray cluster on every interface. None: off.
     router_grpc_port: int | None = Field(None, ge=1, le=65535)
+    # The same for OpenAI's HTTP API (cluster/router_http.py; paths from the root).
+    router_http_port: int | None = Field(None, ge=1, le=65535)
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
@@ -261,9 +263,16 @@ class ServeConfig(BaseModel):
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
         self.engine_config()  # raises ValueError on a bad engine option
-        if self.router_grpc_port in (self.grpc_port, self.http_port, self.metrics_port):
-            raise ValueError(f"router_grpc_port {self.router_grpc_port} is also grpc_port, "
-                             "http_port or metrics_port: give it a port of its own")
+        ports = [self.grpc_port, self.http_port, self.metrics_port]
+        for name in ("router_grpc_port", "router_http_port"):
+            port = getattr(self, name)
+            if port is None:
+                continue
+            if port in ports:
+                raise ValueError(f"{name} {port} is also another of the app's ports "
+                                 "(grpc_port, http_port, metrics_port, router_grpc_port): "
+                                 "give it one of its own")
+            ports.append(port)
         if self.streaming.direct and self.kv_transfer.tls_cert is not None:
             raise ValueError("streaming.direct sends outputs over plain TCP: leave it off where "
                              "kv_transfer.tls_cert asks for encrypted traffic between nodes")

@@ -35,6 +35,7 @@ from mxserve.cluster.logs import GRPC_HOST_ENV, rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.cluster.output_channel import OutputReceiver
 from mxserve.cluster.router_grpc import RouterGrpcServer
+from mxserve.cluster.router_http import RouterHttpServer
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.router.ingress import Admission, Router, TokenAuth
 from mxserve.router.openai import OpenAIServer
@@ -246,7 +247,7 @@ class RouterDeployment:
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
                        token_digests: list[str] | None = None, admission: dict | None = None,
                        migration_limit: int = 3, direct_streams: bool = False,
-                       grpc_ingress: dict | None = None) -> None:
+                       own_ports: dict | None = None) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
@@ -271,12 +272,18 @@ class RouterDeployment:
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
         self.http = OpenAIServer(self.router)
-        self.grpc_server = None  # router_grpc_port: this replica's own gRPC server
-        if grpc_ingress is not None:
-            self.grpc_grace_s = grpc_ingress.get("grace_s", 30.0)
-            self.grpc_server = RouterGrpcServer(self.router, grpc_ingress.get("timeout_s"))
-            await self.grpc_server.start(os.environ.get(GRPC_HOST_ENV) or "0.0.0.0",
-                                         grpc_ingress["port"])
+        # router_grpc_port / router_http_port: this replica's own servers (the node's routers
+        # share each port), on the local cluster's host, else on every interface
+        ports = own_ports or {}
+        self.grace_s = ports.get("grace_s", 30.0)
+        host = os.environ.get(GRPC_HOST_ENV) or "0.0.0.0"
+        self.grpc_server = self.http_server = None
+        if ports.get("grpc") is not None:
+            self.grpc_server = RouterGrpcServer(self.router, ports.get("timeout_s"))
+            await self.grpc_server.start(host, ports["grpc"])
+        if ports.get("http") is not None:
+            self.http_server = RouterHttpServer(self.http)
+            await self.http_server.start(host, ports["http"], self.grace_s)
 
     async def __call__(self, request: Request) -> Response:
         return await self.http(request)
@@ -316,12 +323,17 @@ class RouterDeployment:
                     dict(connections=self.receiver.num_connections,
                          rejected=self.receiver.num_rejected, frames=self.receiver.num_frames),
                     router_grpc=None if self.grpc_server is None else
-                    dict(calls=self.grpc_server.service.num_calls))
+                    dict(calls=self.grpc_server.service.num_calls),
+                    router_http=None if self.http_server is None else
+                    dict(calls=self.http_server.num_calls))
 
     async def __del__(self) -> None:  # Serve calls this when the replica stops
+        # new calls go to the node's other routers; those in flight may finish (Serve counts
+        # only its own proxies' calls when it drains a replica)
         if getattr(self, "grpc_server", None) is not None:
-            # new calls go to the node's other routers; those in flight may finish
-            await self.grpc_server.stop(self.grpc_grace_s)
+            await self.grpc_server.stop(self.grace_s)
+        if getattr(self, "http_server", None) is not None:
+            await self.http_server.stop()
         if hasattr(self, "router"):
             self.router.close()
         if getattr(self, "receiver", None) is not None:
@@ -428,6 +440,6 @@ def build_app(config: ServeConfig) -> serve.Application:
            config.app_name, config.limits.request_limits(), config.token_digests(),
            dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s),
            config.migration_limit, config.streaming.direct,
-           None if config.router_grpc_port is None else dict(
-               port=config.router_grpc_port, timeout_s=config.request_timeout_s,
-               grace_s=config.graceful_shutdown_timeout_s))
+           dict(grpc=config.router_grpc_port, http=config.router_http_port,
+                timeout_s=config.request_timeout_s,
+                grace_s=config.graceful_shutdown_timeout_s))

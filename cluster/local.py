@@ -243,12 +243,15 @@ def ready_line(config: ServeConfig, address: str | None) -> str:
     host = config.host if not address else "<each proxy node>"
     metrics = (f"metrics http://{_url_host(config.host)}:{config.metrics_port}/metrics"
                if not address else "metrics on each node's Ray metrics export port")
+    at = host if not address else "<each router node>"
     routers = "" if config.router_grpc_port is None else \
-        f", the routers' own {host if not address else '<each router node>'}:" \
-        f"{config.router_grpc_port}"
+        f", the routers' own {at}:{config.router_grpc_port}"
     return (f"mxserve: ready: {config.served_model_name!r} on {config.num_workers} worker(s); "
             f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}){routers}; "
-            f"OpenAI API {http_base_url(config, address)}; {metrics}; {routing}")
+            f"OpenAI API {http_base_url(config, address)}"
+            + ("" if config.router_http_port is None else
+               f" (the routers' own http://{_url_host(at)}:{config.router_http_port}/v1)")
+            + f"; {metrics}; {routing}")
 
 
 def http_base_url(config: ServeConfig, address: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""The routers' own gRPC server (ServeConfig.router_grpc_port, cluster/router_grpc.py).
+"""The routers' own servers: gRPC (ServeConfig.router_grpc_port, cluster/router_grpc.py) and
+OpenAI's HTTP API (router_http_port, cluster/router_http.py).
 
 Without Ray: `RouterService` on a real grpc.aio server in front of a scripted router (the router
 itself is tested in test_ingress*.py; here what the wrapper adds): a deadline past
@@ -9,12 +10,15 @@ router's stream.
 Served, on the session's multi-node cluster (tests/cpu/conftest.py `served`): two routers share
 the port, calls through it answer as the offline engine and as the proxy path do, the proxy
 path still works beside it, bad input and a wrong key get their status, a cancel frees the
-worker's KV blocks.
+worker's KV blocks; the official `openai` client on the routers' HTTP port gets the proxy
+path's answers, and a client that disconnects mid-stream frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
 import time
 
@@ -26,6 +30,7 @@ from mxserve.api.errors import ServeError
 from mxserve.cluster.config import Resources, ServeConfig
 from mxserve.cluster.redis_server import free_fixed_port, free_port
 from mxserve.cluster.router_grpc import RouterGrpcServer
+from mxserve.cluster.router_http import RouterHttpServer
 from mxserve.proto import mxserve_pb2 as pb
 from mxserve.proto import mxserve_pb2_grpc as pb_grpc
 
@@ -151,9 +156,66 @@ def test_router_service_deadline_and_cancel_close_the_routers_stream():
 
 
 def test_router_grpc_port_must_be_its_own():
-    with pytest.raises(ValueError, match="router_grpc_port 9000 is also grpc_port"):
+    with pytest.raises(ValueError, match="router_grpc_port 9000 is also another"):
         ServeConfig(router_grpc_port=9000)
-    assert ServeConfig(router_grpc_port=9100).router_grpc_port == 9100
+    with pytest.raises(ValueError, match="router_http_port 9100 is also another"):
+        ServeConfig(router_grpc_port=9100, router_http_port=9100)
+    config = ServeConfig(router_grpc_port=9100, router_http_port=9101)
+    assert (config.router_grpc_port, config.router_http_port) == (9100, 9101)
+
+
+def test_two_http_servers_share_a_port_and_a_disconnect_cancels_the_stream():
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    ended: list[str] = []
+
+    def handler(name):
+        async def handle(request):
+            if request.url.path == "/who":
+                return JSONResponse({"server": name})
+
+            async def events():
+                try:
+                    for i in range(1000):
+                        yield f"data: {i}\n\n"
+                        await asyncio.sleep(0.02)
+                    ended.append("finished")
+                except asyncio.CancelledError:
+                    ended.append("cancelled")
+                    raise
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return handle
+
+    def get(port, path):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", path)
+        return conn, conn.getresponse()
+
+    async def main():
+        port = free_fixed_port()
+        servers = [RouterHttpServer(handler("a")), RouterHttpServer(handler("b"))]
+        for server in servers:
+            await server.start("127.0.0.1", port, grace_s=1.0)
+        try:
+            seen = set()
+            for _ in range(32):  # a new connection each: the kernel spreads them
+                conn, reply = await asyncio.to_thread(get, port, "/who")
+                seen.add(json.loads(reply.read())["server"])
+                conn.close()
+            conn, reply = await asyncio.to_thread(get, port, "/stream")
+            assert (await asyncio.to_thread(reply.readline)).startswith(b"data: 0")
+            conn.close()  # the client goes away mid-stream
+            deadline = time.monotonic() + 5
+            while not ended and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return seen, sum(s.num_calls for s in servers)
+        finally:
+            for server in servers:
+                await server.stop()
+
+    seen, calls = asyncio.run(main())
+    assert seen == {"a", "b"} and calls == 33
+    assert ended == ["cancelled"]
 
 
 # ---- served -----------------------------------------------------------------------------------
@@ -163,9 +225,9 @@ def ingress(served):
 
     nodes = served.add_nodes(1, num_cpus=1, resources={"ingress_node": 1},
                              object_store_memory=128 * MB)
-    port = free_fixed_port()
     app = served.deploy(app_name="ingress", num_workers=1, num_routers=2,
-                        engine=dict(served.config.engine), router_grpc_port=port,
+                        engine=dict(served.config.engine), router_grpc_port=free_fixed_port(),
+                        router_http_port=free_fixed_port(),
                         api_key="key-1",
                         worker_resources=Resources(num_cpus=0.25,
                                                    resources={"ingress_node": 1}))
@@ -272,3 +334,49 @@ def _idle(served, app, timeout_s: float = 20.0):
                 return loads
             assert time.monotonic() < deadline, f"workers still busy: {loads}"
             time.sleep(0.05)
+
+
+def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(served, ingress):
+    import openai
+
+    messages = [{"role": "user", "content": "w40 w41 w42"}]
+    expected = served.llm.chat(messages, SamplingParams(temperature=0, max_tokens=12,
+                                                        ignore_eos=True))[0]
+    answers = {}
+    for name, base_url in (
+            ("router", f"http://127.0.0.1:{ingress.router_http_port}/v1"),
+            ("proxy", f"http://127.0.0.1:{ingress.http_port}{ingress.route_prefix}/v1")):
+        with openai.OpenAI(base_url=base_url, api_key="key-1", max_retries=0,
+                           timeout=60) as client:
+            out = client.chat.completions.create(
+                model=ingress.served_model_name, messages=messages, temperature=0,
+                max_tokens=12, extra_body={"ignore_eos": True})
+            streamed = client.chat.completions.create(
+                model=ingress.served_model_name, messages=messages, temperature=0,
+                max_tokens=12, extra_body={"ignore_eos": True}, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+            answers[name] = (out.choices[0].message.content, text,
+                             out.usage.completion_tokens)
+    assert answers["router"] == answers["proxy"] == (expected.text, expected.text, 12)
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{ingress.router_http_port}/v1",
+                       api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+
+    before = sum(w.num_requests_aborted for w in _idle(served, ingress))
+    body = {"model": ingress.served_model_name, "prompt": "w5 w6 w7", "max_tokens": 480,
+            "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", ingress.router_http_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"content-type": "application/json", "authorization": "Bearer key-1"})
+    reply = conn.getresponse()
+    assert reply.status == 200
+    events = 0
+    while events < 3:
+        events += reply.readline().startswith(b"data: {")
+    conn.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 20
+    while sum(w.num_requests_aborted for w in _idle(served, ingress)) == before:
+        assert time.monotonic() < deadline, "the worker never aborted the request"
+        time.sleep(0.1)
