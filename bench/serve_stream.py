@@ -11,7 +11,9 @@ time per output token (p50/p99). `--baseline REV` runs the same measurement from
 of REV in a subprocess (its own Ray), one after the other, and reports ratios. `--direct`
 runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py), `--ingress`
 with the clients calling the router's own gRPC port (router_grpc_port, cluster/router_grpc.py)
-instead of Serve's proxy.
+instead of Serve's proxy. `--http` streams over OpenAI's HTTP API (/v1/completions, SSE;
+aiohttp clients) instead of gRPC: through Serve's HTTP proxy, or with `--ingress` the router's
+own HTTP port (router_http_port).
 
     python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
     python bench/serve_stream.py --direct --baseline HEAD --out ...   # direct vs Serve stream
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False,
-            ingress: bool = False) -> dict:
+            ingress: bool = False, http: bool = False) -> dict:
     """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -66,14 +68,18 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
                          worker_resources=Resources(num_cpus=1),
                          router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
                          router_grpc_port=free_fixed_port() if ingress else None,
+                         router_http_port=free_fixed_port() if ingress and http else None,
                          **({"streaming": {"direct": True}} if direct else {}))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
     try:
         deploy(config)
         wait_for_grpc(config)
-        samples = asyncio.run(_load(config, build_request, grpc, pb_grpc, concurrency,
-                                    max_tokens, rounds))
+        if http:
+            samples = asyncio.run(_load_http(config, concurrency, max_tokens, rounds))
+        else:
+            samples = asyncio.run(_load(config, build_request, grpc, pb_grpc, concurrency,
+                                        max_tokens, rounds))
     finally:
         from ray import serve
         serve.shutdown()
@@ -86,6 +92,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     tpot = [r["tpot_ms"] for r in reqs]
     ttft = [r["ttft_ms"] for r in reqs]
     return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct, "ingress": ingress,
+            "api": "http" if http else "grpc",
             "concurrency": concurrency,
             "max_tokens": max_tokens, "requests": len(reqs),
             "output_tok_s": round(tokens / wall, 1),
@@ -126,6 +133,47 @@ async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, r
             await c.close()
 
 
+async def _load_http(config, concurrency, max_tokens, rounds):
+    """_load over OpenAI's /v1/completions (streamed; usage in the last event)."""
+    import aiohttp
+
+    if config.router_http_port is None:
+        url = f"http://127.0.0.1:{config.http_port}/v1/completions"
+    else:
+        url = f"http://127.0.0.1:{config.router_http_port}/v1/completions"
+
+    async def one(session, i: int) -> dict:
+        body = {"model": config.served_model_name, "prompt": f"w{5 + i % 200} w{6 + i % 190} w7",
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        start, times, tokens, messages = time.perf_counter(), [], 0, 0
+        async with session.post(url, json=body) as reply:
+            assert reply.status == 200, await reply.text()
+            async for line in reply.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    messages += 1
+                    times.append(time.perf_counter())
+        return {"tokens": tokens, "messages": messages, "ttft_ms": (times[0] - start) * 1e3,
+                "tpot_ms": (times[-1] - times[0]) / max(1, tokens - 1) * 1e3}
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(one(session, i) for i in range(4)))  # warm-up
+        waves = []
+        for w in range(rounds):
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(one(session, w * concurrency + i)
+                                         for i in range(concurrency)))
+            waves.append((time.perf_counter() - t0, got))
+        return waves
+
+
 def no_regression(ours: dict, base: dict | None, slack: float = 0.1) -> dict | None:
     """Issue 31's CPU target, against the baseline of the same run: no figure worse than it by
     more than `slack` (this box's run-to-run spread)."""
@@ -148,15 +196,17 @@ def main() -> None:
                     help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
     ap.add_argument("--ingress", action="store_true",
                     help="this checkout's clients call the router's own port (router_grpc_port)")
+    ap.add_argument("--http", action="store_true",
+                    help="OpenAI's HTTP API instead of gRPC, for this run and the baseline")
     ap.add_argument("--out", default="/tmp/serve_stream.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:  # a subprocess (revision.run_inner): one JSON line
         print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds, args.direct,
-                                 args.ingress)))
+                                 args.ingress, args.http)))
         return
     inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
-             "--rounds", str(args.rounds)]
+             "--rounds", str(args.rounds)] + ["--http"] * args.http
     ours = run_inner(__file__, inner + ["--direct"] * args.direct + ["--ingress"] * args.ingress)
     base = run_inner(__file__, inner, args.baseline) if args.baseline else None
     commit = head_commit()
@@ -183,7 +233,8 @@ def main() -> None:
                  f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
                  f"model (1 layer), 1 worker + 1 router on local Ray"
                  f"{'; this run with streaming.direct' if args.direct else ''}"
-                 f"{'; this run through the router port' if args.ingress else ''}.\n\n"
+                 f"{'; this run through the router port' if args.ingress else ''}"
+                 f"{'; OpenAI HTTP API (SSE), both runs' if args.http else ''}.\n\n"
                  + "\n".join(lines) + f"\n\nNo regression (10% slack): "
                  f"{json.dumps(result['targets_met'])}\n")
     print("\n".join(lines))
