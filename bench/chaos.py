@@ -67,6 +67,7 @@ def run(args) -> dict:
             config = ServeConfig(
                 app_name="chaos", num_workers=args.workers, redis_url=redis.url,
                 grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
+                ingress="proxy",  # as its committed results ran
                 engine=ENGINE, worker_resources=Resources(num_cpus=0.25),
                 router_resources=Resources(num_cpus=0.25))
             deploy(config)

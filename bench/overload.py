@@ -195,6 +195,7 @@ def main() -> int:
             config = ServeConfig(engine=ENGINE, grpc_port=grpc_port, http_port=free_port(),
                                  max_queued_requests=queued, app_name=f"overload-{name}",
                                  route_prefix=f"/overload-{name}",
+                                 ingress="proxy",  # apps on one port; the proxy sheds first
                                  worker_resources=Resources(num_cpus=0.5),
                                  router_resources=Resources(num_cpus=0.25))
             deploy(config)

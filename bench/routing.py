@@ -74,6 +74,7 @@ def base_config(args, redis_url: str):
     return ServeConfig(
         num_workers=args.workers, redis_url=redis_url, grpc_port=free_port(),
         http_port=free_port(), proxy_location="HeadOnly", max_queued_requests=256,
+        ingress="proxy",  # as its committed results ran
         engine=dict(num_threads=1, num_kv_blocks=args.kv_blocks, max_num_seqs=16),
         worker_resources=Resources(num_cpus=0.25), router_resources=Resources(num_cpus=0.25),
         routing=dict(json.loads(args.routing)))

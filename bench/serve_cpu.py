@@ -123,7 +123,8 @@ def start_server():
 
     config = ServeConfig(engine=ENGINE, grpc_port=free_port(), http_port=free_port(),
                          worker_resources=Resources(num_cpus=1),
-                         router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly")
+                         router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
+                         ingress="proxy")  # as its committed results ran
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
     deploy(config)

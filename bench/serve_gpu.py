@@ -258,27 +258,27 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
 
 def run_served(args, model: str, mix, b1, warm, direct: bool = False,
                ingress: bool = False) -> dict:
-    """ingress: the clients call the routers' own gRPC port (ServeConfig.router_grpc_port),
-    not Serve's proxy."""
+    """ingress: the routers answer grpc_port themselves (ServeConfig.ingress "routers"), else
+    Serve's gRPC proxy does ("proxy")."""
     import ray
     from ray import serve
 
     from mxserve.cluster.config import Resources, ServeConfig
     from mxserve.cluster.deployments import WORKER
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
-    from mxserve.cluster.redis_server import free_fixed_port, free_port
+    from mxserve.cluster.redis_server import free_fixed_port
 
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
     gpu = args.shape != "tiny"
     config = ServeConfig(model=model, engine=engine_options(args), routing=dict(
-        policy="round_robin"), grpc_port=free_port(), http_port=free_port(),
+        policy="round_robin"), grpc_port=free_fixed_port(), http_port=free_fixed_port(),
         max_queued_requests=args.num_requests, proxy_location="HeadOnly",
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
         router_resources=Resources(num_cpus=1), num_routers=args.routers,
         streaming=dict(streams_per_token=args.streams_per_token,
                        max_tokens_per_message=args.max_tokens_per_message, direct=direct),
-        router_grpc_port=free_fixed_port() if ingress else None)
+        ingress="routers" if ingress else "proxy")
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     try:
@@ -305,15 +305,14 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False,
 
 def load(config, jobs: list, num_clients: int, raw: bool = False, one_by_one: bool = False):
     """`jobs` (prompt, tokens) dealt round-robin over num_clients processes, all at once
-    (one_by_one: each process sends its share one after another), to the routers' own port
-    where it is on (4 connections a process), else to Serve's proxy."""
+    (one_by_one: each process sends its share one after another); to the routers 4
+    connections a process (the kernel spreads connections over them), to Serve's proxy one."""
     ctx = mp.get_context("spawn")
     num_clients = min(num_clients, len(jobs))
     barrier, results = ctx.Barrier(num_clients), ctx.Queue()
-    port, channels = (config.grpc_port, 1) if config.router_grpc_port is None else \
-        (config.router_grpc_port, 4)
+    channels = 4 if config.ingress == "routers" else 1
     procs = [ctx.Process(target=client_process, args=(
-        port, config.app_name, jobs[i::num_clients], barrier, results, one_by_one,
+        config.grpc_port, config.app_name, jobs[i::num_clients], barrier, results, one_by_one,
         1 if one_by_one else channels)) for i in range(num_clients)]
     for p in procs:
         p.start()
@@ -400,9 +399,9 @@ def main() -> None:
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--variants", default="serve",
                     help="served runs, each its own Ray session, of: serve (outputs as Serve "
-                         "stream messages), direct (ServeConfig.streaming.direct), ingress "
-                         "(the clients call the routers' own port, router_grpc_port), "
-                         "ingress_direct (both)")
+                         "stream messages), direct (ServeConfig.streaming.direct), both through "
+                         "Serve's proxy; ingress (the routers answer the port themselves: "
+                         "ServeConfig.ingress routers), ingress_direct (both)")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

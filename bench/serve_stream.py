@@ -9,11 +9,10 @@ ignore_eos), on a local Ray with 1 worker replica and 1 router, as `mxserve serv
 Reported per run: output tokens/s over all streams, messages a request received, TTFT and the
 time per output token (p50/p99). `--baseline REV` runs the same measurement from a git worktree
 of REV in a subprocess (its own Ray), one after the other, and reports ratios. `--direct`
-runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py), `--ingress`
-with the clients calling the router's own gRPC port (router_grpc_port, cluster/router_grpc.py)
-instead of Serve's proxy. `--http` streams over OpenAI's HTTP API (/v1/completions, SSE;
-aiohttp clients) instead of gRPC: through Serve's HTTP proxy, or with `--ingress` the router's
-own HTTP port (router_http_port).
+runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py). This checkout
+goes through Serve's proxies (ServeConfig.ingress "proxy") unless `--ingress`: the router
+answers the ports itself ("routers", cluster/router_grpc.py and router_http.py). `--http`
+streams over OpenAI's HTTP API (/v1/completions, SSE; aiohttp clients) instead of gRPC.
 
     python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
     python bench/serve_stream.py --direct --baseline HEAD --out ...   # direct vs Serve stream
@@ -52,7 +51,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     from mxserve.cluster.client import build_request
     from mxserve.cluster.config import Resources, ServeConfig
     from mxserve.cluster.local import SERVE_ENV, deploy, wait_for_grpc
-    from mxserve.cluster.redis_server import free_fixed_port, free_port
+    from mxserve.cluster.redis_server import free_fixed_port
     from mxserve.proto import mxserve_pb2_grpc as pb_grpc
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -64,11 +63,10 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
                                  max_position_embeddings=4096)
     config = ServeConfig(model=str(model), engine=dict(dtype="float32", num_threads=1,
                                                        max_num_seqs=concurrency),
-                         grpc_port=free_port(), http_port=free_port(),
+                         grpc_port=free_fixed_port(), http_port=free_fixed_port(),
                          worker_resources=Resources(num_cpus=1),
                          router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
-                         router_grpc_port=free_fixed_port() if ingress else None,
-                         router_http_port=free_fixed_port() if ingress and http else None,
+                         ingress="routers" if ingress else "proxy",
                          **({"streaming": {"direct": True}} if direct else {}))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
@@ -102,8 +100,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
 
 
 async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, rounds):
-    port = config.grpc_port if config.router_grpc_port is None else config.router_grpc_port
-    channels = [grpc.aio.insecure_channel(f"localhost:{port}") for _ in range(8)]
+    channels = [grpc.aio.insecure_channel(f"localhost:{config.grpc_port}") for _ in range(8)]
     stubs = [pb_grpc.MxServeStub(c) for c in channels]
     metadata = (("application", config.app_name),)
 
@@ -137,10 +134,7 @@ async def _load_http(config, concurrency, max_tokens, rounds):
     """_load over OpenAI's /v1/completions (streamed; usage in the last event)."""
     import aiohttp
 
-    if config.router_http_port is None:
-        url = f"http://127.0.0.1:{config.http_port}/v1/completions"
-    else:
-        url = f"http://127.0.0.1:{config.router_http_port}/v1/completions"
+    url = f"http://127.0.0.1:{config.http_port}/v1/completions"
 
     async def one(session, i: int) -> dict:
         body = {"model": config.served_model_name, "prompt": f"w{5 + i % 200} w{6 + i % 190} w7",
@@ -195,7 +189,7 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true",
                     help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
     ap.add_argument("--ingress", action="store_true",
-                    help="this checkout's clients call the router's own port (router_grpc_port)")
+                    help="this checkout with ServeConfig.ingress routers (else proxy)")
     ap.add_argument("--http", action="store_true",
                     help="OpenAI's HTTP API instead of gRPC, for this run and the baseline")
     ap.add_argument("--out", default="/tmp/serve_stream.json")

@@ -153,12 +153,9 @@ def _serve_parser(sub) -> None:
                    help="address the local cluster's proxies listen on (default 127.0.0.1; "
                         "0.0.0.0 exposes them to the network)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
-    p.add_argument("--router-grpc-port", type=int, default=None,
-                   help="the routers also serve gRPC themselves on this port, a call skipping "
-                        "Serve's proxy (default: off; docs/serving.md)")
-    p.add_argument("--router-http-port", type=int, default=None,
-                   help="the routers also serve OpenAI's HTTP API themselves on this port "
-                        "(default: off; docs/serving.md)")
+    p.add_argument("--ingress", default=None, choices=["routers", "proxy"],
+                   help="who answers the gRPC and HTTP ports: the routers themselves (default) "
+                        "or Ray Serve's proxies (several apps on one cluster; docs/serving.md)")
     p.add_argument("--http-port", type=int, default=None,
                    help="HTTP port: OpenAI's API, {route prefix}/v1/... (default 8000)")
     p.add_argument("--route-prefix", default=None,
@@ -385,8 +382,7 @@ def cmd_serve(args) -> int:
                  metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
                  request_timeout_s=args.request_timeout_s, redis_url=args.redis_url,
                  route_prefix=args.route_prefix, app_name=args.app_name,
-                 num_routers=args.num_routers, router_grpc_port=args.router_grpc_port,
-                 router_http_port=args.router_http_port)
+                 num_routers=args.num_routers, ingress=args.ingress)
     flags = {k: v for k, v in flags.items() if v is not None}
     config = ServeConfig.from_file(args.config) if args.config else ServeConfig()
     engine = {**config.engine, **{k: getattr(args, k) for k in _ENGINE_FLAGS

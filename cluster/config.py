@@ -216,14 +216,15 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: OpenAI's API
-    # Each router replica also serves the gRPC API itself on this port (the routers of a node
-    # share it), a client's calls skipping Serve's proxy actor (cluster/router_grpc.py); on
-    # the local cluster on `host`, on an existing Ray cluster on every interface. None: off.
-    router_grpc_port: int | None = Field(None, ge=1, le=65535)
-    # The same for OpenAI's HTTP API (cluster/router_http.py; paths from the root).
-    router_http_port: int | None = Field(None, ge=1, le=65535)
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
-    proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"
+    # Who answers grpc_port and http_port. "routers": every router replica serves both itself
+    # (cluster/router_grpc.py, cluster/router_http.py; a node's routers share each port, the
+    # kernel spreading connections over them) and Serve starts no proxy: nothing between a
+    # client and its router. "proxy": Ray Serve's gRPC and HTTP proxy actors (`proxy_location`),
+    # which pick one of several apps on one cluster by the `application` metadata or the route
+    # prefix; a RayService's serveConfigV2 starts them, so its app builder defaults to this.
+    ingress: Literal["routers", "proxy"] = "routers"
+    proxy_location: Literal["HeadOnly", "EveryNode"] = "EveryNode"  # with ingress "proxy"
     request_timeout_s: float | None = Field(None, gt=0)  # server-side deadline for every call
     # How often Serve asks each worker whether it can still serve (a failed tensor-parallel
     # rank, a dead engine thread); a worker that cannot is replaced.
@@ -263,16 +264,9 @@ class ServeConfig(BaseModel):
         if "model" in self.engine:
             raise ValueError("set the model with `model`, not engine.model")
         self.engine_config()  # raises ValueError on a bad engine option
-        ports = [self.grpc_port, self.http_port, self.metrics_port]
-        for name in ("router_grpc_port", "router_http_port"):
-            port = getattr(self, name)
-            if port is None:
-                continue
-            if port in ports:
-                raise ValueError(f"{name} {port} is also another of the app's ports "
-                                 "(grpc_port, http_port, metrics_port, router_grpc_port): "
-                                 "give it one of its own")
-            ports.append(port)
+        if len({self.grpc_port, self.http_port, self.metrics_port}) < 3:
+            raise ValueError(f"grpc_port ({self.grpc_port}), http_port ({self.http_port}) and "
+                             f"metrics_port ({self.metrics_port}) must differ")
         if self.streaming.direct and self.kv_transfer.tls_cert is not None:
             raise ValueError("streaming.direct sends outputs over plain TCP: leave it off where "
                              "kv_transfer.tls_cert asks for encrypted traffic between nodes")

@@ -1,10 +1,11 @@
-"""The Ray Serve application: a router ingress deployment (gRPC, via Serve's gRPC proxy or, with
-router_grpc_port, each router's own server) in front of a worker deployment, one engine per
-replica. Wiring only: the logic is
+"""The Ray Serve application: a router ingress deployment (gRPC and OpenAI's HTTP API, served
+by each router itself or through Serve's proxies: ServeConfig.ingress) in front of a worker
+deployment, one engine per replica. Wiring only: the logic is
 router/ingress.py (`Router`) and cluster/worker.py (`Worker`). The worker side is imported in
 the worker replicas only, so a router replica's process loads no torch.
 
-    client --gRPC--> Serve proxy --> RouterDeployment.Generate --handle, stream--> WorkerDeployment
+    client --gRPC--> RouterService (the router's own server) or Serve proxy -> RouterDeployment
+        --> Router.generate --handle, stream--> WorkerDeployment
 """
 
 from __future__ import annotations
@@ -272,18 +273,16 @@ class RouterDeployment:
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
         self.http = OpenAIServer(self.router)
-        # router_grpc_port / router_http_port: this replica's own servers (the node's routers
-        # share each port), on the local cluster's host, else on every interface
-        ports = own_ports or {}
-        self.grace_s = ports.get("grace_s", 30.0)
-        host = os.environ.get(GRPC_HOST_ENV) or "0.0.0.0"
+        # ingress "routers": this replica's own servers (the node's routers share each port),
+        # on the local cluster's host, else on every interface
         self.grpc_server = self.http_server = None
-        if ports.get("grpc") is not None:
-            self.grpc_server = RouterGrpcServer(self.router, ports.get("timeout_s"))
-            await self.grpc_server.start(host, ports["grpc"])
-        if ports.get("http") is not None:
-            self.http_server = RouterHttpServer(self.http)
-            await self.http_server.start(host, ports["http"], self.grace_s)
+        if own_ports is not None:
+            self.grace_s = own_ports["grace_s"]
+            host = os.environ.get(GRPC_HOST_ENV) or "0.0.0.0"
+            self.grpc_server = RouterGrpcServer(self.router, own_ports["timeout_s"])
+            await self.grpc_server.start(host, own_ports["grpc"])
+            self.http_server = RouterHttpServer(self.http, own_ports["route_prefix"])
+            await self.http_server.start(host, own_ports["http"], self.grace_s)
 
     async def __call__(self, request: Request) -> Response:
         return await self.http(request)
@@ -348,8 +347,9 @@ def _set_status(grpc_context, error: ServeError) -> None:
 def app_builder(args: dict) -> serve.Application:
     """Serve's application builder (`import_path: mxserve.cluster.deployments:app_builder`, as
     a KubeRay RayService's serveConfigV2 names it, deploy/kuberay/): `args` are ServeConfig's
-    fields. The pods must carry cluster/local.py's SERVE_ENV."""
-    return build_app(ServeConfig(**args))
+    fields; `ingress` defaults to "proxy" here, since serveConfigV2 starts Serve's proxies on
+    the ports. The pods must carry cluster/local.py's SERVE_ENV."""
+    return build_app(ServeConfig(**{"ingress": "proxy", **args}))
 
 
 def _cluster_secret(app_name: str) -> str:
@@ -440,6 +440,7 @@ def build_app(config: ServeConfig) -> serve.Application:
            config.app_name, config.limits.request_limits(), config.token_digests(),
            dict(num_routers=config.num_routers, retry_after_s=config.limits.retry_after_s),
            config.migration_limit, config.streaming.direct,
-           dict(grpc=config.router_grpc_port, http=config.router_http_port,
-                timeout_s=config.request_timeout_s,
-                grace_s=config.graceful_shutdown_timeout_s))
+           None if config.ingress == "proxy" else dict(
+               grpc=config.grpc_port, http=config.http_port, route_prefix=config.route_prefix,
+               timeout_s=config.request_timeout_s,
+               grace_s=config.graceful_shutdown_timeout_s))

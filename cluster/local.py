@@ -33,22 +33,27 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
 
 
 def deploy(config: ServeConfig, timeout_s: float | None = None) -> None:
-    """Start Serve's proxies (gRPC with the mxserve service) and run the application, waiting
-    until every replica is up: indefinitely (a cluster may be adding nodes), or at most
-    timeout_s, then TimeoutError with Serve's word on what it waits for (e.g. a replica that
-    finds no node with its resources). Ray must already be initialized."""
+    """Start Serve (with ingress "proxy" its proxies, gRPC with the mxserve service; with
+    "routers" none: the routers serve the ports) and run the application, waiting until every
+    replica is up: indefinitely (a cluster may be adding nodes), or at most timeout_s, then
+    TimeoutError with Serve's word on what it waits for (e.g. a replica that finds no node with
+    its resources). Ray must already be initialized. (On a cluster where Serve already runs,
+    its proxies stay as they are.)"""
     from ray import serve
     from ray.serve.config import gRPCOptions
 
     from mxserve.cluster.deployments import SERVICER, build_app
 
     check_placement(config)
-    serve.start(
-        proxy_location=config.proxy_location,
-        logging_config={"log_level": "WARNING"},  # Serve's own actors; replicas set theirs
-        http_options={"host": config.host, "port": config.http_port},
-        grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER],
-                                 request_timeout_s=config.request_timeout_s))
+    if config.ingress == "proxy":
+        serve.start(
+            proxy_location=config.proxy_location,
+            logging_config={"log_level": "WARNING"},  # Serve's own actors; replicas theirs
+            http_options={"host": config.host, "port": config.http_port},
+            grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER],
+                                     request_timeout_s=config.request_timeout_s))
+    else:
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
     # Serve publishes an application to its proxies (gRPC included) only with a route prefix.
     serve.run_many([serve.RunTarget(build_app(config), name=config.app_name,
                                     route_prefix=config.route_prefix)],
@@ -131,13 +136,22 @@ def check_placement(config: ServeConfig) -> None:
 
 
 def wait_for_grpc(config: ServeConfig, timeout_s: float = 60.0) -> None:
-    """Wait until the gRPC proxy at host:grpc_port routes to the application: `serve.run`
-    returns when the replicas are up, a moment before the proxy learns the new route."""
+    """Wait until grpc_port answers for the application: with ingress "proxy", until Serve's
+    gRPC proxy routes to it (`serve.run` returns when the replicas are up, a moment before the
+    proxy learns the new route); with "routers", until the port takes a connection (a router
+    is up once its replica is)."""
     import grpc
     from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(f"{_url_host(config.host)}:{config.grpc_port}") as channel:
+        if config.ingress == "routers":
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+                return
+            except grpc.FutureTimeoutError:
+                raise TimeoutError(f"no router answered on port {config.grpc_port} within "
+                                   f"{timeout_s:.0f} s") from None
         stub = serve_pb2_grpc.RayServeAPIServiceStub(channel)
         while True:
             try:
@@ -240,23 +254,22 @@ def ready_line(config: ServeConfig, address: str | None) -> str:
         routing = "routing by load (no prefix index)"
     else:
         routing = f"routing: {config.routing.policy}"
-    host = config.host if not address else "<each proxy node>"
+    host = config.host if not address else f"<each {_serving_node(config)}>"
     metrics = (f"metrics http://{_url_host(config.host)}:{config.metrics_port}/metrics"
                if not address else "metrics on each node's Ray metrics export port")
-    at = host if not address else "<each router node>"
-    routers = "" if config.router_grpc_port is None else \
-        f", the routers' own {at}:{config.router_grpc_port}"
+    app = f" (app {config.app_name!r})" if config.ingress == "proxy" else ""
     return (f"mxserve: ready: {config.served_model_name!r} on {config.num_workers} worker(s); "
-            f"gRPC {host}:{config.grpc_port} (app {config.app_name!r}){routers}; "
-            f"OpenAI API {http_base_url(config, address)}"
-            + ("" if config.router_http_port is None else
-               f" (the routers' own http://{_url_host(at)}:{config.router_http_port}/v1)")
-            + f"; {metrics}; {routing}")
+            f"gRPC {host}:{config.grpc_port}{app}; "
+            f"OpenAI API {http_base_url(config, address)}; {metrics}; {routing}")
+
+
+def _serving_node(config: ServeConfig) -> str:
+    return "proxy node" if config.ingress == "proxy" else "router node"
 
 
 def http_base_url(config: ServeConfig, address: str | None = None) -> str:
     """The OpenAI API's base URL (what the openai client takes as base_url)."""
-    host = _url_host(config.host) if not address else "<each proxy node>"
+    host = _url_host(config.host) if not address else f"<each {_serving_node(config)}>"
     return f"http://{host}:{config.http_port}{config.route_prefix.rstrip('/')}/v1"
 
 

@@ -1,7 +1,7 @@
-"""A router replica's own gRPC server (ServeConfig.router_grpc_port): mxserve's service answered
-in the router's process, so a call skips the hop through Serve's gRPC proxy actor on its way in
-and every response's hop back out. Serve's proxy stays on grpc_port; both reach the same
-`Router`.
+"""A router replica's own gRPC server (ServeConfig.ingress "routers", on grpc_port): mxserve's
+service answered in the router's process, so a call skips the hop through Serve's gRPC proxy
+actor on its way in and every response's hop back out. With ingress "proxy" Serve's proxy
+reaches the same `Router` through RouterDeployment.Generate.
 
 Every router replica on a node listens on the same port (SO_REUSEPORT): the kernel spreads new
 connections over them, so one address a node serves, as the proxy's does. A connection stays
@@ -108,7 +108,7 @@ class RouterGrpcServer:
         except RuntimeError:  # (grpc raises where older versions returned 0)
             bound = 0
         if bound == 0:
-            raise OSError(f"router_grpc_port: cannot listen on {address}")
+            raise OSError(f"grpc_port: cannot listen on {address}")
         await self.server.start()
 
     async def stop(self, grace_s: float | None) -> None:

@@ -1,13 +1,12 @@
-"""A router replica's own HTTP server (ServeConfig.router_http_port): OpenAI's API
+"""A router replica's own HTTP server (ServeConfig.ingress "routers", on http_port): OpenAI's API
 (router/openai.py's `OpenAIServer`) answered in the router's process, so a call skips Serve's
-HTTP proxy actor both ways, as cluster/router_grpc.py does for gRPC. Serve's HTTP proxy stays
-on http_port; both reach the same `Router`.
+HTTP proxy actor both ways, as cluster/router_grpc.py does for gRPC. With ingress "proxy"
+Serve's HTTP proxy calls the same `OpenAIServer`.
 
 The node's routers share the port (SO_REUSEPORT; the kernel spreads connections over them).
-Paths are served from the root (`/v1/chat/completions`): route_prefix is the proxy's way to
-tell apps apart, and this port belongs to one app. A client that disconnects cancels its
-handler (starlette's streaming response watches for it), which closes the worker stream and
-frees the request's KV blocks, as on the proxy path.
+Paths are the proxy path's: below the app's route prefix (`{route_prefix}/v1/...`). A client
+that disconnects cancels its handler (starlette's streaming response watches for it), which
+closes the worker stream and frees the request's KV blocks, as on the proxy path.
 """
 
 from __future__ import annotations
@@ -35,8 +34,10 @@ class RouterHttpServer:
     """`handler` (a starlette Request -> Response coroutine) served on host:port from `start`
     to `stop`."""
 
-    def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
+    def __init__(self, handler: Callable[[Request], Awaitable[Response]],
+                 route_prefix: str = "/") -> None:
         self.handler = handler
+        self.root_path = route_prefix.rstrip("/")
         self.num_calls = 0
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -45,6 +46,8 @@ class RouterHttpServer:
         if scope["type"] != "http":
             return
         self.num_calls += 1
+        if self.root_path and scope["path"].startswith(self.root_path):
+            scope = {**scope, "root_path": self.root_path}  # as Serve's proxy passes it
         response = await self.handler(Request(scope, receive))
         await response(scope, receive, send)
 
@@ -58,7 +61,7 @@ class RouterHttpServer:
             sock.bind((host, port))
         except OSError as e:
             sock.close()
-            raise OSError(f"router_http_port: cannot listen on {host}:{port} ({e})") from None
+            raise OSError(f"http_port: cannot listen on {host}:{port} ({e})") from None
         sock.listen(1024)
         config = uvicorn.Config(self.app, interface="asgi3", lifespan="off", proxy_headers=False,
                                 log_level="warning",
@@ -68,7 +71,7 @@ class RouterHttpServer:
         while not self._server.started:
             if self._task.done():  # it failed to start: its error
                 self._task.result()
-                raise OSError(f"router_http_port: the server on {host}:{port} did not start")
+                raise OSError(f"http_port: the server on {host}:{port} did not start")
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:

@@ -232,6 +232,7 @@ def served(tiny_checkpoint, monkeypatch_env, redis_server):
         worker_resources=Resources(num_cpus=0.5, resources={"worker_node": 1}),
         router_resources=Resources(num_cpus=0.25, resources={"router_node": 1}),
         grpc_port=free_port(), http_port=free_port(), proxy_location="HeadOnly",
+        ingress="proxy",  # several apps on the one cluster: Serve's proxies pick by name
         redis_url=redis_server.url, routing=dict(retry_after_s=0.5))
     try:
         deploy(config, timeout_s=DEPLOY_TIMEOUT_S)

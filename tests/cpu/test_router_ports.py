@@ -1,5 +1,5 @@
-"""The routers' own servers: gRPC (ServeConfig.router_grpc_port, cluster/router_grpc.py) and
-OpenAI's HTTP API (router_http_port, cluster/router_http.py).
+"""The routers' own servers (ServeConfig.ingress "routers", the default): gRPC
+(cluster/router_grpc.py) and OpenAI's HTTP API (cluster/router_http.py).
 
 Without Ray: `RouterService` on a real grpc.aio server in front of a scripted router (the router
 itself is tested in test_ingress*.py; here what the wrapper adds): a deadline past
@@ -7,9 +7,9 @@ request_timeout_s ends the call DEADLINE_EXCEEDED and closes the router's stream
 carries `retry-after-ms`, a malformed request is INVALID_ARGUMENT, a client's cancel closes the
 router's stream.
 
-Served, on the session's multi-node cluster (tests/cpu/conftest.py `served`): two routers share
-the port, calls through it answer as the offline engine and as the proxy path do, the proxy
-path still works beside it, bad input and a wrong key get their status, a cancel frees the
+Served, on the session's multi-node cluster (tests/cpu/conftest.py `served`, whose Serve proxies
+also reach this app): two routers share each port, calls through it answer as the offline
+engine and as the proxy path do, bad input and a wrong key get their status, a cancel frees the
 worker's KV blocks; the official `openai` client on the routers' HTTP port gets the proxy
 path's answers, and a client that disconnects mid-stream frees its blocks.
 """
@@ -155,13 +155,12 @@ def test_router_service_deadline_and_cancel_close_the_routers_stream():
     assert cancelled.ended == ["cancelled"]
 
 
-def test_router_grpc_port_must_be_its_own():
-    with pytest.raises(ValueError, match="router_grpc_port 9000 is also another"):
-        ServeConfig(router_grpc_port=9000)
-    with pytest.raises(ValueError, match="router_http_port 9100 is also another"):
-        ServeConfig(router_grpc_port=9100, router_http_port=9100)
-    config = ServeConfig(router_grpc_port=9100, router_http_port=9101)
-    assert (config.router_grpc_port, config.router_http_port) == (9100, 9101)
+def test_ingress_config():
+    assert ServeConfig().ingress == "routers"
+    with pytest.raises(ValueError, match=r"grpc_port \(9000\), http_port \(9000\)"):
+        ServeConfig(http_port=9000)
+    with pytest.raises(ValueError, match="ingress"):
+        ServeConfig(ingress="envoy")
 
 
 def test_two_http_servers_share_a_port_and_a_disconnect_cancels_the_stream():
@@ -226,8 +225,8 @@ def ingress(served):
     nodes = served.add_nodes(1, num_cpus=1, resources={"ingress_node": 1},
                              object_store_memory=128 * MB)
     app = served.deploy(app_name="ingress", num_workers=1, num_routers=2,
-                        engine=dict(served.config.engine), router_grpc_port=free_fixed_port(),
-                        router_http_port=free_fixed_port(),
+                        engine=dict(served.config.engine), ingress="routers",
+                        grpc_port=free_fixed_port(), http_port=free_fixed_port(),
                         api_key="key-1",
                         worker_resources=Resources(num_cpus=0.25,
                                                    resources={"ingress_node": 1}))
@@ -244,7 +243,7 @@ def _client(app, own_connection: bool = False, **kwargs):
     spreads connections, not calls, over the routers)."""
     from mxserve.cluster.client import Client
 
-    endpoint = f"localhost:{app.router_grpc_port}"
+    endpoint = f"localhost:{app.grpc_port}"
     client = Client(endpoint, None, **{"api_key": "key-1", **kwargs})
     if own_connection:
         client.channel.close()
@@ -343,9 +342,9 @@ def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(s
     expected = served.llm.chat(messages, SamplingParams(temperature=0, max_tokens=12,
                                                         ignore_eos=True))[0]
     answers = {}
-    for name, base_url in (
-            ("router", f"http://127.0.0.1:{ingress.router_http_port}/v1"),
-            ("proxy", f"http://127.0.0.1:{ingress.http_port}{ingress.route_prefix}/v1")):
+    for name, base_url in (  # the same paths on both, below the app's route prefix
+            ("router", f"http://127.0.0.1:{ingress.http_port}{ingress.route_prefix}/v1"),
+            ("proxy", f"http://127.0.0.1:{served.config.http_port}{ingress.route_prefix}/v1")):
         with openai.OpenAI(base_url=base_url, api_key="key-1", max_retries=0,
                            timeout=60) as client:
             out = client.chat.completions.create(
@@ -359,7 +358,7 @@ def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(s
                              out.usage.completion_tokens)
     assert answers["router"] == answers["proxy"] == (expected.text, expected.text, 12)
 
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{ingress.router_http_port}/v1",
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{ingress.http_port}{ingress.route_prefix}/v1",
                        api_key="wrong", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
@@ -367,8 +366,8 @@ def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(s
     before = sum(w.num_requests_aborted for w in _idle(served, ingress))
     body = {"model": ingress.served_model_name, "prompt": "w5 w6 w7", "max_tokens": 480,
             "ignore_eos": True, "stream": True}
-    conn = http.client.HTTPConnection("127.0.0.1", ingress.router_http_port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps(body),
+    conn = http.client.HTTPConnection("127.0.0.1", ingress.http_port, timeout=30)
+    conn.request("POST", f"{ingress.route_prefix}/v1/completions", json.dumps(body),
                  {"content-type": "application/json", "authorization": "Bearer key-1"})
     reply = conn.getresponse()
     assert reply.status == 200

@@ -499,8 +499,7 @@ def test_serve_cli_builds_the_config(monkeypatch):
                      "--redis-url", "redis://:pw@redis:6379/0", "--ask", "hi?",
                      "--tensor-parallel-size", "2", "--num-routers", "2",
                      "--streams-per-token", "8", "--max-tokens-per-message", "4",
-                     "--direct-streams", "--router-grpc-port", "9100",
-                     "--router-http-port", "9101"]) == 0
+                     "--direct-streams", "--ingress", "proxy"]) == 0
     config = seen["config"]
     assert config.num_workers == 2 and config.grpc_port == 9001 and seen["address"] == "auto"
     assert config.worker_resources.num_cpus == 0.5
@@ -509,8 +508,7 @@ def test_serve_cli_builds_the_config(monkeypatch):
     assert config.redis_url == "redis://:pw@redis:6379/0" and seen["ask"] == "hi?"
     assert config.num_routers == 2
     assert (config.streaming.streams_per_token, config.streaming.max_tokens_per_message) == (8, 4)
-    assert config.streaming.direct and config.router_grpc_port == 9100
-    assert config.router_http_port == 9101
+    assert config.streaming.direct and config.ingress == "proxy"
 
 
 def test_build_request_covers_each_prompt_kind():
@@ -541,11 +539,10 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
     assert admission == {"num_routers": 1, "retry_after_s": 1.0} and migration_limit == 3
     assert direct is False  # outputs as Serve stream messages unless streaming.direct
-    assert own_ports["grpc"] is None and own_ports["http"] is None  # Serve's proxies only
-    own_ports = build_app(config.model_copy(update=dict(
-        router_grpc_port=9100, router_http_port=9101,
-        request_timeout_s=5.0)))._bound_deployment.init_args[-1]
-    assert own_ports == {"grpc": 9100, "http": 9101, "timeout_s": 5.0, "grace_s": 300.0}
+    assert own_ports == {"grpc": 9000, "http": 8000, "route_prefix": "/", "timeout_s": None,
+                         "grace_s": 300.0}  # ingress "routers": the routers serve the ports
+    proxied = build_app(config.model_copy(update=dict(ingress="proxy")))._bound_deployment
+    assert proxied.init_args[-1] is None  # Serve's proxies serve them
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker.init_args[-1] == {"streams_per_token": 32, "max_tokens_per_message": 16}
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
