@@ -215,7 +215,7 @@ class ServeConfig(BaseModel):
     # "0.0.0.0"); on an existing Ray cluster Serve's gRPC proxy listens on every interface.
     host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
-    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: OpenAI's API
+    http_port: int = Field(8000, ge=1, le=65535)  # OpenAI's HTTP API
     metrics_port: int = Field(8080, ge=1, le=65535)  # Ray's Prometheus export (local cluster)
     # Who answers grpc_port and http_port. "routers": every router replica serves both itself
     # (cluster/router_grpc.py, cluster/router_http.py; a node's routers share each port, the

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
+from mxserve.api.errors import MxserveError
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.logs import GRPC_HOST_ENV
 from mxserve.cluster.redis_server import LocalRedis
@@ -204,6 +206,8 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
     order. With `address` the application stays on that cluster after this returns. With
     `ask`, send that question over gRPC once the server is up, print the streamed answer, and
     shut down instead of waiting."""
+    if not address:
+        check_ports_free(config)
     redis = None
     if config.routing.policy == "prefix" and config.redis_url is None:
         if address:
@@ -244,6 +248,22 @@ def serve_until_stopped(config: ServeConfig, address: str | None = None,
     print("mxserve: shutting down...", file=sys.stderr, flush=True)
     _stop(config, address, redis)
     return status
+
+
+def check_ports_free(config: ServeConfig) -> None:
+    """The local cluster's ports must be free before it starts. The routers share theirs
+    (SO_REUSEPORT) with each other, so a second `mxserve serve` on the same ports would join
+    the first one's, each answering the other's clients: refused here, naming the port."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    for name in ("grpc_port", "http_port", "metrics_port"):
+        port = getattr(config, name)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((config.host, port))
+            except OSError as e:
+                raise MxserveError(
+                    f"{name} {port} on {config.host} is in use ({e.strerror}; another `mxserve "
+                    f"serve`?): pick another with --{name.replace('_', '-')}") from None
 
 
 def ready_line(config: ServeConfig, address: str | None) -> str:

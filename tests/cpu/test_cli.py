@@ -77,6 +77,21 @@ def test_serve_ask_is_the_main_job_and_cleans_up():
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_serve_refuses_a_port_in_use():
+    """A second `mxserve serve` on a port another server holds fails at once, naming it (the
+    routers share their ports with each other, so it must not join another's)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([*CLI, "serve", "--grpc-port", str(free_port()), "--http-port",
+                               str(port), "--metrics-port", str(free_port())],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"mxserve: error: http_port {port} on 127.0.0.1 is in use" in done.stderr
+    assert "--http-port" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_bad_model_path_is_a_clear_error():
     done = subprocess.run([*CLI, "generate", "hi", "--model", "/nonexistent/model"],
                           capture_output=True, text=True, timeout=300)

@@ -163,6 +163,22 @@ def test_ingress_config():
         ServeConfig(ingress="envoy")
 
 
+def test_a_port_held_by_another_server_is_an_error_naming_it():
+    import socket
+
+    async def main():
+        with socket.socket() as busy:  # a listener that does not share its port
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(OSError, match=f"grpc_port: cannot listen on 127.0.0.1:{port}"):
+                await RouterGrpcServer(ScriptedRouter()).start("127.0.0.1", port)
+            with pytest.raises(OSError, match=f"http_port: cannot listen on 127.0.0.1:{port}"):
+                await RouterHttpServer(None).start("127.0.0.1", port)
+
+    asyncio.run(main())
+
+
 def test_two_http_servers_share_a_port_and_a_disconnect_cancels_the_stream():
     from starlette.responses import JSONResponse, StreamingResponse
 
