@@ -99,6 +99,23 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
             "tpot_ms": {"p50": round(pct(tpot, .5), 2), "p99": round(pct(tpot, .99), 2)}}
 
 
+def _record(start: float, times: list[float], tokens: int, messages: int) -> dict:
+    """One stream's figures: `times` are when its token-bearing messages came."""
+    return {"tokens": tokens, "messages": messages, "ttft_ms": (times[0] - start) * 1e3,
+            "tpot_ms": (times[-1] - times[0]) / max(1, tokens - 1) * 1e3}
+
+
+async def _waves(one, concurrency: int, rounds: int) -> list:
+    """4 warm-up requests, then `rounds` waves of `concurrency` at once: [(wall s, results)]."""
+    await asyncio.gather(*(one(i) for i in range(4)))
+    waves = []
+    for w in range(rounds):
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(w * concurrency + i) for i in range(concurrency)))
+        waves.append((time.perf_counter() - t0, got))
+    return waves
+
+
 async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, rounds):
     channels = [grpc.aio.insecure_channel(f"localhost:{config.grpc_port}") for _ in range(8)]
     stubs = [pb_grpc.MxServeStub(c) for c in channels]
@@ -113,18 +130,10 @@ async def _load(config, build_request, grpc, pb_grpc, concurrency, max_tokens, r
             if r.token_ids:
                 times.append(time.perf_counter())
                 tokens += len(r.token_ids)
-        return {"tokens": tokens, "messages": messages,
-                "ttft_ms": (times[0] - start) * 1e3,
-                "tpot_ms": (times[-1] - times[0]) / max(1, tokens - 1) * 1e3}
+        return _record(start, times, tokens, messages)
 
     try:
-        await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
-        waves = []
-        for w in range(rounds):
-            t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(w * concurrency + i) for i in range(concurrency)))
-            waves.append((time.perf_counter() - t0, got))
-        return waves
+        return await _waves(one, concurrency, rounds)
     finally:
         for c in channels:
             await c.close()
@@ -152,20 +161,12 @@ async def _load_http(config, concurrency, max_tokens, rounds):
                 if event.get("choices") and event["choices"][0].get("text"):
                     messages += 1
                     times.append(time.perf_counter())
-        return {"tokens": tokens, "messages": messages, "ttft_ms": (times[0] - start) * 1e3,
-                "tpot_ms": (times[-1] - times[0]) / max(1, tokens - 1) * 1e3}
+        return _record(start, times, tokens, messages)
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(one(session, i) for i in range(4)))  # warm-up
-        waves = []
-        for w in range(rounds):
-            t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(session, w * concurrency + i)
-                                         for i in range(concurrency)))
-            waves.append((time.perf_counter() - t0, got))
-        return waves
+        return await _waves(lambda i: one(session, i), concurrency, rounds)
 
 
 def no_regression(ours: dict, base: dict | None, slack: float = 0.1) -> dict | None:

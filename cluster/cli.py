@@ -150,7 +150,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--worker-cpus", type=float, default=None, help="CPUs per worker (default 1)")
     p.add_argument("--worker-gpus", type=float, default=None, help="GPUs per worker (default 0)")
     p.add_argument("--host", default=None,
-                   help="address the local cluster's proxies listen on (default 127.0.0.1; "
+                   help="address the local cluster's ports listen on (default 127.0.0.1; "
                         "0.0.0.0 exposes them to the network)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 9000)")
     p.add_argument("--ingress", default=None, choices=["routers", "proxy"],

@@ -211,8 +211,8 @@ class ServeConfig(BaseModel):
     router_resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
     num_routers: int = Field(1, ge=1)
     max_queued_requests: int = Field(64, ge=0)  # per worker, beyond max_num_seqs running
-    # The local cluster's proxies listen on `host` (loopback unless exposed on purpose, e.g.
-    # "0.0.0.0"); on an existing Ray cluster Serve's gRPC proxy listens on every interface.
+    # The local cluster's routers (or proxies) listen on `host` (loopback unless exposed on
+    # purpose, e.g. "0.0.0.0"); on an existing Ray cluster they listen on every interface.
     host: str = "127.0.0.1"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # OpenAI's HTTP API

@@ -168,10 +168,19 @@ class Served:
     def requests_per_worker(self, app: str | None = None) -> dict[str, int]:
         return {w.worker_id: w.num_requests_total for w in self.wait_idle(app)}
 
-    def wait_idle(self, app: str | None = None, timeout_s: float = 20.0):
-        """Every worker's load once none runs, waits or holds KV blocks (or fail)."""
+    @staticmethod
+    def streamed(client, prompt, **params) -> tuple:
+        """One request streamed by `client`: (token ids, text, finish reason, completion
+        tokens) as the messages add up."""
+        chunks = list(client.stream(prompt, **params))
+        return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                chunks[-1].finish_reason, chunks[-1].usage.completion_tokens)
+
+    def wait_idle(self, app: str | None = None, timeout_s: float = 20.0, **client_args):
+        """Every worker's load once none runs, waits or holds KV blocks (or fail).
+        client_args: the client's (an app's api_key)."""
         deadline = time.monotonic() + timeout_s
-        with self.client(app) as client:
+        with self.client(app, **client_args) as client:
             while True:
                 loads = client.health().workers
                 if all(w.num_running == w.num_waiting == w.num_kv_blocks_used == 0

@@ -294,13 +294,11 @@ def test_the_routers_port_answers_as_offline_and_as_the_proxy(served, ingress):
 
     def one(i):  # each call its own connection: spread over the routers
         with _client(ingress, own_connection=True) as client:
-            chunks = list(client.stream(prompts[i], **params[i]))
-        return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                chunks[-1].finish_reason)
+            return served.streamed(client, prompts[i], **params[i])
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, range(16)))
-    assert got == [(e.token_ids, e.text, "length") for e in expected]
+    assert got == [(e.token_ids, e.text, "length", 12) for e in expected]
     calls = _routers_calls(ingress)
     assert len(calls) == 2 and sum(calls.values()) >= 16 and all(calls.values()), calls
 
@@ -337,18 +335,6 @@ def test_the_routers_port_rejects_bad_input_and_frees_a_cancelled_requests_block
         else:
             pytest.fail("no cancel reached the worker before its request finished")
         assert len(client.generate("w7", max_tokens=3, ignore_eos=True).token_ids) == 3
-
-
-def _idle(served, app, timeout_s: float = 20.0):
-    """As served.wait_idle, through the routers' port (the app has a key)."""
-    deadline = time.monotonic() + timeout_s
-    with _client(app) as client:
-        while True:
-            loads = client.health().workers
-            if all(w.num_running == w.num_waiting == w.num_kv_blocks_used == 0 for w in loads):
-                return loads
-            assert time.monotonic() < deadline, f"workers still busy: {loads}"
-            time.sleep(0.05)
 
 
 def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(served, ingress):
@@ -395,3 +381,7 @@ def test_the_routers_http_port_answers_as_the_proxy_and_frees_a_dropped_stream(s
     while sum(w.num_requests_aborted for w in _idle(served, ingress)) == before:
         assert time.monotonic() < deadline, "the worker never aborted the request"
         time.sleep(0.1)
+
+
+def _idle(served, app):
+    return served.wait_idle(app.app_name, api_key="key-1")  # (the app has a key)

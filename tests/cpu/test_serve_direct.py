@@ -64,9 +64,7 @@ def test_direct_streams_answer_as_offline(served, direct):
 
     def one(i):
         with served.client(direct.app_name) as client:
-            chunks = list(client.stream(prompts[i], **params[i]))
-        return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                chunks[-1].finish_reason, chunks[-1].usage.completion_tokens)
+            return served.streamed(client, prompts[i], **params[i])
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, range(8)))
