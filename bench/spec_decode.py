@@ -26,6 +26,7 @@ Run: python bench/spec_decode.py [--prompts 16] [--max-tokens 128] [--k 3] [--ro
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -171,6 +172,7 @@ def _full_vocab_copy(head: str) -> str:
     """The head in a temporary directory with draft_vocab_size 0: drafts over the whole
     vocabulary (the same weights), for the draft vocabulary's cost and acceptance."""
     path = tempfile.mkdtemp(prefix="head-full-vocab-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     shutil.copy(os.path.join(head, "model.safetensors"), path)
     with open(os.path.join(head, "config.json")) as f:
         config = json.load(f)
