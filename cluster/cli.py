@@ -120,6 +120,13 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=4096, help="answer tokens a step, about")
     p.add_argument("--unroll-steps", type=int, default=2,
                    help="drafting steps trained, each on the KV the drafter's chain sees")
+    p.add_argument("--cls-weight", type=float, default=0.1,
+                   help="the soft cross-entropy's weight (the target's next-token distribution)")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="the feature regression's weight (0: the cross-entropy alone)")
+    p.add_argument("--cls-fraction", type=float, default=0.25,
+                   help="answer positions a step computes the cross-entropy on (a "
+                        "vocabulary-wide product: most of a step's cost on a CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the target in bf16 there)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="drafts come from the N tokens the target writes most (0: all)")
@@ -491,11 +498,22 @@ def cmd_train_draft(args) -> int:
         raise MxserveError(f"--draft-vocab-size: must be >= 0, got {args.draft_vocab_size}")
     if not args.lr > 0:
         raise MxserveError(f"--lr: must be > 0, got {args.lr}")
+    for flag, weight in (("--cls-weight", args.cls_weight),
+                         ("--feature-weight", args.feature_weight)):
+        if not weight >= 0:
+            raise MxserveError(f"{flag}: must be >= 0, got {weight}")
+    if args.cls_weight + args.feature_weight == 0:
+        raise MxserveError("--cls-weight: it and --feature-weight are both 0 (nothing to learn)")
+    if not 0 < args.cls_fraction <= 1:
+        raise MxserveError(f"--cls-fraction: must be in (0, 1], got {args.cls_fraction}")
     report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
                          args.heldout, args.num_speculative_tokens,
                          TrainConfig(epochs=args.epochs, lr=args.lr,
                                      batch_tokens=args.batch_tokens,
-                                     unroll_steps=args.unroll_steps, seed=args.seed),
+                                     unroll_steps=args.unroll_steps, seed=args.seed,
+                                     cls_weight=args.cls_weight,
+                                     feature_weight=args.feature_weight,
+                                     cls_fraction=args.cls_fraction),
                          text_tokens=args.text_tokens, device=args.device,
                          init_head_dir=args.init_head,
                          draft_vocab_size=args.draft_vocab_size,

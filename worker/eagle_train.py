@@ -256,6 +256,8 @@ class TrainConfig:
     lr: float = 1e-3
     batch_tokens: int = 4096  # answer tokens a step, about
     cls_weight: float = 0.1  # the soft cross-entropy's weight beside the feature regression
+    feature_weight: float = 1.0  # the feature regression's (0: the cross-entropy alone, as
+    # EAGLE-3 trains)
     unroll_weight: float = 0.5  # each unrolled step's losses
     unroll_steps: int = 2  # drafting steps trained (head_forward_steps): 1 + those unrolled
     noise: float = 0.05  # feature noise, times each feature's RMS
@@ -379,7 +381,7 @@ def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float
     g, want = g[mask], want[mask]  # [N, hidden]
     if g.shape[0] == 0:  # no answer position (a batch of prompts cut short): nothing to learn
         return g.sum(), 0.0
-    reg = F.smooth_l1_loss(g, want)
+    reg = F.smooth_l1_loss(g, want) if cfg.feature_weight else g.new_zeros(())
     some = torch.rand(g.shape[0], device=g.device) < cfg.cls_fraction
     if not some.any():  # a small batch may draw none: take one
         some[0] = True
@@ -390,7 +392,7 @@ def _losses(g, want, mask, embed, cfg: TrainConfig) -> tuple[torch.Tensor, float
     logits = g @ embed.T
     cls = -(target * logits.log_softmax(-1)).sum(-1).mean()
     acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
-    return reg + cfg.cls_weight * cls, acc
+    return cfg.feature_weight * reg + cfg.cls_weight * cls, acc
 
 
 @torch.no_grad()

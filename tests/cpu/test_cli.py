@@ -45,6 +45,16 @@ def test_bad_input_fails_before_any_work():
         assert done.stderr.startswith(f"mxserve: error: {field}: "), (argv, done.stderr)
 
 
+def test_train_draft_refuses_bad_loss_flags_before_loading_the_model(tmp_path):
+    for flag, value in (("--cls-fraction", "0"), ("--cls-fraction", "1.5"),
+                        ("--feature-weight", "-1")):
+        argv = ["train-draft", "--out", str(tmp_path), "--model", "/nonexistent/model",
+                flag, value]
+        done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert done.stderr.startswith(f"mxserve: error: {flag}"), (argv, done.stderr)
+
+
 def test_generate_answers_with_paris():
     """The README's offline command, with the model's default sampling."""
     done = subprocess.run([*CLI, "generate", "--chat", "What is the capital of France?"],

@@ -116,3 +116,20 @@ def test_each_trained_drafting_step_computes_what_the_drafter_computes_there(tin
             for t in range(start + 1, p + 1):  # the chain, fed the true next tokens
                 g = _run(head, kv, attn, block_size, [Span(t, 1, table)], [int(ids[t + 1])], g)
             torch.testing.assert_close(g[0], outs[s - 1][0, p], rtol=1e-4, atol=1e-4)
+
+
+def test_the_loss_weighs_regression_and_cross_entropy_as_configured():
+    """feature_weight 0 leaves the cross-entropy alone (EAGLE-3's loss); the default adds the
+    smooth L1 regression at weight 1 beside cls_weight times the cross-entropy."""
+    from mxserve.worker.eagle_train import _losses
+
+    torch.manual_seed(0)
+    g, want, embed = torch.randn(6, 8), torch.randn(6, 8), torch.randn(11, 8)
+    mask = torch.ones(6, dtype=torch.bool)
+    ce = -((want @ embed.T).softmax(-1) * (g @ embed.T).log_softmax(-1)).sum(-1).mean()
+    reg = torch.nn.functional.smooth_l1_loss(g, want)
+    only_ce, _ = _losses(g, want, mask, embed, TrainConfig(cls_fraction=1.0, cls_weight=2.0,
+                                                            feature_weight=0.0))
+    both, _ = _losses(g, want, mask, embed, TrainConfig(cls_fraction=1.0))
+    torch.testing.assert_close(only_ce, 2.0 * ce)
+    torch.testing.assert_close(both, reg + 0.1 * ce)
