@@ -283,6 +283,21 @@ def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
         opt.load_state_dict(state["opt"])
         epoch0 = state["epoch"]
         log(f"train-draft: resuming after epoch {epoch0}")
+    # TF32 products on a GPU (the head is stored in bf16 anyway): the vocabulary-wide
+    # cross-entropy is most of a step
+    precision = torch.get_float32_matmul_precision()
+    if embed.device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    try:
+        _train_epochs(head, embed, samples, features, cfg, opt, params, epoch0, state_path)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    for p in head.parameters():
+        p.requires_grad_(False)
+
+
+def _train_epochs(head, embed, samples, features, cfg: TrainConfig, opt, params, epoch0: int,
+                  state_path: str | None) -> None:
     rng = random.Random(cfg.seed)
     batches = _batches(samples, cfg.batch_tokens)
     total = len(batches) * cfg.epochs
@@ -305,8 +320,6 @@ def train_head(head: EagleHead, embed: torch.Tensor, samples: list[Sample],
         if state_path:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
                         "epoch": epoch + 1}, state_path)
-    for p in head.parameters():
-        p.requires_grad_(False)
 
 
 def draft_vocab_ranking(samples: list[Sample]) -> torch.Tensor:
