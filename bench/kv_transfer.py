@@ -8,7 +8,9 @@
 - Transfer throughput: the pull's bytes over its time, the chunks over the holder's data port
   (kv_transfer.data_plane "socket", the default: cache to cache, no copy in Python) and in the
   gRPC stream ("grpc"), against a plain TCP socket copy of as many bytes between the same two
-  processes; Python gRPC's own ceiling between them (the
+  processes (from bytes in the holder's memory into a buffer of their size: `socket_copy_s`),
+  and for reference the loopback's ceiling (the zero page into a reused 8 MiB buffer, no
+  memory traffic); Python gRPC's own ceiling between them (the
   holder's Probe RPC: preallocated 2 MiB messages, no KV work, over 1 and 4 streams); and, in
   the receiver alone, the rates of the parts (gather, checksum, scatter).
 - Migration pause: two workers in this process behind the router's logic (router/ingress.py);
@@ -46,7 +48,11 @@ from mx_quality import kjv_tokens  # noqa: E402
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.cluster.kv_service import KVNode, TransferOptions  # noqa: E402
 from mxserve.cluster.worker import Worker  # noqa: E402
-from mxserve.worker.kv_transfer import checksum, measure_prefill_rate  # noqa: E402
+from mxserve.worker.kv_transfer import (  # noqa: E402
+    checksum,
+    engine_block_io,
+    measure_prefill_rate,
+)
 
 SIZES = (512, 2048, 8160)
 PLANES = ("socket", "grpc")  # kv_transfer.data_plane
@@ -75,17 +81,25 @@ def holder_main(sizes: list[int]) -> None:
     llm.generate(list(prefixes.values()), FIRST_TOKEN)
 
     sock = socket.create_server(("127.0.0.1", 0))
-    payload = bytes(256 << 20)
+    # "copy": bytes in memory, as many as asked (random, so every page is its own); "sink":
+    # one zero-filled buffer never written, whose pages all map the kernel's one zero page
+    # (always in cache), sent again and again
+    largest = max(sizes) // 16 * engine_block_io(llm.engine)[1].bytes_per_block
+    real = memoryview(torch.randint(0, 256, (largest,), dtype=torch.uint8).numpy())
+    zeros = memoryview(bytes(64 << 20))
 
-    def serve_socket() -> None:  # each connection: 8-byte length in, that many bytes out
+    def serve_socket() -> None:  # each connection: mode, 8-byte length in; the bytes out
         while True:
             conn, _ = sock.accept()
             with conn:
-                n = int.from_bytes(conn.recv(8), "little")
-                view = memoryview(payload)
+                mode = conn.recv(1)
+                n = int.from_bytes(_recv_n(conn, 8), "little")
+                if mode == b"c":
+                    conn.sendall(real[:n])
+                    continue
                 while n:
-                    k = min(n, len(payload))
-                    conn.sendall(view[:k])
+                    k = min(n, len(zeros))
+                    conn.sendall(zeros[:k])
                     n -= k
 
     threading.Thread(target=serve_socket, daemon=True).start()
@@ -105,17 +119,35 @@ def holder_main(sizes: list[int]) -> None:
 # ---- the receiver (this process) ------------------------------------------------------------
 
 
-def socket_copy_s(port: int, num_bytes: int) -> float:
-    buf = bytearray(8 << 20)
+def _recv_n(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = conn.recv(n - len(data))
+        if not more:
+            raise RuntimeError("socket closed early")
+        data += more
+    return data
+
+
+def socket_copy_s(port: int, num_bytes: int, mode: str) -> float:
+    """A plain TCP copy of num_bytes from the holder. "copy": from bytes in its memory into a
+    buffer of their size here (touched before, as a pool is): the same bytes' copy the
+    target compares with. "sink": from the zero page into one reused 8 MiB buffer: the
+    loopback's ceiling with no memory traffic, for reference."""
+    copy = mode == "copy"
+    buf = bytearray(num_bytes if copy else 8 << 20)
+    buf[::4096] = b"\x01" * len(range(0, len(buf), 4096))  # every page touched
+    view = memoryview(buf)
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as conn:
-        conn.sendall(num_bytes.to_bytes(8, "little"))
-        left = num_bytes
-        while left:
-            got = conn.recv_into(buf, min(len(buf), left))
+        conn.sendall(mode[0].encode() + num_bytes.to_bytes(8, "little"))
+        done = 0
+        while done < num_bytes:
+            into = view[done:] if copy else view[:min(len(buf), num_bytes - done)]
+            got = conn.recv_into(into)
             if not got:
                 raise RuntimeError("socket closed early")
-            left -= got
+            done += got
     return time.perf_counter() - start
 
 
@@ -169,15 +201,17 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
                     assert got == n // 16, (plane, got)
                 puller.options = options
             num_bytes = (n // 16) * layout.bytes_per_block
-            socket_s = statistics.median(socket_copy_s(holder["socket"], num_bytes)
+            socket_s = statistics.median(socket_copy_s(holder["socket"], num_bytes, "copy")
                                          for _ in range(args.reps))
+            sink_s = statistics.median(socket_copy_s(holder["socket"], num_bytes, "sink")
+                                       for _ in range(args.reps))
             est_pull, est_compute = puller.policy.estimate(holder["kv"], n // 16, layout)
             row = dict(prompt_tokens=n, bytes=num_bytes,
                        compute_ttft_s=round(statistics.median(compute), 4),
                        pull_ttft_s=round(statistics.median(pulled), 4),
                        pull_only_s=round(statistics.median(pull_only["socket"]), 4),
                        pull_only_grpc_s=round(statistics.median(pull_only["grpc"]), 4),
-                       socket_copy_s=round(socket_s, 4),
+                       socket_copy_s=round(socket_s, 4), socket_sink_s=round(sink_s, 4),
                        policy_estimate_s=dict(pull=round(est_pull, 4),
                                               compute=round(est_compute, 4)),
                        pulled_correctly=all(checks))
@@ -186,6 +220,8 @@ async def measure(args, holder: dict, prefixes: dict[int, list[int]]) -> dict:
             row["pull_gb_s"] = round(num_bytes / row["pull_only_s"] / 1e9, 3)
             row["socket_gb_s"] = round(num_bytes / socket_s / 1e9, 3)
             row["pull_vs_socket"] = round(socket_s / row["pull_only_s"], 3)
+            row["socket_sink_gb_s"] = round(num_bytes / sink_s / 1e9, 3)
+            row["pull_vs_socket_sink"] = round(sink_s / row["pull_only_s"], 3)
             row["pull_grpc_gb_s"] = round(num_bytes / row["pull_only_grpc_s"] / 1e9, 3)
             row["pull_grpc_vs_socket"] = round(socket_s / row["pull_only_grpc_s"], 3)
             rows.append(row)
@@ -353,15 +389,21 @@ def markdown(result: dict) -> str:
              f"two processes, one thread each, loopback. Prefill measured at start-up: "
              f"{result['prefill_tokens_per_s']} tokens/s. Medians of {result['reps']}.", "",
              "| prompt tokens | MB | TTFT compute s | TTFT pull s | speedup | pull alone s "
-             "| compute / pull | pull GB/s | socket GB/s | pull / socket | pull in gRPC GB/s "
-             "| in gRPC / socket |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| compute / pull | pull GB/s | socket copy GB/s | pull / copy | pull in gRPC GB/s "
+             "| in gRPC / copy | socket sink GB/s | pull / sink |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['prompt_tokens']} | {r['bytes'] / 1e6:.1f} | {r['compute_ttft_s']} "
                      f"| {r['pull_ttft_s']} | {r['ttft_speedup']}x | {r['pull_only_s']} | "
                      f"{r['pull_vs_compute']}x | {r['pull_gb_s']} | {r['socket_gb_s']} | "
                      f"{r['pull_vs_socket']} | {r['pull_grpc_gb_s']} | "
-                     f"{r['pull_grpc_vs_socket']} |")
+                     f"{r['pull_grpc_vs_socket']} | {r['socket_sink_gb_s']} | "
+                     f"{r['pull_vs_socket_sink']} |")
+    lines += ["", "Socket copy: the same number of bytes from memory in the holder (random bytes, "
+                  "every page its own) into a buffer of their size in the receiver (touched "
+                  "before, as a pool is): the target's plain copy. Socket sink: a zero-filled "
+                  "buffer (every page the kernel's one zero page, always in cache) into one "
+                  "reused 8 MiB buffer: the loopback's ceiling with no memory traffic."]
     p = result["parts_gb_s"]
     g = result["grpc_probe_gb_s"]
     lines += ["", f"Parts on one chunk's blocks, in one process (GB/s): gather {p['gather']}, "

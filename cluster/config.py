@@ -132,7 +132,10 @@ class KVTransfer(BaseModel):
     max_blocks: int = Field(8192, ge=1)  # blocks one pull may ask for
     min_pull_blocks: int = Field(2, ge=1)  # fewer missing blocks are computed, not pulled
     timeout_s: float = Field(30.0, gt=0)  # the longest a pull may take
-    num_streams: int = Field(4, ge=1, le=16)  # parallel streams of one pull
+    # parallel streams of one pull; None: one for every 4 cores the worker's process may run
+    # on, 1 to 4 (each stream keeps a thread busy on both ends for the whole transfer: on a
+    # small host more streams only take turns at the cores and the GIL)
+    num_streams: int | None = Field(None, ge=1, le=16)
     calibration_tokens: int = Field(512, ge=16)  # the start-up prefill the cost model times
     # the prefill rate the cost model assumes instead of timing one at start-up (tokens/s)
     prefill_tokens_per_s: float | None = Field(None, gt=0)

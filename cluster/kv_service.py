@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import socket
 import threading
 import time
@@ -74,13 +75,19 @@ class TransferOptions:
     min_pull_blocks: int = 2
     timeout_s: float = 30.0  # the longest a pull may take, whatever the estimate
     probe_bytes: int = 4 << 20  # a link's first measurement
-    num_streams: int = 4  # parallel streams of one pull (over consecutive block ranges)
+    num_streams: int | None = None  # parallel streams of one pull (over consecutive block
+    # ranges); None: default_num_streams()
     tls_cert: str | None = None  # PEM files: this worker's certificate and key, and the CA
     tls_key: str | None = None  # that signed every worker's (then mutual TLS)
     tls_ca: str | None = None
     encoding: str = "raw"  # what this worker's pulls ask for (worker/kv_transfer.ENCODINGS)
     checksum: str = "auto"  # what its exports send (worker/kv_transfer.checksum_kind)
     data_plane: str = "socket"  # how its pulls ask for the chunks: "socket" or "grpc"
+
+
+def default_num_streams() -> int:
+    """One stream a pull for every 4 cores this process may run on, 1 to 4."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
@@ -341,7 +348,8 @@ class KVPuller:
         blocks_per_chunk = max(1, self.options.chunk_bytes
                                // wire_bytes_per_block(self.layout, encoding))
         streams = split(self.io, self.layout, reservation,
-                        min(self.options.num_streams, -(-num_blocks // blocks_per_chunk)),
+                        min(self.options.num_streams or default_num_streams(),
+                            -(-num_blocks // blocks_per_chunk)),
                         encoding)
         pull_s, _ = self.policy.estimate(address, num_blocks, self.layout)
         timeout = min(self.options.timeout_s, max(1.0, 4 * pull_s))

@@ -126,7 +126,8 @@ def send_frames(conn: socket.socket, frames: Iterator[tuple[int, int, list, int]
     for first, n, parts, digest in frames:
         if stop.is_set():
             break
-        parts = [memoryview(p).cast("B") for p in parts]
+        parts = [p if type(p) is memoryview and p.format == "B" else memoryview(p).cast("B")
+                 for p in parts]
         size = sum(len(p) for p in parts)
         if digest is not None:
             _send_all(conn, [FRAME.pack(first, n, size), *parts, TRAILER.pack(digest)])
@@ -225,8 +226,9 @@ def _pieces(views: list[memoryview]) -> Iterator[list[memoryview]]:
     """The views in order, cut and grouped into pieces of about PIECE_BYTES."""
     piece, size = [], 0
     for view in views:
-        for lo in range(0, len(view), PIECE_BYTES):
-            part = view[lo:lo + PIECE_BYTES]
+        n = len(view)
+        for part in (view,) if n <= PIECE_BYTES else \
+                (view[lo:lo + PIECE_BYTES] for lo in range(0, n, PIECE_BYTES)):
             piece.append(part)
             size += len(part)
             if size >= PIECE_BYTES:
@@ -237,7 +239,8 @@ def _pieces(views: list[memoryview]) -> Iterator[list[memoryview]]:
 
 
 def _send_all(conn: socket.socket, parts: list) -> None:
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    views = [v for v in (p if type(p) is memoryview and p.format == "B" else
+                         memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
         views = _drop_front(views, conn.sendmsg(views[:512]))  # (512: under IOV_MAX)
 

@@ -201,10 +201,12 @@ class BlockIO:
         self.block_shape = self.caches[0].shape[1:]  # [block_size, num_kv_heads, head_dim]
         self._buffers: list[torch.Tensor] = []  # host staging buffers, reused (`_take`)
         self._lock = threading.Lock()
-        # a host pool's caches as numpy rows of bytes, one a block: `views` indexes these (a
-        # torch index a block and cache cost more than the bytes it names)
-        self._rows = [c.view(torch.uint8).numpy().reshape(c.shape[0], -1)
-                      for c in self.caches] if self.device.type == "cpu" else None
+        # a host pool's caches as flat byte views: `views` slices these (a slice of a
+        # memoryview costs far less than a torch or numpy index a block and cache)
+        self._flat = [memoryview(c.view(torch.uint8).numpy().reshape(-1)) for c in self.caches] \
+            if self.device.type == "cpu" and all(c.is_contiguous() for c in self.caches) \
+            else None
+        self._block_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
 
     def read(self, block_ids: Sequence[int]) -> bytes:
         return self._read(block_ids, False)[0]
@@ -212,20 +214,21 @@ class BlockIO:
     @property
     def has_views(self) -> bool:
         """Whether `views` can show the blocks in place (a pool in host memory)."""
-        return self._rows is not None
+        return self._flat is not None
 
     def views(self, block_ids: Sequence[int]) -> list[memoryview] | None:
         """The blocks' bytes in the canonical order as views of the cache itself (each cache's
         blocks in turn), for a socket to send from or receive into without a copy; None for a
         pool not in host memory."""
-        if self._rows is None:
+        if self._flat is None:
             return None
+        size = self._block_bytes
         runs, start = [], 0  # consecutive block ids: one view of each cache for the run
         for i in range(1, len(block_ids) + 1):
             if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-                runs.append((block_ids[start], block_ids[i - 1] + 1))
+                runs.append((block_ids[start] * size, (block_ids[i - 1] + 1) * size))
                 start = i
-        return [memoryview(rows[lo:hi]).cast("B") for rows in self._rows for lo, hi in runs]
+        return [flat[lo:hi] for flat in self._flat for lo, hi in runs]
 
     def read_summed(self, block_ids: Sequence[int]) -> tuple[bytes, int]:
         """`read`'s bytes and their WSUM64, summed on the pool's device before the copy out."""

@@ -312,7 +312,7 @@ def test_prefix_pulled_over_grpc_gives_the_same_tokens_and_later_requests_hit_it
     """The chunks over the holder's data port (socket: in place, from cache to cache, or
     staged where WSUM64 is asked) or in the gRPC stream."""
     async def main():
-        async with _workers(ckpt, checksum=checksum, data_plane=data_plane) as (
+        async with _workers(ckpt, checksum=checksum, data_plane=data_plane, num_streams=4) as (
                 (holder, receiver), (h_node, r_node)):
             assert (await _generate(holder, PROMPTS[0]))[0] == reference[0]
             got = await _generate(receiver, PROMPTS[1], _source(h_node))
@@ -700,7 +700,7 @@ def test_pull_over_mutual_tls_and_a_caller_without_a_certificate_is_refused(ckpt
     tls = _certificates(tmp_path)
 
     async def main():
-        async with _workers(ckpt, **tls) as ((holder, receiver), (h_node, r_node)):
+        async with _workers(ckpt, num_streams=4, **tls) as ((holder, receiver), (h_node, r_node)):
             await _generate(holder, PROMPTS[0])
             assert await _generate(receiver, PROMPTS[1], _source(h_node)) == (reference[1], 96)
             assert r_node.puller.counts["ok"] == 1
@@ -719,3 +719,11 @@ def test_pull_over_mutual_tls_and_a_caller_without_a_certificate_is_refused(ckpt
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert h_node.service.counts["served"] == 3  # the pull's 3 streams only
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_pull_runs_one_stream_for_every_four_cores(monkeypatch):
+    from mxserve.cluster import kv_service
+
+    for cores, streams in ((1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(kv_service.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert kv_service.default_num_streams() == streams, cores

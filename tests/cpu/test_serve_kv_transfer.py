@@ -63,7 +63,7 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
                                      stats_period_s=0.25),
                         # a slow prefill assumed: every pull beats computing (the measured
                         # rates of a tiny model decide by noise)
-                        kv_transfer=dict(enabled=True, chunk_bytes=16384,
+                        kv_transfer=dict(enabled=True, chunk_bytes=16384, num_streams=4,
                                          prefill_tokens_per_s=50.0))
     try:
         rng = random.Random(3)
