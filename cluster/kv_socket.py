@@ -126,8 +126,7 @@ def send_frames(conn: socket.socket, frames: Iterator[tuple[int, int, list, int]
     for first, n, parts, digest in frames:
         if stop.is_set():
             break
-        parts = [p if type(p) is memoryview and p.format == "B" else memoryview(p).cast("B")
-                 for p in parts]
+        parts = [_bytes_view(p) for p in parts]
         size = sum(len(p) for p in parts)
         if digest is not None:
             _send_all(conn, [FRAME.pack(first, n, size), *parts, TRAILER.pack(digest)])
@@ -226,9 +225,9 @@ def _pieces(views: list[memoryview]) -> Iterator[list[memoryview]]:
     """The views in order, cut and grouped into pieces of about PIECE_BYTES."""
     piece, size = [], 0
     for view in views:
-        n = len(view)
-        for part in (view,) if n <= PIECE_BYTES else \
-                (view[lo:lo + PIECE_BYTES] for lo in range(0, n, PIECE_BYTES)):
+        parts = [view] if len(view) <= PIECE_BYTES else \
+            [view[lo:lo + PIECE_BYTES] for lo in range(0, len(view), PIECE_BYTES)]
+        for part in parts:
             piece.append(part)
             size += len(part)
             if size >= PIECE_BYTES:
@@ -238,9 +237,13 @@ def _pieces(views: list[memoryview]) -> Iterator[list[memoryview]]:
         yield piece
 
 
+def _bytes_view(part) -> memoryview:
+    """part as a flat view of bytes (a byte view already: itself, not another view of it)."""
+    return part if type(part) is memoryview and part.format == "B" else memoryview(part).cast("B")
+
+
 def _send_all(conn: socket.socket, parts: list) -> None:
-    views = [v for v in (p if type(p) is memoryview and p.format == "B" else
-                         memoryview(p).cast("B") for p in parts) if len(v)]
+    views = [v for v in map(_bytes_view, parts) if len(v)]
     while views:
         views = _drop_front(views, conn.sendmsg(views[:512]))  # (512: under IOV_MAX)
 
