@@ -85,11 +85,12 @@ def test_workers_share_a_draft_replica_on_another_node_and_survive_its_death(
         before = _draft_stats(app.app_name)
         assert len(before) == 2 and all(s["num_failures"] == 0 for s in before)
 
-        # Kill the draft replica while long streams run.
+        # Kill the draft replica while long streams run (long enough to outlast the kill,
+        # which takes effect a moment after ray.kill returns).
         long_want = [o.token_ids for o in served.llm.generate(
-            prompts[:4], SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))]
+            prompts[:4], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))]
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(_answers, served, app.app_name, prompts[:4], 160)
+            pending = pool.submit(_answers, served, app.app_name, prompts[:4], 400)
             deadline = time.monotonic() + 60
             while sum(s["num_rounds"] for s in _draft_stats(app.app_name)) < \
                     sum(s["num_rounds"] for s in before) + 8:
