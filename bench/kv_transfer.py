@@ -47,6 +47,7 @@ from mx_quality import kjv_tokens  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.cluster.kv_service import KVNode, TransferOptions  # noqa: E402
+from mxserve.cluster.kv_socket import _recv_exact  # noqa: E402
 from mxserve.cluster.worker import Worker  # noqa: E402
 from mxserve.worker.kv_transfer import (  # noqa: E402
     checksum,
@@ -93,7 +94,7 @@ def holder_main(sizes: list[int]) -> None:
             conn, _ = sock.accept()
             with conn:
                 mode = conn.recv(1)
-                n = int.from_bytes(_recv_n(conn, 8), "little")
+                n = int.from_bytes(_recv_exact(conn, 8), "little")
                 if mode == b"c":
                     conn.sendall(real[:n])
                     continue
@@ -117,16 +118,6 @@ def holder_main(sizes: list[int]) -> None:
 
 
 # ---- the receiver (this process) ------------------------------------------------------------
-
-
-def _recv_n(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = conn.recv(n - len(data))
-        if not more:
-            raise RuntimeError("socket closed early")
-        data += more
-    return data
 
 
 def socket_copy_s(port: int, num_bytes: int, mode: str) -> float:
