@@ -40,7 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False,
-            ingress: bool = False, http: bool = False) -> dict:
+            ingress: bool = False, http: bool = False,
+            streams_per_token: int | None = None) -> dict:
     """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -67,7 +68,9 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
                          worker_resources=Resources(num_cpus=1),
                          router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
                          ingress="routers" if ingress else "proxy",
-                         **({"streaming": {"direct": True}} if direct else {}))
+                         streaming=dict(direct=direct, **(
+                             {"streams_per_token": streams_per_token} if streams_per_token
+                             else {})))
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
     try:
@@ -90,6 +93,7 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     tpot = [r["tpot_ms"] for r in reqs]
     ttft = [r["ttft_ms"] for r in reqs]
     return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct, "ingress": ingress,
+            "streaming": config.streaming.model_dump(),
             "api": "http" if http else "grpc",
             "concurrency": concurrency,
             "max_tokens": max_tokens, "requests": len(reqs),
@@ -191,6 +195,8 @@ def main() -> None:
                     help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
     ap.add_argument("--ingress", action="store_true",
                     help="this checkout with ServeConfig.ingress routers (else proxy)")
+    ap.add_argument("--streams-per-token", type=int,
+                    help="this checkout with ServeConfig.streaming.streams_per_token N")
     ap.add_argument("--http", action="store_true",
                     help="OpenAI's HTTP API instead of gRPC, for this run and the baseline")
     ap.add_argument("--out", default="/tmp/serve_stream.json")
@@ -198,11 +204,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.inner:  # a subprocess (revision.run_inner): one JSON line
         print(json.dumps(measure(args.concurrency, args.max_tokens, args.rounds, args.direct,
-                                 args.ingress, args.http)))
+                                 args.ingress, args.http, args.streams_per_token)))
         return
     inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
              "--rounds", str(args.rounds)] + ["--http"] * args.http
-    ours = run_inner(__file__, inner + ["--direct"] * args.direct + ["--ingress"] * args.ingress)
+    ours = run_inner(__file__, inner + ["--direct"] * args.direct + ["--ingress"] * args.ingress
+                     + (["--streams-per-token", str(args.streams_per_token)]
+                        if args.streams_per_token else []))
     base = run_inner(__file__, inner, args.baseline) if args.baseline else None
     commit = head_commit()
     result = {"bench": "serve_stream", "device": "CPU (2 cores)",

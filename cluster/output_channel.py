@@ -56,20 +56,26 @@ def frame(payload: object) -> bytes:
 
 class OutputReceiver:
     """The router's end: a listening socket on its event loop. `open(key)` before the Serve
-    call gives the queue that call's outputs land in; `close(key)` after it."""
+    call gives the queue that call's outputs land in; `close(key)` after it.
+
+    Each read off a connection hands on every whole frame it holds at once (`_Connection`):
+    frames are not left waiting in the socket while the loop serves other work. A backlog
+    there is latency every output behind it pays, and outputs already in a request's queue
+    go on to the client merged into one message, so a router that falls behind catches up."""
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(16)
         self.address: str | None = None  # host:port once started
         self._inboxes: dict[str, asyncio.Queue] = {}
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()  # the workers' open connections
+        self._transports: set[asyncio.Transport] = set()  # the workers' open connections
         self.num_connections = 0  # workers connected, in all
         self.num_rejected = 0  # connections dropped for a wrong token or a bad frame
         self.num_frames = 0
 
     async def start(self, host: str = "127.0.0.1") -> None:
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, 0)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{host}:{port}"
 
@@ -78,8 +84,8 @@ class OutputReceiver:
         router)."""
         if self._server is not None:
             self._server.close()
-        for writer in list(self._writers):
-            writer.close()
+        for transport in list(self._transports):
+            transport.close()
 
     def target(self, key: str) -> dict:
         """The `stream_to` a worker sends this key's outputs by."""
@@ -93,38 +99,63 @@ class OutputReceiver:
     def close(self, key: str) -> None:
         self._inboxes.pop(key, None)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    def _deliver(self, items: list) -> None:
+        self.num_frames += 1
+        for key, data in items:
+            inbox = self._inboxes.get(key)
+            if inbox is not None:  # (a closed call's late outputs go nowhere)
+                inbox.put_nowait(decode_output(data))
+
+
+class _Connection(asyncio.Protocol):
+    """One worker's connection: its token frame, then frames of [key, output] pairs."""
+
+    def __init__(self, receiver: OutputReceiver) -> None:
+        self.receiver = receiver
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.authenticated = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.receiver._transports.add(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.receiver._transports.discard(self.transport)  # the worker's Serve calls say why
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        start = 0
         try:
-            if await _read_frame(reader) != self.token:
-                self.num_rejected += 1
-                return
-            self.num_connections += 1
-            while True:
-                items = await _read_frame(reader)
-                self.num_frames += 1
-                for key, data in items:
-                    inbox = self._inboxes.get(key)
-                    if inbox is not None:  # (a closed call's late outputs go nowhere)
-                        inbox.put_nowait(decode_output(data))
-                # A read of buffered bytes does not yield: with frames queued this loop would
-                # run on while new requests and the streams it feeds wait.
-                await asyncio.sleep(0)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the worker went away: its Serve calls say why
+            while len(buffer) - start >= _LEN.size:
+                (n,) = _LEN.unpack_from(buffer, start)
+                if n > MAX_FRAME:
+                    raise ValueError(f"frame of {n} bytes")
+                if len(buffer) - start - _LEN.size < n:
+                    break
+                body = start + _LEN.size
+                payload = msgpack.unpackb(buffer[body:body + n])
+                start = body + n
+                if self.authenticated:
+                    self.receiver._deliver(payload)
+                elif payload == self.receiver.token:
+                    self.authenticated = True
+                    self.receiver.num_connections += 1
+                else:
+                    self.receiver.num_rejected += 1
+                    self._drop()
+                    return
         except Exception as e:  # a malformed frame: drop the connection
-            self.num_rejected += 1
+            self.receiver.num_rejected += 1
             logger.warning("output channel: dropped a connection (%r)", e)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
+            self._drop()
+            return
+        del buffer[:start]
 
-
-async def _read_frame(reader: asyncio.StreamReader) -> object:
-    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if n > MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes")
-    return msgpack.unpackb(await reader.readexactly(n))
+    def _drop(self) -> None:
+        self.buffer.clear()
+        self.transport.close()
 
 
 class OutputSender:

@@ -226,3 +226,46 @@ def test_the_receiver_drops_a_connection_without_its_token():
     closed, empty, out, rejected, connections = asyncio.run(run())
     assert closed and empty and rejected == 1 and connections == 1
     assert out.new_token_ids == [3] and out.finished
+
+
+def test_the_receiver_hands_on_every_frame_a_read_brings_at_once():
+    """Frames that arrive together reach their queues together: none waits in the socket for
+    later turns of the loop (a backlog there delays every output behind it, and outputs
+    already queued go on merged). A frame split across reads arrives whole."""
+    from mxserve.api.outputs import StepOutput, encode_output
+
+    def out(i: int, last: bool = False) -> bytes:
+        return encode_output(StepOutput("r", [i], None, last, "length" if last else None, 1,
+                                        0, i + 1))
+
+    async def run():
+        receiver = OutputReceiver()
+        await receiver.start()
+        inboxes = [receiver.open(f"k{j}") for j in range(4)]
+        host, port = receiver.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        burst = frame(receiver.token) + b"".join(
+            frame([[f"k{j}", out(i)] for j in range(4)]) for i in range(50))
+        writer.write(burst)
+        await writer.drain()
+        await asyncio.wait_for(inboxes[0].get(), 5)
+        together = [inbox.qsize() for inbox in inboxes]  # no await since the first came
+        whole = frame([["k0", out(99, last=True)]])
+        writer.write(whole[:7])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        early = inboxes[0].qsize()
+        writer.write(whole[7:])
+        await writer.drain()
+        while inboxes[0].qsize() < 50:
+            await asyncio.sleep(0.01)
+        items = [inboxes[0].get_nowait() for _ in range(50)]
+        writer.close()
+        receiver.close_server()
+        return together, early, items, receiver.num_frames
+
+    together, early, items, num_frames = asyncio.run(run())
+    assert together == [49, 50, 50, 50]
+    assert early == 49  # half a frame delivers nothing
+    assert [o.new_token_ids for o in items] == [[i] for i in range(1, 50)] + [[99]]
+    assert items[-1].finished and num_frames == 51
