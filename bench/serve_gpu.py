@@ -393,8 +393,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=16.0)
     ap.add_argument("--clients", type=int, default=8, help="load-generating processes")
     ap.add_argument("--routers", type=int, default=1, help="router replicas")
-    ap.add_argument("--streams-per-token", type=int, default=32,
-                    help="ServeConfig.streaming: one more token a message per this many streams")
+    ap.add_argument("--streams-per-token", type=int, default=8,
+                    help="ServeConfig.streaming: one more token a message per this many streams "
+                         "(the config's default: 8)")
     ap.add_argument("--max-tokens-per-message", type=int, default=16)
     ap.add_argument("--b1-requests", type=int, default=8)
     ap.add_argument("--variants", default="serve",

@@ -8,8 +8,10 @@ ignore_eos), on a local Ray with 1 worker replica and 1 router, as `mxserve serv
 
 Reported per run: output tokens/s over all streams, messages a request received, TTFT and the
 time per output token (p50/p99). `--baseline REV` runs the same measurement from a git worktree
-of REV in a subprocess (its own Ray), one after the other, and reports ratios. `--direct`
-runs this checkout with ServeConfig.streaming.direct (cluster/output_channel.py). This checkout
+of REV in a subprocess (its own Ray), one after the other, and reports ratios, REV with
+`--baseline-args` (e.g. "--ingress"). `--direct` / `--no-direct` run this checkout with
+ServeConfig.streaming.direct on / off (cluster/output_channel.py; default: the config's), and
+`--streams-per-token N` with that coalescing. This checkout
 goes through Serve's proxies (ServeConfig.ingress "proxy") unless `--ingress`: the router
 answers the ports itself ("routers", cluster/router_grpc.py and router_http.py). `--http`
 streams over OpenAI's HTTP API (/v1/completions, SSE; aiohttp clients) instead of gRPC.
@@ -17,6 +19,7 @@ streams over OpenAI's HTTP API (/v1/completions, SSE; aiohttp clients) instead o
     python bench/serve_stream.py --baseline 42e0fa9 --out bench/results/serve_stream.json
     python bench/serve_stream.py --direct --baseline HEAD --out ...   # direct vs Serve stream
     python bench/serve_stream.py --direct --ingress --baseline HEAD --out ...
+    python bench/serve_stream.py --ingress --baseline REV --baseline-args=--ingress --out ...
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from revision import head_commit, run_inner, write_result  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False,
+def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool | None = None,
             ingress: bool = False, http: bool = False,
             streams_per_token: int | None = None) -> dict:
     """Start Ray + the app with the tiny model, run `rounds` waves of `concurrency` streams."""
@@ -68,9 +71,8 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
                          worker_resources=Resources(num_cpus=1),
                          router_resources=Resources(num_cpus=0.5), proxy_location="HeadOnly",
                          ingress="routers" if ingress else "proxy",
-                         streaming=dict(direct=direct, **(
-                             {"streams_per_token": streams_per_token} if streams_per_token
-                             else {})))
+                         streaming={k: v for k, v in (("direct", direct), (
+                             "streams_per_token", streams_per_token)) if v is not None})
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20,
              log_to_driver=False)
     try:
@@ -92,7 +94,8 @@ def measure(concurrency: int, max_tokens: int, rounds: int, direct: bool = False
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     tpot = [r["tpot_ms"] for r in reqs]
     ttft = [r["ttft_ms"] for r in reqs]
-    return {"mxserve": os.path.dirname(mxserve.__file__), "direct": direct, "ingress": ingress,
+    return {"mxserve": os.path.dirname(mxserve.__file__), "direct": config.streaming.direct,
+            "ingress": ingress,
             "streaming": config.streaming.model_dump(),
             "api": "http" if http else "grpc",
             "concurrency": concurrency,
@@ -191,14 +194,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", help="a git revision measured the same way, for ratios")
-    ap.add_argument("--direct", action="store_true",
-                    help="this checkout with ServeConfig.streaming.direct (the baseline as is)")
+    ap.add_argument("--direct", action=argparse.BooleanOptionalAction, default=None,
+                    help="this checkout with ServeConfig.streaming.direct on / off (default: "
+                         "the config's default; the baseline as is)")
     ap.add_argument("--ingress", action="store_true",
                     help="this checkout with ServeConfig.ingress routers (else proxy)")
     ap.add_argument("--streams-per-token", type=int,
                     help="this checkout with ServeConfig.streaming.streams_per_token N")
     ap.add_argument("--http", action="store_true",
                     help="OpenAI's HTTP API instead of gRPC, for this run and the baseline")
+    ap.add_argument("--baseline-args", default="",
+                    help="the baseline run's own flags, e.g. '--ingress'")
     ap.add_argument("--out", default="/tmp/serve_stream.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -208,10 +214,12 @@ def main() -> None:
         return
     inner = ["--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
              "--rounds", str(args.rounds)] + ["--http"] * args.http
-    ours = run_inner(__file__, inner + ["--direct"] * args.direct + ["--ingress"] * args.ingress
+    direct = [] if args.direct is None else ["--direct" if args.direct else "--no-direct"]
+    ours = run_inner(__file__, inner + direct + ["--ingress"] * args.ingress
                      + (["--streams-per-token", str(args.streams_per_token)]
                         if args.streams_per_token else []))
-    base = run_inner(__file__, inner, args.baseline) if args.baseline else None
+    base = (run_inner(__file__, inner + args.baseline_args.split(), args.baseline)
+            if args.baseline else None)
     commit = head_commit()
     result = {"bench": "serve_stream", "device": "CPU (2 cores)",
               "date": datetime.date.today().isoformat(),
@@ -235,7 +243,9 @@ def main() -> None:
                  f"baseline {args.baseline})\n\n`{result['command']}`: {args.concurrency} "
                  f"concurrent streams of {args.max_tokens} tokens, {args.rounds} waves, tiny "
                  f"model (1 layer), 1 worker + 1 router on local Ray"
-                 f"{'; this run with streaming.direct' if args.direct else ''}"
+                 f"; this run with streaming.direct {ours['direct']}, streams_per_token "
+                 f"{ours['streaming']['streams_per_token']}"
+                 f"{'; the baseline with ' + args.baseline_args if args.baseline_args else ''}"
                  f"{'; this run through the router port' if args.ingress else ''}"
                  f"{'; OpenAI HTTP API (SSE), both runs' if args.http else ''}.\n\n"
                  + "\n".join(lines) + f"\n\nNo regression (10% slack): "

@@ -195,13 +195,14 @@ def _serve_parser(sub) -> None:
                         "served path up with the engine: bench/results/serve_gpu.md)")
     p.add_argument("--streams-per-token", type=int, default=None,
                    help="under load a stream's message carries one more token per this many "
-                        "streams running (default 32; docs/serving.md)")
+                        "streams running (default 8; docs/serving.md)")
     p.add_argument("--max-tokens-per-message", type=int, default=None,
                    help="the most tokens a message carries under load (default 16; 1: one "
                         "token a message)")
     p.add_argument("--direct-streams", action=argparse.BooleanOptionalAction, default=None,
                    help="workers send outputs to the routers over TCP, not as Serve stream "
-                        "messages (streaming.direct; default off; docs/serving.md)")
+                        "messages (streaming.direct; default on unless kv_transfer uses TLS; "
+                        "docs/serving.md)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")

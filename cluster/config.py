@@ -173,12 +173,13 @@ class Streaming(BaseModel):
     `max_tokens_per_message` (1: every token its own message). A lone stream always gets each
     token at once. direct: the messages go from each worker's engine thread to the router over
     one TCP connection a (worker, router) pair, a frame a step, instead of as Serve stream
-    messages (cluster/output_channel.py)."""
+    messages (cluster/output_channel.py); on unless set off, or unless kv_transfer.tls_cert
+    asks for encrypted traffic between nodes (the channel is plain TCP)."""
 
     model_config = ConfigDict(extra="forbid")
-    streams_per_token: int = Field(32, ge=1)
+    streams_per_token: int = Field(8, ge=1)
     max_tokens_per_message: int = Field(16, ge=1)
-    direct: bool = False
+    direct: bool = True
 
 
 class Limits(BaseModel):
@@ -271,8 +272,11 @@ class ServeConfig(BaseModel):
             raise ValueError(f"grpc_port ({self.grpc_port}), http_port ({self.http_port}) and "
                              f"metrics_port ({self.metrics_port}) must differ")
         if self.streaming.direct and self.kv_transfer.tls_cert is not None:
-            raise ValueError("streaming.direct sends outputs over plain TCP: leave it off where "
-                             "kv_transfer.tls_cert asks for encrypted traffic between nodes")
+            if "direct" in self.streaming.model_fields_set:
+                raise ValueError("streaming.direct sends outputs over plain TCP: leave it off "
+                                 "where kv_transfer.tls_cert asks for encrypted traffic between "
+                                 "nodes")
+            self.streaming.direct = False  # (the default gives way to TLS)
         return self
 
     @classmethod

@@ -160,10 +160,14 @@ class _Connection(asyncio.Protocol):
 
 class OutputSender:
     """The worker's end for one router: a thread (from `start()`) that connects, presents the
-    token, then writes the frames `send` queues (called on the engine thread; it never blocks
-    there). When the connection fails, or the router hangs up (seen within IDLE_CHECK_S while
-    idle), `on_failure(error)` is called once (on the sender's thread) and later sends are
-    dropped: the worker fails the requests bound to it and forgets the sender."""
+    token, then writes what `send` could not. `send` (called on the engine thread; it never
+    blocks there) writes a frame itself when nothing waits before it and the socket takes it
+    whole at once, else queues it for the thread, in order: a frame waits for no hand-over to
+    another thread (which, under the GIL the engine thread holds while it steps, may take up
+    to the interpreter's switch interval). When the connection fails, or the router hangs up
+    (seen within IDLE_CHECK_S while idle), `on_failure(error)` is called once (on the sender's
+    thread) and later sends are dropped: the worker fails the requests bound to it and forgets
+    the sender."""
 
     def __init__(self, address: str, token: str,
                  on_failure: Callable[[Exception], None] | None = None,
@@ -172,10 +176,13 @@ class OutputSender:
         self.on_failure = on_failure
         self.connect_timeout_s = connect_timeout_s
         self.failed: Exception | None = None
-        self._pending: list[bytes] = []
+        self._pending: list[bytes] = []  # for the thread to write, in order
         self._cond = threading.Condition()
         self._closing = False
+        self._sock: socket.socket | None = None  # once the token is sent, until the thread ends
+        self._writing = False  # the thread is writing what it took from _pending
         self.num_frames = 0
+        self.num_written_by_caller = 0  # frames `send` wrote itself
         self._thread = threading.Thread(target=self._run, name=f"mxserve-out-{address}",
                                         daemon=True)
 
@@ -183,11 +190,21 @@ class OutputSender:
         self._thread.start()
 
     def send(self, items: list) -> None:
-        """Queue one frame of [key, encoded output] pairs."""
+        """Write (or queue) one frame of [key, encoded output] pairs."""
         if self.failed is not None:
             return
         data = frame(items)
         with self._cond:
+            self.num_frames += 1
+            if self._sock is not None and not self._pending and not self._writing:
+                try:
+                    written = self._sock.send(data, _DONTWAIT)
+                except OSError:  # full (BlockingIOError), or broken: the thread's write
+                    written = 0  # then fails the channel
+                if written == len(data):
+                    self.num_written_by_caller += 1
+                    return
+                data = data[written:]
             self._pending.append(data)
             self._cond.notify()
 
@@ -204,6 +221,8 @@ class OutputSender:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frame(self.token))
+            with self._cond:
+                self._sock = sock if _DONTWAIT else None  # (no per-call non-blocking: queue)
             while True:
                 with self._cond:
                     while not self._pending and not self._closing:
@@ -212,14 +231,22 @@ class OutputSender:
                     if not self._pending:  # closing, everything sent
                         return
                     batch, self._pending = self._pending, []
-                sock.sendall(b"".join(batch))
-                self.num_frames += len(batch)
+                    self._writing = True
+                try:
+                    sock.sendall(b"".join(batch))
+                finally:
+                    with self._cond:
+                        self._writing = False
         except Exception as e:  # refused, reset, timed out
             self.failed = e
             logger.warning("output channel to %s failed: %r", self.address, e)
             if self.on_failure is not None:
                 self.on_failure(e)
         finally:
+            with self._cond:
+                self._sock = None
             if sock is not None:
                 sock.close()
 
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # a send that never blocks (Linux, macOS)

@@ -42,7 +42,7 @@ class Worker:
 
     def __init__(self, engine: Engine, max_queued_requests: int, worker_id: str = "worker",
                  node_id: str = "", stall_timeout_s: float = 60.0,
-                 streams_per_token: int = 32, max_tokens_per_message: int = 16) -> None:
+                 streams_per_token: int = 8, max_tokens_per_message: int = 16) -> None:
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine

@@ -269,3 +269,54 @@ def test_the_receiver_hands_on_every_frame_a_read_brings_at_once():
     assert early == 49  # half a frame delivers nothing
     assert [o.new_token_ids for o in items] == [[i] for i in range(1, 50)] + [[99]]
     assert items[-1].finished and num_frames == 51
+
+
+def test_the_sender_writes_from_the_callers_thread_and_keeps_order_when_the_socket_fills():
+    """`send` writes a frame itself when the socket takes it at once; once a router stops
+    reading and the socket fills, frames queue for the sender's thread, and every frame still
+    arrives once, in order, when it reads again."""
+    import struct
+    import threading
+
+    import msgpack
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    host, port = listener.getsockname()
+    address = f"{host}:{port}"
+    got, go = [], threading.Event()
+
+    def router():
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as f:
+            go.wait(10)
+            while True:
+                head = f.read(4)
+                if len(head) < 4:
+                    return
+                got.append(msgpack.unpackb(f.read(struct.unpack("!I", head)[0])))
+
+    reader = threading.Thread(target=router, daemon=True)
+    reader.start()
+    sender = OutputSender(address, "t")
+    sender.start()
+    for _ in range(500):  # connected and the token sent
+        if sender._sock is not None:
+            break
+        threading.Event().wait(0.01)
+    sender.send([["k", b"first"]])
+    inline_at_first = sender.num_written_by_caller
+    blob = bytes(64 << 10)
+    for i in range(400):  # 25 MiB: more than loopback's socket buffers hold
+        sender.send([["k", i.to_bytes(4, "big") + blob]])
+    queued = sender.num_frames - sender.num_written_by_caller
+    go.set()
+    sender.close()
+    sender._thread.join(30)
+    reader.join(30)
+    listener.close()
+    assert inline_at_first == 1 and queued > 0
+    assert got[0] == "t" and got[1] == [["k", b"first"]]
+    assert [int.from_bytes(f[0][1][:4], "big") for f in got[2:]] == list(range(400))
+    assert sender.failed is None

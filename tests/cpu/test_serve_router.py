@@ -480,11 +480,15 @@ def test_serve_config_defaults_and_checks(tmp_path):
     assert config.worker_resources.num_cpus == 2 and config.grpc_port == 9100
 
 
-def test_direct_streams_refuse_a_tls_cluster():
+def test_direct_streams_are_on_unless_set_off_or_tls_is_on():
+    tls = {"enabled": True, "tls_cert": "c.pem", "tls_key": "k.pem"}
     with pytest.raises(ValueError, match="streaming.direct"):
-        ServeConfig(streaming={"direct": True}, kv_transfer={
-            "enabled": True, "tls_cert": "c.pem", "tls_key": "k.pem"})
-    assert ServeConfig(streaming={"direct": True}).streaming.direct
+        ServeConfig(streaming={"direct": True}, kv_transfer=tls)
+    assert ServeConfig().streaming.direct
+    assert not ServeConfig(kv_transfer=tls).streaming.direct  # the default gives way to TLS
+    again = ServeConfig(**ServeConfig(kv_transfer=tls).model_dump())  # and stays off
+    assert not again.streaming.direct
+    assert not ServeConfig(streaming={"direct": False}).streaming.direct
 
 
 def test_serve_cli_builds_the_config(monkeypatch):
@@ -538,13 +542,13 @@ def test_build_app_turns_the_config_into_deployment_options():
     limits, digests, admission, migration_limit, direct, own_ports = router.init_args[5:]
     assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
     assert admission == {"num_routers": 1, "retry_after_s": 1.0} and migration_limit == 3
-    assert direct is False  # outputs as Serve stream messages unless streaming.direct
+    assert direct is True  # outputs over the routers' output channels unless set off
     assert own_ports == {"grpc": 9000, "http": 8000, "route_prefix": "/", "timeout_s": None,
                          "grace_s": 300.0}  # ingress "routers": the routers serve the ports
     proxied = build_app(config.model_copy(update=dict(ingress="proxy")))._bound_deployment
     assert proxied.init_args[-1] is None  # Serve's proxies serve them
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
-    assert worker.init_args[-1] == {"streams_per_token": 32, "max_tokens_per_message": 16}
+    assert worker.init_args[-1] == {"streams_per_token": 8, "max_tokens_per_message": 16}
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
 
