@@ -41,7 +41,18 @@ class OutputStream:
 
     def add(self, token_ids: Sequence[int], worker_finish_reason: str | None) -> int:
         """Take one worker step's tokens (the reason, if any, belongs to the last one). Returns
-        how many of them count: fewer when a stop string ends the request early."""
+        how many of them count: fewer when a stop string ends the request early. Without stop
+        strings nothing can end between them: the step's tokens are detokenized as one window
+        (two decodes a message rather than two a token, on the router's event loop)."""
+        if not self.params.stop and len(token_ids) > 1:
+            if self._detok is not None:
+                self.text += self._detok.step(token_ids)
+            self.num_tokens += len(token_ids)
+            if worker_finish_reason == "stop":
+                self._finish("stop", self._stop_token(token_ids[-1]))
+            elif worker_finish_reason is not None:
+                self._finish(worker_finish_reason, None)
+            return len(token_ids)
         for i, token in enumerate(token_ids):
             last = i == len(token_ids) - 1
             self._add_token(token, worker_finish_reason if last else None)

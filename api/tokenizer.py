@@ -191,10 +191,15 @@ class IncrementalDetokenizer:
         self._read = 0  # ids before this index have been emitted as text
 
     def step(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids`; return the text they complete ("" when it is held back)."""
+        """Append `new_ids`; return the text they complete ("" when it is held back). Several
+        ids decode as one window, unless they end inside a character: then id by id, so the
+        complete characters before it go now, as steps of one id each would send them."""
         self.output_ids.extend(new_ids)
         prefix_text = self._decode(self.output_ids[self._prefix:self._read])
         text = self._decode(self.output_ids[self._prefix:])
+        if text.endswith("\ufffd") and len(new_ids) > 1:
+            del self.output_ids[-len(new_ids):]
+            return "".join(self.step([i]) for i in new_ids)
         if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self.output_ids)

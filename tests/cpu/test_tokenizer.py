@@ -235,3 +235,34 @@ def test_detokenizer_metaspace_tokenizer(tmp_path):
         ids = [rng.randrange(ours_sp.vocab_size) for _ in range(rng.randint(1, 30))]
         deltas, tail = _stream(ours_sp, ids, rng)
         assert "".join(deltas) + tail == ours_sp.decode(ids)
+
+
+def test_output_stream_takes_a_message_of_tokens_as_token_by_token(ours):
+    """Without stop strings a message's tokens are detokenized as one window: the text sent
+    at each message, the finish reason and the stop id equal feeding them one at a time."""
+    from mxserve.api.sampling_params import SamplingParams
+    from mxserve.api.stream import OutputStream
+
+    rng = random.Random(3)
+    text = "Grüße 🙂👍🏽 你好世界 — ok 👨‍👩‍👧 and plain words after it."
+    for trial in range(200):
+        ids = (ours.encode(text) if trial % 3 == 0 else
+               [rng.randrange(ours.vocab_size) for _ in range(rng.randint(2, 40))])
+        reason = ("stop", "length", None)[trial % 3]
+        params = SamplingParams(stop_token_ids=[ids[-1]] if trial % 2 else [],
+                                skip_special_tokens=trial % 4 != 0)
+        whole, single = (OutputStream(ours, [1], params, eos_token_ids=[2]) for _ in range(2))
+        sent_whole, sent_single, i = [], [], 0
+        while i < len(ids):
+            n = rng.randint(1, 8)
+            batch = ids[i:i + n]
+            i += n
+            last = reason if i >= len(ids) else None
+            assert whole.add(batch, last) == len(batch)
+            for j, token in enumerate(batch):
+                single.add([token], last if j == len(batch) - 1 else None)
+            sent_whole.append(whole.take_text())
+            sent_single.append(single.take_text())
+        assert sent_whole == sent_single
+        assert (whole.text, whole.finish_reason, whole.stop_reason, whole.num_tokens) == (
+            single.text, single.finish_reason, single.stop_reason, single.num_tokens)
