@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a device machine (the `device` tool; its image has torch, triton and grpcio but no Ray):
+# make mxserve importable with the wheels carried in .whl, then run the command given.
+# Build .whl here first:
+#   bash ../shared/tools/gpu-wheels.sh .whl
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl msgpack xxhash "protobuf>=7.35.1,<8"
+# and move .whl/bin (redis-server, 12 MB) aside unless the run needs Redis: the tree and the
+# carried folders must stay under 64 MiB. Then, e.g. (carry [".whl"]):
+#   bash bench/lib/on_device.sh python3 bench/serve_gpu.py --routers 2 \
+#     --variants ingress_direct,ingress --out $OUT/serve_gpu.json
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ ! -d .site ]; then  # (kept between calls to a warm machine: it is ignored by git)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$PWD/.site" .whl/*.whl
+fi
+mkdir -p /tmp/pk && ln -sfn "$PWD" /tmp/pk/mxserve  # the repository root is the package
+export PYTHONPATH="/tmp/pk:$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+"$@"
