@@ -44,18 +44,12 @@ class OutputStream:
         how many of them count: fewer when a stop string ends the request early. Without stop
         strings nothing can end between them: the step's tokens are detokenized as one window
         (two decodes a message rather than two a token, on the router's event loop)."""
-        if not self.params.stop and len(token_ids) > 1:
-            if self._detok is not None:
-                self.text += self._detok.step(token_ids)
-            self.num_tokens += len(token_ids)
-            if worker_finish_reason == "stop":
-                self._finish("stop", self._stop_token(token_ids[-1]))
-            elif worker_finish_reason is not None:
-                self._finish(worker_finish_reason, None)
+        if not self.params.stop and token_ids:
+            self._add_tokens(token_ids, worker_finish_reason)
             return len(token_ids)
         for i, token in enumerate(token_ids):
             last = i == len(token_ids) - 1
-            self._add_token(token, worker_finish_reason if last else None)
+            self._add_tokens([token], worker_finish_reason if last else None)
             if self.finished:
                 return i + 1
         return len(token_ids)
@@ -68,14 +62,16 @@ class OutputStream:
         self.num_text_sent = end
         return delta
 
-    def _add_token(self, token: int, worker_reason: str | None) -> None:
+    def _add_tokens(self, tokens: Sequence[int], worker_reason: str | None) -> None:
+        """Tokens no stop string can end between (one, when the request has stop strings);
+        the worker's reason belongs to the last."""
         params = self.params
         text_start = len(self.text)
         if self._detok is not None:
-            self.text += self._detok.step([token])
-        self.num_tokens += 1
+            self.text += self._detok.step(tokens)
+        self.num_tokens += len(tokens)
         if worker_reason == "stop":
-            self._finish("stop", self._stop_token(token))
+            self._finish("stop", self._stop_token(tokens[-1]))
             return
         if params.stop and self.num_tokens >= params.min_tokens:
             match = find_stop_string(self.text, text_start, params.stop,

@@ -276,7 +276,8 @@ class ServeConfig(BaseModel):
                 raise ValueError("streaming.direct sends outputs over plain TCP: leave it off "
                                  "where kv_transfer.tls_cert asks for encrypted traffic between "
                                  "nodes")
-            self.streaming.direct = False  # (the default gives way to TLS)
+            # the default gives way to TLS (a copy: the caller's Streaming stays as given)
+            self.streaming = self.streaming.model_copy(update={"direct": False})
         return self
 
     @classmethod

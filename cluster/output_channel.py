@@ -5,8 +5,9 @@ Why: every message of a Serve stream costs Python work in the worker's process (
 event loop wakes the request's task, Serve and Ray core hand the item on), and that process's
 GIL is the one the engine thread steps with; served on a GPU the worker's steps waited ~2 ms for
 it (bench/results/serve_gpu.engine_loop.md). Here the engine thread itself packs each step's
-due outputs (cluster/worker.py's coalescing, unchanged) into one frame a router and a sender
-thread writes it: no event-loop wake-up and no Serve message per output.
+due outputs (cluster/worker.py's coalescing, unchanged) into one frame a router and writes it
+(a sender thread writes what the socket does not take at once): no event-loop wake-up and no
+Serve message per output.
 
 The Serve call stays, carrying what it did apart from the tokens: routing (the request router
 picks the worker for the `generate` call), admission errors (raised before any output), the

@@ -489,6 +489,10 @@ def test_direct_streams_are_on_unless_set_off_or_tls_is_on():
     again = ServeConfig(**ServeConfig(kv_transfer=tls).model_dump())  # and stays off
     assert not again.streaming.direct
     assert not ServeConfig(streaming={"direct": False}).streaming.direct
+    from mxserve.cluster.config import Streaming
+    given = Streaming()
+    assert not ServeConfig(streaming=given, kv_transfer=tls).streaming.direct
+    assert given.direct  # the caller's object is left as it was
 
 
 def test_serve_cli_builds_the_config(monkeypatch):
