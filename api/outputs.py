@@ -3,6 +3,7 @@ the text is made from them by api/stream.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -55,18 +56,23 @@ class ResumeState:
     worker_lost: bool = False
 
 
-def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
-    """One delta for two consecutive ones of a request: tokens and logprobs joined, the
-    state (finished, reason, counts) of the later, the prompt logprobs of whichever has them
-    (the earlier: they come with the first token)."""
-    logprobs = None if first.new_logprobs is None and then.new_logprobs is None else \
-        (first.new_logprobs or []) + (then.new_logprobs or [])
+def merge_outputs(outs: Sequence[StepOutput]) -> StepOutput:
+    """One delta for consecutive ones of a request (at least one): tokens and logprobs joined
+    in one pass, the state (finished, reason, counts) of the last, the prompt logprobs of the
+    first that has them (they come with the first token)."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    logprobs = None
+    if any(o.new_logprobs is not None for o in outs):
+        logprobs = [lp for o in outs if o.new_logprobs is not None for lp in o.new_logprobs]
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
+                           None)
     return StepOutput(
-        then.request_id, first.new_token_ids + then.new_token_ids,
-        logprobs, then.finished, then.finish_reason, then.num_prompt_tokens,
-        then.num_cached_tokens, then.num_output_tokens, then.num_drafts,
-        then.num_draft_tokens, then.num_accepted_tokens, then.resume,
-        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+        last.request_id, [t for o in outs for t in o.new_token_ids], logprobs, last.finished,
+        last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
+        last.num_output_tokens, last.num_drafts, last.num_draft_tokens,
+        last.num_accepted_tokens, last.resume, prompt_logprobs)
 
 
 def encode_output(out: StepOutput) -> bytes:

@@ -31,7 +31,9 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -287,7 +289,11 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False,
         load(config, list(zip(*warm)), args.clients, raw=True)  # the in-process warm-up
         worker = serve.get_deployment_handle(WORKER, config.app_name)
         before, cpu_before = worker.audit.remote().result(), ray_process_cpu()
+        spy = start_py_spy(args.py_spy, before["pid"], args.out, ingress, direct)
         out = {"mix": load(config, list(zip(*mix)), args.clients)}
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile when interrupted
+            spy.wait(timeout=60)
         after, cpu_after = worker.audit.remote().result(), ray_process_cpu()
         out["mix"]["process_cpu_s"] = {  # the served path's processes over the mix
             title: round(cpu_after[title] - cpu_before.get(title, 0.0), 2)
@@ -295,12 +301,30 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False,
         out["mix"]["engine_loop"] = loop_delta(before["engine_loop"], after["engine_loop"])
         out["mix"]["worker_process_cpu_s"] = round(
             after["process_cpu_s"] - before["process_cpu_s"], 3)
+        threads = {name: cpu - before["thread_cpu_s"].get(name, 0.0)
+                   for name, cpu in after["thread_cpu_s"].items()}
+        out["mix"]["worker_thread_cpu_s"] = {  # which threads share the worker's GIL
+            name: round(cpu, 2) for name, cpu in sorted(threads.items(), key=lambda kv: -kv[1])
+            if cpu > 0.02}
         # one client, one request at a time
         out["batch1"] = sequential(load(config, list(zip(*b1)), 1, raw=True, one_by_one=True))
         return out
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def start_py_spy(py_spy: str | None, pid: int, out: str, ingress: bool, direct: bool):
+    """`py-spy record` of the worker process over the mix (--py-spy: its binary): samples
+    only while a thread holds the GIL, by thread, in py-spy's raw (collapsed stacks) format
+    next to --out. None without --py-spy."""
+    if not py_spy:
+        return None
+    name = "served" + ("_ingress" if ingress else "") + ("_direct" if direct else "")
+    path = os.path.splitext(out)[0] + f".{name}.worker.py-spy.txt"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return subprocess.Popen([py_spy, "record", "--pid", str(pid), "--gil", "--threads",
+                             "--rate", "100", "--format", "raw", "--output", path])
 
 
 def load(config, jobs: list, num_clients: int, raw: bool = False, one_by_one: bool = False):
@@ -366,6 +390,10 @@ def markdown(result: dict) -> str:
         served_mix = result[path]["mix"]
         cpu_rows += [f"| {path} | {title} | {s} | {s / served_mix['wall_s']:.2f} |"
                      for title, s in served_mix.get("process_cpu_s", {}).items()]
+    thread_rows = ["| path | worker thread | CPU s over the mix |", "|---|---|---|"]
+    for path in paths[1:]:
+        thread_rows += [f"| {path} | {name} | {s} |" for name, s in
+                        list(result[path]["mix"].get("worker_thread_cpu_s", {}).items())[:8]]
     served = "; ".join(f"{path} {result[path]['mix']['output_tok_s']:.0f} "
                        f"({result[path]['mix']['output_tok_s'] / mix['engine']:.2f} of the "
                        f"engine's)" for path in paths[1:])
@@ -375,6 +403,7 @@ def markdown(result: dict) -> str:
             f"{result['num_requests']} requests, {result['clients']} client processes, "
             f"{result['routers']} router(s).\n\n"
             + "\n".join(rows) + "\n\n" + "\n".join(loop_rows) + "\n\n" + "\n".join(cpu_rows)
+            + ("\n\n" + "\n".join(thread_rows) if len(thread_rows) > 2 else "")
             + "\n\nMix output tok/s: the engine stepped in a loop "
             f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) {mix['stream']:.0f}, "
             f"{served}. Targets: {json.dumps(targets)}\n")
@@ -403,6 +432,9 @@ def main() -> None:
                          "stream messages), direct (ServeConfig.streaming.direct), both through "
                          "Serve's proxy; ingress (the routers answer the port themselves: "
                          "ServeConfig.ingress routers), ingress_direct (both)")
+    ap.add_argument("--py-spy", default=None, metavar="BINARY",
+                    help="record the worker process over each served mix with this py-spy "
+                         "(GIL-holding samples by thread; a .py-spy.txt next to --out)")
     ap.add_argument("--out", default="bench/results/serve_gpu.json")
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -445,8 +477,10 @@ def main() -> None:
                   "max_tokens_per_message": args.max_tokens_per_message},
               "inproc": inproc, **variants, "served_variants": list(variants),
               "targets_by_variant": by_variant,
-              # the served path as configured last in --variants (direct where both ran)
-              "targets_met": by_variant[list(variants)[-1]]}
+              # the default configuration's served path (ingress routers, direct streams)
+              # where it ran, else the last of --variants
+              "targets_met": by_variant.get("served_ingress_direct",
+                                            by_variant[list(variants)[-1]])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_result(args.out, result, markdown(result))
     print(markdown(result))

@@ -175,12 +175,14 @@ class HandleWorkers:
                     raise item
                 # what piled up while this stream's consumer was busy goes on as one message
                 # (each costs every hop after this one the same work)
-                while not item.finished and not inbox.empty():
+                piled = [item]
+                while not piled[-1].finished and not inbox.empty():
                     later = inbox.get_nowait()
                     if not isinstance(later, StepOutput):
                         held = later
                         break
-                    item = merge_outputs(item, later)
+                    piled.append(later)
+                item = merge_outputs(piled)
                 finished = item.finished
                 yield item
                 if finished:

@@ -30,7 +30,7 @@ from mxserve.api.errors import (
 )
 from mxserve.api.outputs import ResumeState, StepOutput
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.cluster.logs import rss_bytes
+from mxserve.cluster.logs import rss_bytes, thread_cpu_s
 from mxserve.cluster.output_channel import OutputSender
 from mxserve.worker import migration
 from mxserve.worker.async_engine import AsyncEngine
@@ -252,7 +252,8 @@ class Worker:
                     prefill_tokens_pending=self.num_prefill_tokens_pending,
                     tasks=len(asyncio.all_tasks()), rss_bytes=rss_bytes(),
                     engine_loop=self.async_engine.loop_stats(),
-                    process_cpu_s=sum(os.times()[:2]))
+                    process_cpu_s=sum(os.times()[:2]), thread_cpu_s=thread_cpu_s(),
+                    pid=os.getpid())
 
     def check_health(self) -> None:
         """Raise when this worker can serve no more (Serve then replaces the replica, and the

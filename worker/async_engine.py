@@ -188,14 +188,13 @@ class AsyncEngine:
                 items = stream.take()
                 if not items:  # taken with an earlier wake-up
                     continue
-                item = items[0]
-                if isinstance(item, BaseException):
-                    raise item
-                for later in items[1:]:  # piled up: one message
+                if isinstance(items[0], BaseException):
+                    raise items[0]
+                for i, later in enumerate(items):  # piled up: one message
                     if isinstance(later, BaseException):
-                        error = later  # after what came before it
+                        error, items = later, items[:i]  # after what came before it
                         break
-                    item = merge_outputs(item, later)
+                item = merge_outputs(items)
                 finished = item.finished
                 yield item
                 if error is not None:
@@ -342,7 +341,8 @@ class AsyncEngine:
             return
         if stream.direct is not None and isinstance(item, StepOutput):
             batches: dict = {}
-            _send_direct(stream, item, None, batches)
+            stream.held.append(item)
+            _send_direct(stream, None, batches)
             _send_batches(batches)
         else:
             stream.put(item, 0, None)
@@ -362,9 +362,14 @@ class AsyncEngine:
             if stream is None:
                 continue
             last = out.finished or out.finish_reason
-            if (_send_direct(stream, out, None if last else due, batches)
-                    if stream.direct is not None else
-                    stream.put(out, len(out.new_token_ids), None if last else due)):
+            if stream.direct is not None:
+                # (inline, the common case of a step's output: a direct stream holds it)
+                stream.held.append(out)
+                stream.held_tokens += len(out.new_token_ids)
+                if last or not stream._woken or stream.held_tokens >= due:
+                    if _send_direct(stream, None if last else due, batches):
+                        by_loop.setdefault(stream.loop, []).append(stream.ready)
+            elif stream.put(out, len(out.new_token_ids), None if last else due):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
         _send_batches(batches)
         for loop, events in by_loop.items():
@@ -386,25 +391,19 @@ class AsyncEngine:
 DIRECT_WAKE_EVERY = 64  # a direct stream's consumer is woken at least once this many messages
 
 
-def _send_direct(stream: _Stream, out: StepOutput, due: int | None, batches: dict) -> bool:
-    """A direct stream's output (loop thread): held until due tokens wait (due None: now),
-    then what it held goes out merged, into batches[sender]. True when its consumer is to be
-    woken: the first message and the last."""
-    stream.held.append(out)
-    stream.held_tokens += len(out.new_token_ids)
-    first = not stream._woken
-    if due is not None and not first and stream.held_tokens < due:
-        return False
-    item = stream.held[0]
-    for later in stream.held[1:]:
-        item = merge_outputs(item, later)
+def _send_direct(stream: _Stream, due: int | None, batches: dict) -> bool:
+    """A direct stream's held outputs (loop thread; the caller appended the newest, and found
+    due tokens held, or due None: now, or the stream not yet woken) go out merged as one
+    message, into batches[sender]. True when its consumer is to be woken: the first message
+    and the last."""
+    item = merge_outputs(stream.held)
     stream.held, stream.held_tokens = [], 0
     sender, key = stream.direct
     batches.setdefault(sender, []).append((key, encode_output(item)))
     # the consumer takes every message sent (merged) to count them: woken for the first, the
     # last, and every DIRECT_WAKE_EVERY messages so that what it holds stays small
     stream.sent_unwoken += 1
-    if first or due is None or stream.sent_unwoken >= DIRECT_WAKE_EVERY:
+    if not stream._woken or due is None or stream.sent_unwoken >= DIRECT_WAKE_EVERY:
         stream.sent_unwoken = 0
         return stream.put(item, 0, None)
     return stream.put(item, 0, 1 << 62)

@@ -215,9 +215,7 @@ def test_a_stream_hands_over_every_output_once_in_order_across_threads(due):
             items = stream.take()
             if not items:
                 continue
-            item = items[0]
-            for later in items[1:]:
-                item = merge_outputs(item, later)
+            item = merge_outputs(items)
             messages.append(item.new_token_ids)
             finished = item.finished
             await asyncio.sleep(0)

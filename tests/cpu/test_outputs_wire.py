@@ -9,7 +9,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxserve.api.outputs import ResumeState, StepOutput, decode_output, encode_output
+from mxserve.api.outputs import ResumeState, StepOutput, decode_output, encode_output, merge_outputs
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=20)
 logprob = st.floats(allow_nan=False, max_value=0.0)  # -inf included
@@ -43,3 +43,23 @@ def test_minus_infinity_and_order_survive():
     back = decode_output(encode_output(out))
     assert back == out and [list(d) for d in back.new_logprobs] == [[7, 1], [3, 9]]
     assert back.new_logprobs[1][3] == -math.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(outputs, min_size=1, max_size=6))
+def test_merged_deltas_join_tokens_and_logprobs_and_keep_the_last_state(outs):
+    """What a consumer took late (or a direct stream held) goes on as one delta: every token
+    in order, the logprobs of those that carry them in order, the first prompt logprobs, and
+    the rest as the last delta says."""
+    merged = merge_outputs(outs)
+    last = outs[-1]
+    assert merged.new_token_ids == [t for o in outs for t in o.new_token_ids]
+    with_lp = [lp for o in outs if o.new_logprobs is not None for lp in o.new_logprobs]
+    assert merged.new_logprobs == (None if all(o.new_logprobs is None for o in outs)
+                                   else with_lp)
+    plp = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert merged.prompt_logprobs == (plp[0] if plp else None)
+    for field in ("request_id", "finished", "finish_reason", "num_prompt_tokens",
+                  "num_cached_tokens", "num_output_tokens", "num_drafts", "num_draft_tokens",
+                  "num_accepted_tokens", "resume"):
+        assert getattr(merged, field) == getattr(last, field), field

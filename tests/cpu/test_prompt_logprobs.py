@@ -173,6 +173,6 @@ def test_merged_outputs_keep_the_prompt_logprobs_of_the_first():
     plp = [None, {7: -0.5, 3: -0.2}]
     first = StepOutput("r", [4], None, False, None, 2, 0, 1, prompt_logprobs=plp)
     then = StepOutput("r", [5], None, True, "length", 2, 0, 2)
-    assert merge_outputs(first, then).prompt_logprobs is plp
-    assert merge_outputs(then, then).prompt_logprobs is None
+    assert merge_outputs([first, then]).prompt_logprobs is plp
+    assert merge_outputs([then, then]).prompt_logprobs is None
 
