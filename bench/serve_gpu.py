@@ -11,15 +11,19 @@ prompts go as token ids. Two loads:
 - batch 1: `--b1-requests` requests one after another (256-token prompt, 128 tokens): TTFT and
   TPOT; served, from one client process on one channel, after one unmeasured request (a
   process and channel a request paid a fresh channel's first call in every TTFT).
-The in-process engine runs first and is freed before Serve starts its worker on the same GPU.
+The in-process engine runs first and stays (the rounds step it again) beside Serve's worker on the
+same GPU.
 
 Targets (issue 31): served output tok/s on the mix >= 90% of in-process (the engine stepped in a
-loop, the mean of a run before the served ones and one after: lent hosts drift); batch 1: served
-TPOT <= in-process TPOT + 0.2 ms, served TTFT <= in-process TTFT + 10 ms.
+loop: the median over `--rounds` mixes, each run in a loop and then served side by side, since
+lent hosts drift); batch 1: served TPOT <= in-process TPOT + 0.2 ms, served TTFT <= in-process
+TTFT + 10 ms. The in-process engine stays on the GPU beside the served worker (two KV pools of
+--kv-gb).
 
     python bench/serve_gpu.py --out bench/results/serve_gpu.json        # on the H200
     python bench/serve_gpu.py --variants serve,direct --out ...         # both output paths
-    python bench/serve_gpu.py --shape tiny --num-requests 32 --out /tmp/s.json   # a CPU smoke
+    python bench/serve_gpu.py --shape tiny --num-requests 32 --kv-gb 1 --out /tmp/s.json
+      (a CPU smoke: there both KV pools are host memory, so keep --kv-gb small)
 """
 
 from __future__ import annotations
@@ -158,35 +162,20 @@ def sequential(records: list[dict]) -> dict:
 
 
 # ---- in-process ------------------------------------------------------------------------------
-def engine_loop(raw, mix, warm) -> dict:
+def engine_loop(raw, mix, warm=None) -> dict:
     """The mix with engine.step() in a loop (no streaming at all), after a warm-up as
-    engine_gpu's: prefill chunks of every size compile their kernels there, not in the
-    measured loop (an 8-request warm-up left the loop's rate anywhere in 18-31k tok/s). The
-    prefix cache is reset after, so what runs next starts as cold."""
-    run_mix(SimpleNamespace(engine=raw), *warm)
-    raw.kv.reset_prefix_cache()
+    engine_gpu's where `warm` is given: prefill chunks of every size compile their kernels
+    there, not in the measured loop (an 8-request warm-up left the loop's rate anywhere in
+    18-31k tok/s). The prefix cache is reset after, so what runs next starts as cold."""
+    if warm is not None:
+        run_mix(SimpleNamespace(engine=raw), *warm)
+        raw.kv.reset_prefix_cache()
     cpu = time.thread_time()
     out = run_mix(SimpleNamespace(engine=raw), *mix)
     out["cpu_s"] = time.thread_time() - cpu
     raw.kv.reset_prefix_cache()
     return {k: out[k] for k in ("output_tok_s", "wall_s", "num_steps", "ttft_ms_p50",
                                 "tpot_ms_p50", "cpu_s")}
-
-
-def run_engine_loop_again(args, model: str, mix, warm) -> dict:
-    """The engine loop once more, after the served runs: a host whose speed drifts over the
-    run (some lent machines' loop read 20k and 28k tok/s minutes apart) moves the engine's
-    figure as much as the served one's, so the target takes the mean of both loops."""
-    from mxserve.worker.config import EngineConfig
-    from mxserve.worker.engine import build_engine
-
-    raw = build_engine(EngineConfig(model=model, **engine_options(args)))
-    try:
-        return engine_loop(raw, mix, warm)
-    finally:
-        raw.shutdown()
-        del raw
-        free_gpu()
 
 
 def free_gpu() -> None:
@@ -198,13 +187,12 @@ def free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def run_inproc(args, model: str, mix, b1, warm) -> dict:
+def run_inproc(raw, mix, b1, warm) -> dict:
+    """The engine loop on the mix, then the same engine streamed in-process (AsyncEngine):
+    the mix, then batch 1. The engine stays (the served runs' rounds step it again)."""
     from mxserve.api.sampling_params import SamplingParams
     from mxserve.worker.async_engine import AsyncEngine
-    from mxserve.worker.config import EngineConfig
-    from mxserve.worker.engine import build_engine
 
-    raw = build_engine(EngineConfig(model=model, **engine_options(args)))
     engine_mix = engine_loop(raw, mix, warm)
     engine = AsyncEngine(raw)
     engine.start()
@@ -232,8 +220,7 @@ def run_inproc(args, model: str, mix, b1, warm) -> dict:
     try:
         return asyncio.run(main())
     finally:
-        engine.shutdown()
-        free_gpu()
+        engine.shutdown()  # (the loop thread only: the engine steps on)
 
 
 # ---- served ----------------------------------------------------------------------------------
@@ -285,9 +272,11 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
 
 
 def run_served(args, model: str, mix, b1, warm, direct: bool = False,
-               ingress: bool = False) -> dict:
+               ingress: bool = False, raw=None, rounds: list | None = None) -> dict:
     """ingress: the routers answer grpc_port themselves (ServeConfig.ingress "routers"), else
-    Serve's gRPC proxy does ("proxy")."""
+    Serve's gRPC proxy does ("proxy"). rounds: mixes each run by the in-process engine `raw`
+    in a loop, then served, one after the other: a host whose speed drifts (some lent
+    machines' loop read 20k and 28k tok/s minutes apart) moves both sides of a round alike."""
     import ray
     from ray import serve
 
@@ -334,6 +323,13 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False,
             if cpu > 0.02}
         # one client, one request at a time
         out["batch1"] = sequential(load(config, list(zip(*b1)), 1, raw=True, one_by_one=True))
+        out["rounds"] = []
+        for round_mix in rounds or []:
+            loop = engine_loop(raw, round_mix)["output_tok_s"]
+            served = load(config, list(zip(*round_mix)), args.clients)["output_tok_s"]
+            out["rounds"].append({"engine_loop_tok_s": round(loop, 1),
+                                  "served_tok_s": round(served, 1),
+                                  "served_over_loop": round(served / loop, 4)})
         return out
     finally:
         serve.shutdown()
@@ -376,19 +372,19 @@ def load(config, jobs: list, num_clients: int, raw: bool = False, one_by_one: bo
 
 
 # ---- report ----------------------------------------------------------------------------------
-def engine_tok_s(inproc: dict) -> float:
-    """The engine loop's mix tok/s: the mean of its runs before and after the served ones
-    (before only, without --loop-after)."""
-    runs = [inproc["engine_mix"]] + ([inproc["engine_mix_after"]]
-                                     if "engine_mix_after" in inproc else [])
-    return sum(r["output_tok_s"] for r in runs) / len(runs)
+def mix_ratio(inproc: dict, served: dict) -> float:
+    """Served over the engine stepped in a loop (no streaming at all: the stricter reading of
+    "the in-process engine") on the mix: the median over the rounds, each side by side, where
+    there were rounds; else the first mix's (the loop ran minutes before)."""
+    ratios = sorted(r["served_over_loop"] for r in served.get("rounds", []))
+    if not ratios:
+        return served["mix"]["output_tok_s"] / inproc["engine_mix"]["output_tok_s"]
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def targets(inproc: dict, served: dict) -> dict:
-    """The mix against the engine stepped in a loop (no streaming at all): the stricter
-    reading of "the in-process engine"."""
-    return {"mix_tok_s_ge_90pct_of_engine": served["mix"]["output_tok_s"]
-            >= 0.9 * engine_tok_s(inproc),
+    return {"mix_tok_s_ge_90pct_of_engine": mix_ratio(inproc, served) >= 0.9,
             "b1_tpot_le_engine_plus_0.2ms": served["batch1"]["tpot_ms"]["mean"]
             <= inproc["batch1"]["tpot_ms"]["mean"] + 0.2,
             "b1_ttft_le_inproc_plus_10ms": served["batch1"]["ttft_ms"]["p50"]
@@ -406,13 +402,11 @@ def markdown(result: dict) -> str:
                         f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p99']} | "
                         f"{r['tpot_ms']['mean']} / {r['tpot_ms']['p50']} / "
                         f"{r['tpot_ms']['p99']} | {r['messages_per_request']} |")
-    mix = {"engine": engine_tok_s(result["inproc"]),
+    mix = {"engine": result["inproc"]["engine_mix"]["output_tok_s"],
            "stream": result["inproc"]["mix"]["output_tok_s"]}
     em = result["inproc"]["engine_mix"]
-    loops = [(name, r["num_steps"], 1e3 * r["wall_s"] / r["num_steps"],
-              1e3 * r["cpu_s"] / r["num_steps"], None) for name, r in (
-        ("engine loop", em), ("engine loop, after", result["inproc"].get("engine_mix_after")))
-        if r is not None]
+    loops = [("engine loop", em["num_steps"], 1e3 * em["wall_s"] / em["num_steps"],
+              1e3 * em["cpu_s"] / em["num_steps"], None)]
     for path in paths:
         lp = result[path]["mix"]["engine_loop"]
         loops.append((f"{path} streams", lp["num_steps"], lp["step_wall_ms"], lp["step_cpu_ms"],
@@ -434,18 +428,25 @@ def markdown(result: dict) -> str:
                        f"({result[path]['mix']['output_tok_s'] / mix['engine']:.2f} of the "
                        f"engine's)" for path in paths[1:])
     targets = result.get("targets_by_variant", {"served": result["targets_met"]})
-    after = result["inproc"].get("engine_mix_after")
-    loop_note = "" if after is None else (
-        f" (mean of {em['output_tok_s']:.0f} before the served runs and "
-        f"{after['output_tok_s']:.0f} after)")
+    round_rows = ["| path | round | engine loop tok/s | served tok/s | served / loop |",
+                  "|---|---|---|---|---|"]
+    for path in paths[1:]:
+        round_rows += [f"| {path} | {i} | {r['engine_loop_tok_s']:.0f} | {r['served_tok_s']:.0f} "
+                       f"| {r['served_over_loop']:.3f} |"
+                       for i, r in enumerate(result[path].get("rounds", []), 1)]
+    ratios = "; ".join(f"{path} {mix_ratio(result['inproc'], result[path]):.3f}"
+                       for path in paths[1:])
     return (f"# serve_gpu: the served path on {result['device']}\n\n`{result['command']}` "
             f"({result['date']}, {result['commit']}); {result['shape']}, "
             f"{result['num_requests']} requests, {result['clients']} client processes, "
             f"{result['routers']} router(s).\n\n"
             + "\n".join(rows) + "\n\n" + "\n".join(loop_rows) + "\n\n" + "\n".join(cpu_rows)
             + ("\n\n" + "\n".join(thread_rows) if len(thread_rows) > 2 else "")
+            + ("\n\nRounds (the engine loop, then served, on each round's own mix):\n\n"
+               + "\n".join(round_rows) if len(round_rows) > 2 else "")
+            + f"\n\nServed over the engine loop (the median of the rounds'): {ratios}."
             + "\n\nMix output tok/s: the engine stepped in a loop "
-            f"{mix['engine']:.0f}{loop_note}, streamed in-process (AsyncEngine) "
+            f"{mix['engine']:.0f}, streamed in-process (AsyncEngine) "
             f"{mix['stream']:.0f}, "
             f"{served}. Targets: {json.dumps(targets)}\n")
 
@@ -473,9 +474,10 @@ def main() -> None:
                          "stream messages), direct (ServeConfig.streaming.direct), both through "
                          "Serve's proxy; ingress (the routers answer the port themselves: "
                          "ServeConfig.ingress routers), ingress_direct (both)")
-    ap.add_argument("--loop-after", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the engine loop again after the served runs; the mix target "
-                         "compares with the mean of both")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="after each served run, this many mixes each run by the in-process "
+                         "engine in a loop and then served (the mix target: the median of "
+                         "their ratios)")
     ap.add_argument("--py-spy", default=None, metavar="BINARY",
                     help="record the worker process over each served mix with this py-spy "
                          "(GIL-holding samples by thread; a .py-spy.txt next to --out)")
@@ -495,18 +497,22 @@ def main() -> None:
     warm_prompts, warm_outs = make_mix(min(64, args.num_requests), vocab, args.max_model_len,
                                        seed=2)
     warm = (warm_prompts, [min(k, 32) for k in warm_outs])
-    inproc = run_inproc(args, model, mix, b1, warm)
+    from mxserve.worker.config import EngineConfig
+    from mxserve.worker.engine import build_engine
+
+    raw = build_engine(EngineConfig(model=model, **engine_options(args)))
+    inproc = run_inproc(raw, mix, b1, warm)
     print("in-process:", json.dumps(inproc), flush=True)
+    rounds = [make_mix(args.num_requests, vocab, args.max_model_len, seed=100 + i)
+              for i in range(args.rounds)]
     variants = {}
     for name in args.variants.split(","):
         if name not in VARIANTS:
             raise SystemExit(f"--variants: of {', '.join(VARIANTS)}, got {name!r}")
         path = "served" if name == "serve" else f"served_{name}"
         variants[path] = run_served(args, model, mix, b1, warm, direct="direct" in name,
-                                    ingress="ingress" in name)
+                                    ingress="ingress" in name, raw=raw, rounds=rounds)
         print(f"{path}:", json.dumps(variants[path]), flush=True)
-    if args.loop_after:
-        inproc["engine_mix_after"] = run_engine_loop_again(args, model, mix, warm)
     by_variant = {path: targets(inproc, out) for path, out in variants.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import grpc
