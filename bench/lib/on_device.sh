@@ -6,6 +6,8 @@
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl msgpack xxhash gguf \
 #     "protobuf>=7.35.1,<8" "grpcio>=1.84.2,<2"   # (the image's grpcio is older than proto/ needs)
+# write the commit the tree is at into .whl/COMMIT (git rev-parse --short HEAD > .whl/COMMIT:
+# a warm machine's copy keeps the first call's git metadata, so results would name that one),
 # and move .whl/bin (redis-server, 12 MB) aside unless the run needs Redis: the tree and the
 # carried folders must stay under 64 MiB (with Ray's wheel they do not: carry the Ray wheel
 # alone first, the rest in a second call to the still-warm machine). Then, e.g. (carry [".whl"]):
@@ -24,4 +26,5 @@ done
 mkdir -p /tmp/pk && ln -sfn "$PWD" /tmp/pk/mxserve  # the repository root is the package
 export PYTHONPATH="/tmp/pk:$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+if [ -f .whl/COMMIT ]; then export MXSERVE_COMMIT="$(cat .whl/COMMIT)"; fi
 "$@"

@@ -34,7 +34,14 @@ def run_inner(script: str, argv: list[str], rev: str | None = None):
     return json.loads(out.splitlines()[-1])
 
 
+COMMIT_ENV = "MXSERVE_COMMIT"
+
+
 def head_commit() -> str:
+    """This checkout's commit; $MXSERVE_COMMIT where set (bench/lib/on_device.sh sets it: the
+    device's copy of the tree keeps the git metadata of the first call to a warm machine)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
 
