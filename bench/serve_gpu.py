@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import platform
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -176,15 +177,6 @@ def engine_loop(raw, mix, warm=None) -> dict:
     raw.kv.reset_prefix_cache()
     return {k: out[k] for k in ("output_tok_s", "wall_s", "num_steps", "ttft_ms_p50",
                                 "tpot_ms_p50", "cpu_s")}
-
-
-def free_gpu() -> None:
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run_inproc(raw, mix, b1, warm) -> dict:
@@ -376,11 +368,10 @@ def mix_ratio(inproc: dict, served: dict) -> float:
     """Served over the engine stepped in a loop (no streaming at all: the stricter reading of
     "the in-process engine") on the mix: the median over the rounds, each side by side, where
     there were rounds; else the first mix's (the loop ran minutes before)."""
-    ratios = sorted(r["served_over_loop"] for r in served.get("rounds", []))
+    ratios = [r["served_over_loop"] for r in served.get("rounds", [])]
     if not ratios:
         return served["mix"]["output_tok_s"] / inproc["engine_mix"]["output_tok_s"]
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return statistics.median(ratios)
 
 
 def targets(inproc: dict, served: dict) -> dict:
