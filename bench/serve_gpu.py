@@ -152,9 +152,13 @@ def loop_delta(before: dict, after: dict) -> dict:
     steps = after["num_steps"] - before["num_steps"]
     wall = after["step_wall_s"] - before["step_wall_s"]
     cpu = after["step_cpu_s"] - before["step_cpu_s"]
-    return {"num_steps": steps, "step_wall_ms": round(1e3 * wall / max(1, steps), 3),
-            "step_cpu_ms": round(1e3 * cpu / max(1, steps), 3), "wall_s": round(wall, 3),
-            "cpu_s": round(cpu, 3)}
+    out = {"num_steps": steps, "step_wall_ms": round(1e3 * wall / max(1, steps), 3),
+           "step_cpu_ms": round(1e3 * cpu / max(1, steps), 3), "wall_s": round(wall, 3),
+           "cpu_s": round(cpu, 3)}
+    for part in ("wall", "cpu"):  # of which the hand-over of outputs (AsyncEngine._deliver_all)
+        spent = after[f"deliver_{part}_s"] - before[f"deliver_{part}_s"]
+        out[f"deliver_{part}_ms"] = round(1e3 * spent / max(1, steps), 3)
+    return out
 
 
 def sequential(records: list[dict]) -> dict:
@@ -397,15 +401,17 @@ def markdown(result: dict) -> str:
            "stream": result["inproc"]["mix"]["output_tok_s"]}
     em = result["inproc"]["engine_mix"]
     loops = [("engine loop", em["num_steps"], 1e3 * em["wall_s"] / em["num_steps"],
-              1e3 * em["cpu_s"] / em["num_steps"], None)]
+              1e3 * em["cpu_s"] / em["num_steps"], "", None)]
     for path in paths:
         lp = result[path]["mix"]["engine_loop"]
         loops.append((f"{path} streams", lp["num_steps"], lp["step_wall_ms"], lp["step_cpu_ms"],
+                      f"{lp.get('deliver_wall_ms', '')} / {lp.get('deliver_cpu_ms', '')}",
                       result[path]["mix"].get("worker_process_cpu_s")))
-    loop_rows = ["| mix | engine steps | step wall ms | engine thread CPU ms a step | worker "
-                 "process CPU s |", "|---|---|---|---|---|"] + [
-        f"| {name} | {n} | {wall:.3f} | {cpu:.3f} | {'' if proc is None else proc} |"
-        for name, n, wall, cpu, proc in loops]
+    loop_rows = ["| mix | engine steps | step wall ms | engine thread CPU ms a step | of which "
+                 "hand-over wall / CPU ms | worker process CPU s |",
+                 "|---|---|---|---|---|---|"] + [
+        f"| {name} | {n} | {wall:.3f} | {cpu:.3f} | {deliver} | {'' if proc is None else proc} |"
+        for name, n, wall, cpu, deliver, proc in loops]
     cpu_rows = ["| path | process | CPU s over the mix | cores |", "|---|---|---|---|"]
     for path in paths[1:]:
         served_mix = result[path]["mix"]

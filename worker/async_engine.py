@@ -117,9 +117,11 @@ class AsyncEngine:
         # with work pending and this old, the engine is wedged (`stalled_s`)
         self.progress_at = time.monotonic()
         # The loop thread's steps so far: how many, their wall time and the thread's CPU time
-        # in them (each step with its hand-over of outputs). Wall well over CPU plus the
-        # device's time is the thread waiting for the GIL (`loop_stats`).
+        # in them (each step with its hand-over of outputs), and of those the hand-over's
+        # (KV events and outputs to their streams). Wall well over CPU plus the device's time
+        # is the thread waiting for the GIL (`loop_stats`).
         self.num_steps, self.step_wall_s, self.step_cpu_s = 0, 0.0, 0.0
+        self.deliver_wall_s = self.deliver_cpu_s = 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -147,7 +149,8 @@ class AsyncEngine:
     def loop_stats(self) -> dict:
         """The loop thread's steps so far (see __init__); read from any thread."""
         return dict(num_steps=self.num_steps, step_wall_s=self.step_wall_s,
-                    step_cpu_s=self.step_cpu_s)
+                    step_cpu_s=self.step_cpu_s, deliver_wall_s=self.deliver_wall_s,
+                    deliver_cpu_s=self.deliver_cpu_s)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -278,11 +281,15 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self.progress_at = time.monotonic()
+            stepped_wall, stepped_cpu = time.perf_counter(), time.thread_time()
             self._flush_kv_events()
             self._deliver_all(outputs)
             self.num_steps += 1
-            self.step_wall_s += time.perf_counter() - wall
-            self.step_cpu_s += time.thread_time() - cpu
+            done_wall, done_cpu = time.perf_counter(), time.thread_time()
+            self.step_wall_s += done_wall - wall
+            self.step_cpu_s += done_cpu - cpu
+            self.deliver_wall_s += done_wall - stepped_wall
+            self.deliver_cpu_s += done_cpu - stepped_cpu
 
     def _drain_commands(self, block: bool) -> None:
         try:
