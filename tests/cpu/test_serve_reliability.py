@@ -493,13 +493,14 @@ def test_overload_at_ten_times_capacity_sheds_fast_and_keeps_admitted_latency(se
     # overload.md). 40 clients' retries share this 2-core machine's cores with the proxy, the
     # router and the worker, which moves the p99 by up to ~1.6x from run to run.
     assert p99(ok) <= 2 * p99(full), (p99(ok), p99(full))
-    # A rejection is answered no slower than a first token: at p90 (shed ~15 ms, first tokens
-    # at capacity ~60). The p99s of the two are this box's scheduling stalls, which hit the
-    # two phases unevenly (a full CI run once read shed p99 112 ms against 101 at capacity,
-    # p90 17 against 66), so the tail gets the same 2x as the admitted requests'.
+    # A rejection is answered no slower than a first token: at p90 against the server at
+    # capacity (shed ~15 ms, first tokens ~60), and at p99 against the requests admitted in
+    # the same overloaded minute: the tails are this box's scheduling stalls, which the two
+    # phases meet unevenly (a full CI run once read shed p99 112 ms against 101 at capacity)
+    # but requests of one phase alike.
     assert quantile(shed_s, 0.9) <= quantile(full, 0.9), (quantile(shed_s, 0.9),
                                                           quantile(full, 0.9))
-    assert p99(shed_s) <= 2 * p99(full), (p99(shed_s), p99(full))
+    assert p99(shed_s) <= p99(ok), (p99(shed_s), p99(ok))
     first, last = memory[1], memory[-1]  # after the first 10 s of load, and at the end
     for a, b in zip(first, last, strict=True):
         assert b < a * 1.05 + 8 * MB, memory
