@@ -131,18 +131,18 @@ def ray_process_cpu() -> dict[str, float]:
     ("ray::ServeReplica:mxserve:Router", "ray::ProxyActor", ...; several of one title summed;
     without the method an actor runs now, which Ray appends: ".record_routing_stats"), read
     from /proc (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from mxserve.cluster.logs import stat_cpu_s
+
     out: dict[str, float] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0].decode(errors="replace").split(".")[0]
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if title.startswith("ray::"):
-            out[title] = out.get(title, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        stat = stat_cpu_s(f"/proc/{pid}/stat") if title.startswith("ray::") else None
+        if stat is not None:
+            out[title] = out.get(title, 0.0) + stat[1]
     return out
 
 

@@ -98,27 +98,34 @@ def _bind_grpc_proxy(host: str) -> None:
     default_impl.add_grpc_address = add_grpc_address
 
 
+def stat_cpu_s(path: str) -> tuple[str, float] | None:
+    """(the kernel's name, CPU seconds user + system) from a Linux /proc stat file (a process's
+    or a thread's), or None where it cannot be read (it ended meanwhile)."""
+    try:
+        with open(path) as f:
+            comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        fields = rest.split()
+        return comm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def thread_cpu_s() -> dict[str, float]:
     """CPU seconds (user + system) so far of each thread of this process (Linux /proc), by its
     Python thread name, or "os:" + the kernel's name for threads Python did not start (Ray's
     own); threads of one name summed. Which thread of a replica keeps the GIL from its engine
     thread shows here. Empty where /proc cannot be read."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-        fields = rest.split()
-        name = names.get(int(tid)) or "os:" + comm
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        stat = stat_cpu_s(f"/proc/self/task/{tid}/stat")
+        if stat is not None:
+            name = names.get(int(tid)) or "os:" + stat[0]
+            out[name] = out.get(name, 0.0) + stat[1]
     return out
 
 

@@ -182,6 +182,34 @@ def test_async_stream_merges_what_a_slow_consumer_has_not_taken(ckpt):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_loop_stats_count_every_step_with_its_hand_over_inside(ckpt):
+    """The loop thread's counters (bench/serve_gpu.py reads them through Worker.audit): each
+    step counted, the hand-over of its outputs timed inside the step's own time; and
+    cluster/logs.thread_cpu_s finds the loop thread by name, its CPU at least what the loop
+    counted (less /proc's tick)."""
+    from mxserve.cluster.logs import thread_cpu_s
+
+    llm = LLM(model=ckpt, load_progress=False)
+    prompt = _prompts(1, (40,))[0]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+
+    async def consume() -> list:
+        return [out async for out in engine.generate(prompt, params)]
+
+    try:
+        outs = asyncio.run(consume())
+        stats, threads = engine.loop_stats(), thread_cpu_s()
+    finally:
+        engine.shutdown()
+    assert sum(len(o.new_token_ids) for o in outs) == 16
+    assert stats["num_steps"] >= 16  # a prefill, then a step a token
+    assert 0 < stats["deliver_wall_s"] < stats["step_wall_s"]
+    assert 0 < stats["deliver_cpu_s"] < stats["step_cpu_s"]
+    assert stats["step_cpu_s"] <= threads["mxserve-engine"] + 0.02, threads
+
+
 @pytest.mark.parametrize("due", [1, 3])
 def test_a_stream_hands_over_every_output_once_in_order_across_threads(due):
     """The hand-over between the engine's thread and a stream's consumer, raced: a thread puts
