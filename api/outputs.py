@@ -63,16 +63,18 @@ def merge_outputs(outs: Sequence[StepOutput]) -> StepOutput:
     last = outs[-1]
     if len(outs) == 1:
         return last
-    logprobs = None
-    if any(o.new_logprobs is not None for o in outs):
-        logprobs = [lp for o in outs if o.new_logprobs is not None for lp in o.new_logprobs]
-    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
-                           None)
+    tokens: list[int] = []
+    logprobs = prompt_logprobs = None
+    for o in outs:  # (one loop: this runs for every message a loaded worker sends)
+        tokens += o.new_token_ids
+        if o.new_logprobs is not None:
+            logprobs = (logprobs or []) + o.new_logprobs
+        if prompt_logprobs is None:
+            prompt_logprobs = o.prompt_logprobs
     return StepOutput(
-        last.request_id, [t for o in outs for t in o.new_token_ids], logprobs, last.finished,
-        last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
-        last.num_output_tokens, last.num_drafts, last.num_draft_tokens,
-        last.num_accepted_tokens, last.resume, prompt_logprobs)
+        last.request_id, tokens, logprobs, last.finished, last.finish_reason,
+        last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens, last.num_drafts,
+        last.num_draft_tokens, last.num_accepted_tokens, last.resume, prompt_logprobs)
 
 
 def encode_output(out: StepOutput) -> bytes:
