@@ -268,11 +268,14 @@ def client_process(port: int, app: str, jobs: list, barrier, results,
 
 
 def run_served(args, model: str, mix, b1, warm, direct: bool = False,
-               ingress: bool = False, raw=None, rounds: list | None = None) -> dict:
+               ingress: bool = False, intake: bool = False, raw=None,
+               rounds: list | None = None) -> dict:
     """ingress: the routers answer grpc_port themselves (ServeConfig.ingress "routers"), else
-    Serve's gRPC proxy does ("proxy"). rounds: mixes each run by the in-process engine `raw`
-    in a loop, then served, one after the other: a host whose speed drifts (some lent
-    machines' loop read 20k and 28k tok/s minutes apart) moves both sides of a round alike."""
+    Serve's gRPC proxy does ("proxy"). intake: requests reach the worker over the routers'
+    intake connections (ServeConfig.streaming.intake), not as Serve calls. rounds: mixes each
+    run by the in-process engine `raw` in a loop, then served, one after the other: a host
+    whose speed drifts (some lent machines' loop read 20k and 28k tok/s minutes apart) moves
+    both sides of a round alike."""
     import ray
     from ray import serve
 
@@ -285,12 +288,14 @@ def run_served(args, model: str, mix, b1, warm, direct: bool = False,
         os.environ.setdefault(key, value)
     gpu = args.shape != "tiny"
     config = ServeConfig(model=model, engine=engine_options(args), routing=dict(
-        policy="round_robin"), grpc_port=free_fixed_port(), http_port=free_fixed_port(),
+        policy="prefix" if intake else "round_robin"), grpc_port=free_fixed_port(),
+        http_port=free_fixed_port(),
         max_queued_requests=args.num_requests, proxy_location="HeadOnly",
         worker_resources=Resources(num_cpus=2, num_gpus=1 if gpu else 0),
         router_resources=Resources(num_cpus=1), num_routers=args.routers,
         streaming=dict(streams_per_token=args.streams_per_token,
-                       max_tokens_per_message=args.max_tokens_per_message, direct=direct),
+                       max_tokens_per_message=args.max_tokens_per_message, direct=direct,
+                       intake=intake),
         ingress="routers" if ingress else "proxy")
     ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=1 if gpu else 0,
              include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
@@ -448,7 +453,7 @@ def markdown(result: dict) -> str:
             f"{served}. Targets: {json.dumps(targets)}\n")
 
 
-VARIANTS = ("serve", "direct", "ingress", "ingress_direct")
+VARIANTS = ("serve", "direct", "ingress", "ingress_direct", "ingress_intake")
 
 
 def main() -> None:
@@ -470,7 +475,9 @@ def main() -> None:
                     help="served runs, each its own Ray session, of: serve (outputs as Serve "
                          "stream messages), direct (ServeConfig.streaming.direct), both through "
                          "Serve's proxy; ingress (the routers answer the port themselves: "
-                         "ServeConfig.ingress routers), ingress_direct (both)")
+                         "ServeConfig.ingress routers), ingress_direct (both), ingress_intake "
+                         "(both, and requests over the routers' intake connections: "
+                         "ServeConfig.streaming.intake)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="after each served run, this many mixes each run by the in-process "
                          "engine in a loop and then served (the mix target: the median of "
@@ -507,8 +514,9 @@ def main() -> None:
         if name not in VARIANTS:
             raise SystemExit(f"--variants: of {', '.join(VARIANTS)}, got {name!r}")
         path = "served" if name == "serve" else f"served_{name}"
-        variants[path] = run_served(args, model, mix, b1, warm, direct="direct" in name,
-                                    ingress="ingress" in name, raw=raw, rounds=rounds)
+        variants[path] = run_served(args, model, mix, b1, warm, direct="direct" in name
+                                    or "intake" in name, ingress="ingress" in name,
+                                    intake="intake" in name, raw=raw, rounds=rounds)
         print(f"{path}:", json.dumps(variants[path]), flush=True)
     by_variant = {path: targets(inproc, out) for path, out in variants.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

@@ -1,4 +1,8 @@
-"""Autoscaling of the draft replicas on their own load. Workers reach a draft replica over
+"""Custom Serve autoscaling policies: the draft replicas on their own load (`DraftLoadPolicy`),
+and the workers on the requests they hold when requests reach them without Serve
+(`InFlightPolicy`, with ServeConfig.streaming.intake).
+
+Autoscaling of the draft replicas on their own load. Workers reach a draft replica over
 worker/draft_channel.py, not through Serve, so Serve's default policy (ongoing handle requests)
 sees none of that traffic. Each draft replica reports the fraction of time its drafting thread
 was busy (`DraftDeployment.record_autoscaling_stats`, metric `draft_busy`), and this policy asks
@@ -26,3 +30,26 @@ class DraftLoadPolicy:
     def __call__(self, ctx) -> tuple[int, dict]:
         busy = sum(((ctx.aggregated_metrics or {}).get(BUSY_METRIC) or {}).values())
         return max(1, math.ceil(busy / self.target_busy - 1e-9)), {"busy": busy}
+
+
+IN_FLIGHT_METRIC = "worker_in_flight"
+
+
+class InFlightPolicy:
+    """The workers under request intake (cluster/intake.py): routers send requests over TCP,
+    so Serve's default policy, which counts the calls it routes, would see none. Each worker
+    reports the requests it has admitted and not finished (`record_autoscaling_stats`), and
+    this asks for Serve's own rule on them:
+
+        desired = ceil(sum of the workers' requests / target), at least 1
+
+    (`target` is the autoscaling config's target_ongoing_requests.)"""
+
+    def __init__(self, target: float) -> None:
+        if target <= 0:
+            raise ValueError(f"target must be > 0, got {target}")
+        self.target = target
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        in_flight = sum(((ctx.aggregated_metrics or {}).get(IN_FLIGHT_METRIC) or {}).values())
+        return max(1, math.ceil(in_flight / self.target - 1e-9)), {"in_flight": in_flight}

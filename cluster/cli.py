@@ -203,6 +203,10 @@ def _serve_parser(sub) -> None:
                    help="workers send outputs to the routers over TCP, not as Serve stream "
                         "messages (streaming.direct; default on unless kv_transfer uses TLS; "
                         "docs/serving.md)")
+    p.add_argument("--request-intake", action=argparse.BooleanOptionalAction, default=None,
+                   help="routers route each request themselves and send it to the worker over "
+                        "TCP, not as a Serve call (streaming.intake; needs direct streams; "
+                        "default off; docs/serving.md)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")
@@ -415,7 +419,7 @@ def cmd_serve(args) -> int:
     streaming = config.streaming.model_dump()
     for flag, key in ((args.streams_per_token, "streams_per_token"),
                       (args.max_tokens_per_message, "max_tokens_per_message"),
-                      (args.direct_streams, "direct")):
+                      (args.direct_streams, "direct"), (args.request_intake, "intake")):
         if flag is not None:
             streaming[key] = flag
     config = ServeConfig(**{**config.model_dump(), **flags, "engine": engine,

@@ -180,6 +180,10 @@ class Streaming(BaseModel):
     streams_per_token: int = Field(8, ge=1)
     max_tokens_per_message: int = Field(16, ge=1)
     direct: bool = True
+    # intake: the routers send each request to the worker they choose over one TCP connection
+    # a (router, worker) pair, routing it themselves, not as a Serve call each
+    # (cluster/intake.py); needs direct
+    intake: bool = False
 
 
 class Limits(BaseModel):
@@ -278,6 +282,12 @@ class ServeConfig(BaseModel):
                                  "nodes")
             # the default gives way to TLS (a copy: the caller's Streaming stays as given)
             self.streaming = self.streaming.model_copy(update={"direct": False})
+        if self.streaming.intake and not self.streaming.direct:
+            raise ValueError("streaming.intake needs streaming.direct (its outputs come over "
+                             "the routers' output channels)")
+        if self.streaming.intake and self.routing.policy != "prefix":
+            raise ValueError("streaming.intake routes with the prefix policy: set "
+                             "routing.policy to prefix")
         return self
 
     @classmethod

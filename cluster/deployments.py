@@ -6,6 +6,7 @@ the worker replicas only, so a router replica's process loads no torch.
 
     client --gRPC--> RouterService (the router's own server) or Serve proxy -> RouterDeployment
         --> Router.generate --handle, stream--> WorkerDeployment
+    (streaming.intake: --TCP--> the worker's IntakeServer, cluster/intake.py, no Serve call)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mxserve.api.prefix_index import PrefixIndex
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.grpc_proxy import publish_admission
-from mxserve.cluster.handles import DraftAddress, HandleWorkers
+from mxserve.cluster.handles import DraftAddress, HandleWorkers, ReplicaDirectory
 from mxserve.cluster.logs import GRPC_HOST_ENV, rss_bytes, setup_process
 from mxserve.cluster.metrics import RayRouterMetrics
 from mxserve.cluster.output_channel import OutputReceiver
@@ -48,6 +49,7 @@ WORKER, ROUTER, DRAFT = "Worker", "Router", "Draft"
 ROUTER_CLASS = "mxserve.cluster.request_router.PrefixAwareRequestRouter"
 ROUND_ROBIN_CLASS = "mxserve.cluster.request_router.RoundRobinRequestRouter"
 DRAFT_POLICY = "mxserve.cluster.autoscaling:DraftLoadPolicy"
+WORKER_POLICY = "mxserve.cluster.autoscaling:InFlightPolicy"
 
 
 # The router logs every request in one line (router/ingress.py), so Serve's access log is off.
@@ -62,7 +64,9 @@ class WorkerDeployment:
                        index: dict | None = None, rank_options: dict | None = None,
                        drafts: DeploymentHandle | None = None,
                        kv_transfer: dict | None = None,
-                       stall_timeout_s: float = 60.0, streaming: dict | None = None) -> None:
+                       stall_timeout_s: float = 60.0, streaming: dict | None = None,
+                       intake: bool = False) -> None:
+        from mxserve.cluster.intake import IntakeServer
         from mxserve.cluster.kv_service import KVNode, TransferOptions
         from mxserve.cluster.metrics import WorkerMetricsExporter
         from mxserve.cluster.worker import Worker
@@ -101,6 +105,10 @@ class WorkerDeployment:
                              node_id=ray.get_runtime_context().get_node_id(),
                              stall_timeout_s=stall_timeout_s, **(streaming or {}))
         self.worker.start(freeze_gc=True)  # this process serves this engine alone
+        self.intake = None  # routers send requests over it (streaming.intake)
+        if intake:
+            self.intake = IntakeServer(self.worker)
+            await self.intake.start(ray.util.get_node_ip_address())
         self.kv_node = None
         if kv_transfer is not None:
             self.kv_node = await KVNode.start(self.worker, TransferOptions(**kv_transfer),
@@ -151,8 +159,21 @@ class WorkerDeployment:
         return [ray.get_runtime_context().get_node_id(), *ranks]
 
     def record_routing_stats(self) -> dict:
-        """Serve polls this for request routers; the router's Health RPC reads it too."""
-        return self.worker.load()
+        """Serve polls this for request routers; the router's Health RPC reads it too. With
+        request intake, the routers poll it themselves (cluster/handles.ReplicaDirectory) and
+        it carries what they need to route and connect."""
+        load = self.worker.load()
+        if self.intake is not None:
+            engine = self.worker.engine
+            load["intake"] = {**self.intake.target(), "model_id": engine.model_config.model_id,
+                              "block_size": engine.kv.block_size,
+                              "kv_address": self.kv_node.address if self.kv_node else None}
+        return load
+
+    def record_autoscaling_stats(self) -> dict:
+        """Serve's custom autoscaling metric (cluster/autoscaling.InFlightPolicy, used with
+        request intake, whose requests Serve does not see): requests admitted, not finished."""
+        return {"worker_in_flight": self.worker.num_in_flight}
 
     def draft_stats(self) -> dict | None:
         return self.worker.draft_stats()
@@ -189,10 +210,15 @@ class WorkerDeployment:
                 self._draft_refresh.cancel()
             if self.publisher is not None:
                 await self.publisher.close()
-            if self.kv_node is not None:
+            intake = getattr(self, "intake", None)
+            if self.kv_node is not None or intake is not None:
+                # (Serve waits for no intake request: they are handed on here)
                 await self.worker.drain()  # (a no-op once drained)
+            if self.kv_node is not None:
                 await self.kv_node.linger()  # peers may still pull what it handed on
                 await self.kv_node.stop()
+            if intake is not None:
+                intake.close()
             self.worker.shutdown()
 
 
@@ -248,7 +274,7 @@ class RouterDeployment:
                        max_model_len: int | None, app_name: str, limits: dict | None = None,
                        token_digests: list[str] | None = None, admission: dict | None = None,
                        migration_limit: int = 3, direct_streams: bool = False,
-                       own_ports: dict | None = None) -> None:
+                       own_ports: dict | None = None, intake: dict | None = None) -> None:
         from mxserve.worker.model.loader import open_checkpoint
 
         setup_process()
@@ -267,8 +293,19 @@ class RouterDeployment:
             await asyncio.to_thread(publish_admission, app_name, capacity,
                                     admission.retry_after_s)
 
+        self.intake = None
+        if intake is not None:  # requests over each worker's intake, routed here
+            from mxserve.cluster.intake import IntakeWorkers
+            from mxserve.router.routing import PrefixRouter, RoutingConfig
+
+            index = (PrefixIndex.from_url(intake["redis_url"], intake["namespace"])
+                     if intake["redis_url"] else None)
+            self.intake = IntakeWorkers(
+                self.receiver, ReplicaDirectory(app_name, WORKER),
+                PrefixRouter(index, RoutingConfig(**intake["routing"])), intake["period_s"])
         self.router = Router(checkpoint.tokenizer, card,
-                             HandleWorkers(workers, app_name, WORKER, self.receiver),
+                             self.intake or HandleWorkers(workers, app_name, WORKER,
+                                                          self.receiver),
                              RayRouterMetrics(), RequestLimits(**(limits or {})),
                              TokenAuth(token_digests) if token_digests else None,
                              admission, publish, migration_limit)
@@ -324,7 +361,8 @@ class RouterDeployment:
                     router_grpc=None if self.grpc_server is None else
                     dict(calls=self.grpc_server.service.num_calls),
                     router_http=None if self.http_server is None else
-                    dict(calls=self.http_server.num_calls))
+                    dict(calls=self.http_server.num_calls),
+                    intake=None if self.intake is None else dict(routed=self.intake.num_routed))
 
     async def __del__(self) -> None:  # Serve calls this when the replica stops
         # new calls go to the node's other routers; those in flight may finish (Serve counts
@@ -335,6 +373,8 @@ class RouterDeployment:
             await self.http_server.stop()
         if hasattr(self, "router"):
             self.router.close()
+        if getattr(self, "intake", None) is not None:
+            self.intake.close()
         if getattr(self, "receiver", None) is not None:
             self.receiver.close_server()
 
@@ -386,6 +426,11 @@ def build_app(config: ServeConfig) -> serve.Application:
             target_ongoing_requests=a.target_ongoing_requests,
             upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
             look_back_period_s=a.look_back_period_s)
+        if config.streaming.intake:  # Serve sees no intake request: the workers report them
+            worker_options["autoscaling_config"].update(
+                metrics_interval_s=min(2.0, a.look_back_period_s / 2),
+                policy=dict(policy_function=WORKER_POLICY,
+                            policy_kwargs=dict(target=a.target_ongoing_requests)))
     index = None
     kv_transfer = None
     if config.kv_transfer.enabled:
@@ -431,7 +476,8 @@ def build_app(config: ServeConfig) -> serve.Application:
         ).bind(engine_options, d.num_kv_blocks)
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,
-        config.engine_stall_timeout_s, config.streaming.model_dump(exclude={"direct"}))
+        config.engine_stall_timeout_s,
+        config.streaming.model_dump(exclude={"direct", "intake"}), config.streaming.intake)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),
@@ -443,4 +489,7 @@ def build_app(config: ServeConfig) -> serve.Application:
            None if config.ingress == "proxy" else dict(
                grpc=config.grpc_port, http=config.http_port, route_prefix=config.route_prefix,
                timeout_s=config.request_timeout_s,
-               grace_s=config.graceful_shutdown_timeout_s))
+               grace_s=config.graceful_shutdown_timeout_s),
+           dict(redis_url=config.redis_url if config.uses_prefix_index else None,
+                namespace=config.index_namespace, routing=config.routing.policy_options(),
+                period_s=config.routing.stats_period_s) if config.streaming.intake else None)

@@ -219,14 +219,53 @@ class HandleWorkers:
                       key=lambda r: r["worker_id"])
 
     def _replica_actors(self) -> list:  # blocking GCS calls: run off the event loop
-        names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-                 if n["namespace"] == "serve" and n["name"].startswith(self.replica_prefix)]
         actors = []
-        for name in names:
+        for worker_id, actor in replica_actors(self.replica_prefix):
+            self.worker_ids[actor._actor_id.hex()] = worker_id
+            actors.append(actor)
+        return actors
+
+
+def replica_actors(prefix: str, known: dict | None = None) -> list[tuple[str, object]]:
+    """(replica id, actor handle) of every live replica of a deployment: Ray actors named
+    SERVE_REPLICA::<app>#<deployment>#<id> in the "serve" namespace. Blocking GCS calls: run
+    off the event loop. known: name -> handle, looked up once a name (and kept to the listed)."""
+    names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+             if n["namespace"] == "serve" and n["name"].startswith(prefix)]
+    if known is not None:
+        for name in [n for n in known if n not in names]:
+            del known[name]
+    found = []
+    for name in names:
+        actor = known.get(name) if known is not None else None
+        if actor is None:
             try:
                 actor = ray.get_actor(name, namespace="serve")
             except ValueError:  # gone since it was listed
                 continue
-            self.worker_ids[actor._actor_id.hex()] = name.removeprefix(self.replica_prefix)
-            actors.append(actor)
-        return actors
+            if known is not None:
+                known[name] = actor
+        found.append((name.removeprefix(prefix), actor))
+    return found
+
+
+class ReplicaDirectory:
+    """The worker replicas as cluster/intake.IntakeWorkers routes over them: each one's load
+    report with its intake target (`record_routing_stats`, asked of every replica directly;
+    one that does not answer in LOAD_TIMEOUT_S is left out this time)."""
+
+    def __init__(self, app_name: str, deployment: str) -> None:
+        self.prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+        self._known: dict[str, object] = {}
+
+    async def __call__(self) -> list[dict]:
+        actors = await asyncio.to_thread(replica_actors, self.prefix, self._known)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.record_routing_stats.remote(), LOAD_TIMEOUT_S)
+              for _, a in actors), return_exceptions=True)
+        entries = []
+        for result in results:
+            if isinstance(result, dict) and result.get("intake"):
+                meta = result.pop("intake")
+                entries.append({"worker_id": result["worker_id"], "meta": meta, "load": result})
+        return sorted(entries, key=lambda e: e["worker_id"])

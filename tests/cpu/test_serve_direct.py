@@ -4,7 +4,9 @@ replica each: the engine's outputs go worker -> router over the router's output 
 TCP on loopback), the Serve call carrying routing, errors and the request's lifetime. Streams
 answer as the offline engine does (greedy, sampled with logprobs, a stop string); a cancel
 frees the worker's KV blocks; a worker SIGKILLed mid-stream leaves its streams to go on on the
-other worker with the undisturbed tokens."""
+other worker with the undisturbed tokens. Each test runs twice: requests as Serve calls, and
+with request intake (ServeConfig.streaming.intake, cluster/intake.py: the routers route and
+send each request over TCP themselves, no Serve call)."""
 
 from __future__ import annotations
 
@@ -26,17 +28,18 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 MB = 2**20
 
 
-@pytest.fixture(scope="module")
-def direct(served):
+@pytest.fixture(scope="module", params=[False, True], ids=["serve_calls", "intake"])
+def direct(served, request):
     from ray import serve
 
     nodes = served.add_nodes(2, num_cpus=1, resources={"direct_node": 1},
                              object_store_memory=128 * MB)
-    app = served.deploy(app_name="direct", num_workers=2, engine=dict(served.config.engine),
+    app = served.deploy(app_name="intake" if request.param else "direct", num_workers=2,
+                        engine=dict(served.config.engine),
                         worker_resources=Resources(num_cpus=0.25, resources={"direct_node": 1}),
                         health_check_period_s=1.0,
                         streaming=dict(direct=True, streams_per_token=2,
-                                       max_tokens_per_message=4),
+                                       max_tokens_per_message=4, intake=request.param),
                         routing=dict(prefix_weight=0.0, lookup_timeout_s=2.0,
                                      stats_period_s=0.25))
     try:
@@ -77,10 +80,16 @@ def test_direct_streams_answer_as_offline(served, direct):
         answer = client.generate("w20", temperature=0, max_tokens=30, ignore_eos=True,
                                  stop=[stop])
     assert answer.text == full[:full.index(stop)] and answer.finish_reason == "stop"
-    channel = _router_audit(direct.app_name)["output_channel"]
+    audit = _router_audit(direct.app_name)
+    channel = audit["output_channel"]
     assert channel["connections"] >= 1 and channel["frames"] > 0 and channel["rejected"] == 0
     loads = served.wait_idle(direct.app_name)
     assert sum(w.num_requests_total for w in loads) >= 9
+    if direct.streaming.intake:  # the requests went over the router's intake
+        assert audit["intake"]["routed"] >= 9
+        assert all(w.num_requests_total >= 1 for w in loads), loads  # spread over both
+    else:
+        assert audit["intake"] is None
 
 
 def test_direct_stream_cancel_frees_the_workers_blocks(served, direct):
