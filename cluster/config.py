@@ -182,8 +182,9 @@ class Streaming(BaseModel):
     direct: bool = True
     # intake: the routers send each request to the worker they choose over one TCP connection
     # a (router, worker) pair, routing it themselves, not as a Serve call each
-    # (cluster/intake.py); needs direct
-    intake: bool = False
+    # (cluster/intake.py); needs direct and the prefix routing policy. None: on where both
+    # are (ServeConfig.uses_intake)
+    intake: bool | None = None
 
 
 class Limits(BaseModel):
@@ -282,13 +283,21 @@ class ServeConfig(BaseModel):
                                  "nodes")
             # the default gives way to TLS (a copy: the caller's Streaming stays as given)
             self.streaming = self.streaming.model_copy(update={"direct": False})
-        if self.streaming.intake and not self.streaming.direct:
-            raise ValueError("streaming.intake needs streaming.direct (its outputs come over "
-                             "the routers' output channels)")
-        if self.streaming.intake and self.routing.policy != "prefix":
-            raise ValueError("streaming.intake routes with the prefix policy: set "
-                             "routing.policy to prefix")
+        if self.streaming.intake and not self._intake_possible:
+            raise ValueError("streaming.intake needs streaming.direct (its outputs come over the "
+                             "routers' output channels) and routing.policy prefix (the routers "
+                             "route with it)")
         return self
+
+    @property
+    def _intake_possible(self) -> bool:
+        return self.streaming.direct and self.routing.policy == "prefix"
+
+    @property
+    def uses_intake(self) -> bool:
+        """Requests go to the workers over the routers' intake connections (streaming.intake;
+        unset: wherever direct streams and the prefix policy are on)."""
+        return self._intake_possible if self.streaming.intake is None else self.streaming.intake
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> ServeConfig:

@@ -34,7 +34,7 @@ from mxserve.cluster.config import ServeConfig
 from mxserve.cluster.grpc_proxy import publish_admission
 from mxserve.cluster.handles import DraftAddress, HandleWorkers, ReplicaDirectory
 from mxserve.cluster.logs import GRPC_HOST_ENV, rss_bytes, setup_process
-from mxserve.cluster.metrics import RayRouterMetrics
+from mxserve.cluster.metrics import RayRouterMetrics, RoutingMetrics
 from mxserve.cluster.output_channel import OutputReceiver
 from mxserve.cluster.router_grpc import RouterGrpcServer
 from mxserve.cluster.router_http import RouterHttpServer
@@ -300,9 +300,12 @@ class RouterDeployment:
 
             index = (PrefixIndex.from_url(intake["redis_url"], intake["namespace"])
                      if intake["redis_url"] else None)
+            routing_metrics = RoutingMetrics()
             self.intake = IntakeWorkers(
                 self.receiver, ReplicaDirectory(app_name, WORKER),
-                PrefixRouter(index, RoutingConfig(**intake["routing"])), intake["period_s"])
+                PrefixRouter(index, RoutingConfig(**intake["routing"]),
+                             on_lookup=routing_metrics.on_lookup),
+                intake["period_s"], routing_metrics.on_routed)
         self.router = Router(checkpoint.tokenizer, card,
                              self.intake or HandleWorkers(workers, app_name, WORKER,
                                                           self.receiver),
@@ -426,7 +429,7 @@ def build_app(config: ServeConfig) -> serve.Application:
             target_ongoing_requests=a.target_ongoing_requests,
             upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
             look_back_period_s=a.look_back_period_s)
-        if config.streaming.intake:  # Serve sees no intake request: the workers report them
+        if config.uses_intake:  # Serve sees no intake request: the workers report them
             worker_options["autoscaling_config"].update(
                 metrics_interval_s=min(2.0, a.look_back_period_s / 2),
                 policy=dict(policy_function=WORKER_POLICY,
@@ -477,7 +480,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     workers = WorkerDeployment.options(**worker_options).bind(
         engine_options, config.max_queued_requests, index, rank_options, drafts, kv_transfer,
         config.engine_stall_timeout_s,
-        config.streaming.model_dump(exclude={"direct", "intake"}), config.streaming.intake)
+        config.streaming.model_dump(exclude={"direct", "intake"}), config.uses_intake)
     return RouterDeployment.options(
         num_replicas=config.num_routers, max_ongoing_requests=10_000,
         ray_actor_options=config.router_resources.ray_actor_options(),
@@ -492,4 +495,4 @@ def build_app(config: ServeConfig) -> serve.Application:
                grace_s=config.graceful_shutdown_timeout_s),
            dict(redis_url=config.redis_url if config.uses_prefix_index else None,
                 namespace=config.index_namespace, routing=config.routing.policy_options(),
-                period_s=config.routing.stats_period_s) if config.streaming.intake else None)
+                period_s=config.routing.stats_period_s) if config.uses_intake else None)

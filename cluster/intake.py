@@ -259,8 +259,9 @@ class IntakeWorkers:
     writes it to the chosen worker; the outputs come over `receiver`."""
 
     def __init__(self, receiver: OutputReceiver, directory: Directory, policy: PrefixRouter,
-                 period_s: float = 0.5) -> None:
+                 period_s: float = 0.5, on_routed: Callable[[int], None] | None = None) -> None:
         self.receiver, self.directory, self.policy = receiver, directory, policy
+        self.on_routed = on_routed or (lambda cached_tokens: None)  # metrics
         self.period_s = period_s
         self.replicas: dict[str, dict] = {}  # worker id -> its directory entry
         self._listed_at = float("-inf")
@@ -312,6 +313,7 @@ class IntakeWorkers:
         hashes = block_hashes(prompt, meta["block_size"], meta["model_id"])
         decision = await self.policy.route(loads, hashes, meta["block_size"], len(prompt))
         chosen = decision.order[0]
+        self.on_routed(decision.cached_tokens)
         entry = replicas[chosen]
         held = decision.held_tokens
         if "kv_source" not in hints and held:

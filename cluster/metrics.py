@@ -48,6 +48,33 @@ class RayRouterMetrics:
             self.tokens.inc(num_output_tokens)
 
 
+class RoutingMetrics:
+    """The routing policy's metrics (router/routing.py's PrefixRouter), wherever it runs:
+    Serve's request router (cluster/request_router.py) or the router itself (request intake,
+    cluster/intake.py)."""
+
+    def __init__(self) -> None:
+        self.lookups = metrics.Counter(
+            "mxserve_router_prefix_lookups_total",
+            "Prefix index lookups by outcome: ok, error (failed or timed out: routed by load), "
+            "skipped (backing off after an error: routed by load)", tag_keys=("outcome",))
+        self.lookup_latency = metrics.Histogram(
+            "mxserve_router_prefix_lookup_seconds", "Prefix index lookup latency",
+            boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
+        self.cached_tokens = metrics.Counter(
+            "mxserve_router_routed_cached_tokens_total",
+            "Prompt tokens the chosen worker held in its prefix cache, per the index")
+
+    def on_lookup(self, outcome: str, latency_s: float | None) -> None:
+        self.lookups.inc(tags={"outcome": outcome})
+        if latency_s is not None and outcome == "ok":
+            self.lookup_latency.observe(latency_s)
+
+    def on_routed(self, cached_tokens: int) -> None:
+        if cached_tokens:
+            self.cached_tokens.inc(cached_tokens)
+
+
 class WorkerMetricsExporter:
     """Samples a Worker's load and running totals into Ray gauges and counters."""
 

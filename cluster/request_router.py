@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ray.serve import metrics
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
@@ -29,6 +28,7 @@ from ray.serve.request_router import (
 from mxserve.api.block_hash import block_hashes
 from mxserve.api.prefix_index import PrefixIndex
 from mxserve.cluster.kv_drain import request_drain
+from mxserve.cluster.metrics import RoutingMetrics
 from mxserve.router.routing import PrefixRouter, ReplicaLoad, RoutingConfig
 
 # How long a worker a request was lost on stays out of routing when Serve keeps listing it
@@ -51,27 +51,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._policy: PrefixRouter | None = None  # built on the routing loop, on first use
         # request id -> (prompt tokens, tokens each replica holds), until it is dispatched
         self._prompts: dict[str, tuple[int, dict[str, int]]] = {}
-        self._lookups = metrics.Counter(
-            "mxserve_router_prefix_lookups_total",
-            "Prefix index lookups by outcome: ok, error (failed or timed out: routed by load), "
-            "skipped (backing off after an error: routed by load)", tag_keys=("outcome",))
-        self._lookup_latency = metrics.Histogram(
-            "mxserve_router_prefix_lookup_seconds", "Prefix index lookup latency",
-            boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
-        self._cached_tokens = metrics.Counter(
-            "mxserve_router_routed_cached_tokens_total",
-            "Prompt tokens the chosen worker held in its prefix cache, per the index")
-
-    def _observe_lookup(self, outcome: str, latency_s: float | None) -> None:
-        self._lookups.inc(tags={"outcome": outcome})
-        if latency_s is not None and outcome == "ok":
-            self._lookup_latency.observe(latency_s)
+        self._metrics = RoutingMetrics()
 
     def _get_policy(self) -> PrefixRouter:
         if self._policy is None:
             index = (PrefixIndex.from_url(self._redis_url, self._namespace)
                      if self._redis_url else None)
-            self._policy = PrefixRouter(index, self._config, on_lookup=self._observe_lookup)
+            self._policy = PrefixRouter(index, self._config, on_lookup=self._metrics.on_lookup)
         return self._policy
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -85,8 +71,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         prompt_len = len(prompt) if prompt is not None else 0
         policy = self._get_policy()
         decision = await policy.route(loads, hashes, block_size, prompt_len)
-        if decision.cached_tokens:
-            self._cached_tokens.inc(decision.cached_tokens)
+        self._metrics.on_routed(decision.cached_tokens)
         if pending_request is not None and decision.order:
             request_id = pending_request.metadata.internal_request_id
             self._prompts[request_id] = (prompt_len, decision.held_tokens)

@@ -85,7 +85,7 @@ def test_direct_streams_answer_as_offline(served, direct):
     assert channel["connections"] >= 1 and channel["frames"] > 0 and channel["rejected"] == 0
     loads = served.wait_idle(direct.app_name)
     assert sum(w.num_requests_total for w in loads) >= 9
-    if direct.streaming.intake:  # the requests went over the router's intake
+    if direct.uses_intake:  # the requests went over the router's intake
         assert audit["intake"]["routed"] >= 9
         assert all(w.num_requests_total >= 1 for w in loads), loads  # spread over both
     else:

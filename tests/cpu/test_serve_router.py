@@ -543,18 +543,39 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert worker.ray_actor_options["resources"] == {"big": 1}
     assert worker._deployment_config.max_ongoing_requests > 8 + 4  # admission is the Worker's
     assert router.init_args[2:5] == ("SmolLM2-135M-Instruct", None, "mxserve")
-    limits, digests, admission, migration_limit, direct, own_ports = router.init_args[5:]
+    limits, digests, admission, migration_limit, direct, own_ports, intake = \
+        router.init_args[5:]
     assert limits["max_chat_messages"] == 1024 and digests == []  # no api_key: no auth
     assert admission == {"num_routers": 1, "retry_after_s": 1.0} and migration_limit == 3
     assert direct is True  # outputs over the routers' output channels unless set off
     assert own_ports == {"grpc": 9000, "http": 8000, "route_prefix": "/", "timeout_s": None,
                          "grace_s": 300.0}  # ingress "routers": the routers serve the ports
+    # request intake: the routers route (no Redis URL: by load alone) and send requests over
+    # TCP; the workers report what they hold for Serve's autoscaling
+    assert intake == {"redis_url": None, "namespace": "mxserve:mxserve",
+                      "routing": config.routing.policy_options(), "period_s": 0.5}
+    assert worker.init_args[-1] is True
+    policy = worker._deployment_config.autoscaling_config.policy
+    assert policy.policy_function.endswith("InFlightPolicy")
+    assert policy.policy_kwargs == {"target": config.autoscaling.target_ongoing_requests}
     proxied = build_app(config.model_copy(update=dict(ingress="proxy")))._bound_deployment
-    assert proxied.init_args[-1] is None  # Serve's proxies serve them
+    assert proxied.init_args[-2] is None  # Serve's proxies serve them
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
-    assert worker.init_args[-1] == {"streams_per_token": 8, "max_tokens_per_message": 16}
+    assert worker.init_args[-2] == {"streams_per_token": 8, "max_tokens_per_message": 16}
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
+    # intake off (set off, or direct streams off): a Serve call a request, Serve's policy
+    calls = build_app(ServeConfig(**{**config.model_dump(), "streaming": {"intake": False}})
+                      )._bound_deployment
+    assert calls.init_args[-1] is None and calls.init_args[0]._bound_deployment.init_args[-1] \
+        is False
+    no_direct = ServeConfig(**{**config.model_dump(), "streaming": {"direct": False}})
+    assert not no_direct.uses_intake and config.uses_intake
+    with pytest.raises(ValueError, match="streaming.intake needs"):
+        ServeConfig(streaming=dict(direct=False, intake=True))
+    with pytest.raises(ValueError, match="streaming.intake needs"):
+        ServeConfig(streaming=dict(intake=True), routing=dict(policy="round_robin"))
+    assert not ServeConfig(routing=dict(policy="round_robin")).uses_intake
 
 
 def test_build_app_reserves_one_bundle_per_tensor_parallel_rank():
