@@ -51,5 +51,10 @@ class InFlightPolicy:
         self.target = target
 
     def __call__(self, ctx) -> tuple[int, dict]:
-        in_flight = sum(((ctx.aggregated_metrics or {}).get(IN_FLIGHT_METRIC) or {}).values())
+        reports = (ctx.aggregated_metrics or {}).get(IN_FLIGHT_METRIC) or {}
+        if ctx.current_num_replicas == 0 or not reports:
+            # starting, or nothing reported yet: no decision (as Serve's default policy), so
+            # the scale-down delay does not run while the first replicas load
+            return ctx.target_num_replicas, {}
+        in_flight = sum(reports.values())
         return max(1, math.ceil(in_flight / self.target - 1e-9)), {"in_flight": in_flight}

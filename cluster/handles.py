@@ -24,6 +24,7 @@ from mxserve.cluster.output_channel import OutputReceiver
 
 logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
+FIRST_REPORT_TIMEOUT_S = 10.0  # ... for the first one of a replica (request intake's directory)
 
 
 class DraftAddress:
@@ -257,15 +258,24 @@ class ReplicaDirectory:
     def __init__(self, app_name: str, deployment: str) -> None:
         self.prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
         self._known: dict[str, object] = {}
+        self._last: dict[str, dict] = {}  # replica id -> its last entry
 
     async def __call__(self) -> list[dict]:
+        """Every listed replica that has answered once: a replica still listed whose report
+        does not come in time this once (its loop busy) keeps its last one."""
         actors = await asyncio.to_thread(replica_actors, self.prefix, self._known)
+        # a replica not heard from yet gets longer (a fresh replica on a busy host: left out,
+        # it would take no request until the next listing)
         results = await asyncio.gather(
-            *(asyncio.wait_for(a.record_routing_stats.remote(), LOAD_TIMEOUT_S)
-              for _, a in actors), return_exceptions=True)
-        entries = []
-        for result in results:
+            *(asyncio.wait_for(a.record_routing_stats.remote(),
+                               LOAD_TIMEOUT_S if r in self._last else FIRST_REPORT_TIMEOUT_S)
+              for r, a in actors), return_exceptions=True)
+        listed = {replica_id for replica_id, _ in actors}
+        self._last = {r: e for r, e in self._last.items() if r in listed}
+        for (replica_id, _), result in zip(actors, results):
             if isinstance(result, dict) and result.get("intake"):
                 meta = result.pop("intake")
-                entries.append({"worker_id": result["worker_id"], "meta": meta, "load": result})
-        return sorted(entries, key=lambda e: e["worker_id"])
+                self._last[replica_id] = {"worker_id": result["worker_id"], "meta": meta,
+                                          "load": result}
+        return sorted(self._last.values(), key=lambda e: e["worker_id"])
+

@@ -32,7 +32,6 @@ answer made without the engine: a hand-back) or [key, "end"].
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import pickle
 import secrets
@@ -47,7 +46,7 @@ from mxserve.api.block_hash import block_hashes
 from mxserve.api.errors import INTERNAL, ServeError, WorkerLostError
 from mxserve.api.outputs import StepOutput, decode_output, encode_output, merge_outputs
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.cluster.output_channel import _LEN, MAX_FRAME, OutputReceiver, frame
+from mxserve.cluster.output_channel import FRAME_HEADER, MAX_FRAME, OutputReceiver, frame
 from mxserve.router.routing import PrefixRouter, ReplicaLoad
 
 logger = logging.getLogger(__name__)
@@ -67,13 +66,13 @@ class _FrameReader:
         buffer = self.buffer
         buffer += data
         start, payloads = 0, []
-        while len(buffer) - start >= _LEN.size:
-            (n,) = _LEN.unpack_from(buffer, start)
+        while len(buffer) - start >= FRAME_HEADER.size:
+            (n,) = FRAME_HEADER.unpack_from(buffer, start)
             if n > MAX_FRAME:
                 raise ValueError(f"frame of {n} bytes")
-            if len(buffer) - start - _LEN.size < n:
+            if len(buffer) - start - FRAME_HEADER.size < n:
                 break
-            body = start + _LEN.size
+            body = start + FRAME_HEADER.size
             payloads.append(msgpack.unpackb(buffer[body:body + n]))
             start = body + n
         del buffer[:start]
@@ -221,7 +220,7 @@ class _Link:
     async def _read(self) -> None:
         try:
             while True:
-                (n,) = _LEN.unpack(await self.reader.readexactly(_LEN.size))
+                (n,) = FRAME_HEADER.unpack(await self.reader.readexactly(FRAME_HEADER.size))
                 if n > MAX_FRAME:
                     raise ValueError(f"frame of {n} bytes")
                 item = msgpack.unpackb(await self.reader.readexactly(n))
@@ -246,6 +245,15 @@ class _Link:
         for inbox in self.inboxes.values():
             inbox.put_nowait(lost)
 
+    def fail(self, error: Exception) -> None:
+        """Its worker is gone by another account (the directory no longer lists it): every
+        request on it fails with `error`, and it takes no more."""
+        if self.broken is None:
+            self.broken = error
+            for inbox in self.inboxes.values():
+                inbox.put_nowait(error)
+        self.close()
+
     def close(self) -> None:
         self._task.cancel()
         self.writer.close()
@@ -264,8 +272,8 @@ class IntakeWorkers:
         self.on_routed = on_routed or (lambda cached_tokens: None)  # metrics
         self.period_s = period_s
         self.replicas: dict[str, dict] = {}  # worker id -> its directory entry
-        self._listed_at = float("-inf")
-        self._listing: asyncio.Task | None = None
+        self._first_listing: asyncio.Task | None = None
+        self._polling: asyncio.Task | None = None
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._lost: dict[str, float] = {}  # worker id -> when its connection broke
@@ -278,25 +286,37 @@ class IntakeWorkers:
     async def _refresh(self) -> list[dict]:
         entries = await self.directory()
         self.replicas = {e["worker_id"]: e for e in entries}
-        self._listed_at = time.monotonic()
         for worker_id in [w for w in self._links if w not in self.replicas]:
-            self._links.pop(worker_id).close()  # (Serve stopped it)
+            # Serve stopped it or found it dead: a silent process may keep its socket open
+            self._links.pop(worker_id).fail(WorkerLostError(
+                f"its worker {worker_id} left the replica set", worker_id))
         self._lost = {w: t for w, t in self._lost.items() if w in self.replicas}
         return entries
 
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self._refresh()
+            except Exception as e:  # (the GCS or a replica briefly unreachable)
+                logger.warning("listing the worker replicas failed: %r", e)
+
     async def _current(self) -> dict[str, dict]:
-        """The replicas, refreshed in the background once older than period_s (waited for
-        only before the first listing)."""
-        if not self.replicas:
-            await self._refresh()
-        elif time.monotonic() - self._listed_at > self.period_s and (
-                self._listing is None or self._listing.done()):
-            self._listing = asyncio.create_task(self._refresh())
-            self._listing.add_done_callback(_log_failure)
+        """The replicas as last listed: listed every period_s in the background from the
+        first call on, which waits for the first listing (until it names one)."""
+        if self._polling is None:
+            self._polling = asyncio.create_task(self._poll())
+        while not self.replicas:
+            if self._first_listing is None or self._first_listing.done():
+                self._first_listing = asyncio.create_task(self._refresh())
+            await asyncio.shield(self._first_listing)
+            if not self.replicas:
+                await asyncio.sleep(self.period_s)
         return self.replicas
 
-    async def _choose(self, prompt: list[int], hints: dict) -> tuple[str, dict, int]:
-        """(worker id, its entry, prefill tokens it brings) for this prompt."""
+    async def _choose(self, prompt: list[int], hints: dict, key: str) -> tuple[str, dict]:
+        """(worker id, its entry) for this prompt, the dispatch recorded under key at once
+        (the next choice counts it, however soon)."""
         replicas = await self._current()
         resume = hints.get("resume")
         left = resume.worker_id if resume is not None else None
@@ -306,8 +326,6 @@ class IntakeWorkers:
         lost = {w for w, t in self._lost.items() if now - t < LOST_HOLD_S}
         candidates = [e for w, e in replicas.items() if w != left and w not in lost
                       and not e["load"].get("draining")] or list(replicas.values())
-        if not candidates:
-            raise WorkerLostError("no worker replica is listed", "")
         loads = [_replica_load(e) for e in candidates]
         meta = candidates[0]["meta"]
         hashes = block_hashes(prompt, meta["block_size"], meta["model_id"])
@@ -322,7 +340,8 @@ class IntakeWorkers:
             if address:
                 hints["kv_source"] = {"address": address,
                                       "num_blocks": held[holder] // meta["block_size"]}
-        return chosen, entry, max(0, len(prompt) - held.get(chosen, 0))
+        self.policy.dispatched.add(key, chosen, max(0, len(prompt) - held.get(chosen, 0)))
+        return chosen, entry
 
     async def _link(self, worker_id: str, entry: dict) -> _Link:
         link = self._links.get(worker_id)
@@ -361,12 +380,15 @@ class IntakeWorkers:
                        request_id: str, **hints) -> AsyncIterator[StepOutput]:
         """The chosen worker's outputs for this request. Raises what the worker raised
         (ServeError), or WorkerLostError when its connection breaks first."""
-        worker_id, entry, prefill = await self._choose(prompt_token_ids, hints)
-        link = await self._link(worker_id, entry)
         key = uuid.uuid4().hex
+        worker_id, entry = await self._choose(prompt_token_ids, hints, key)
+        try:
+            link = await self._link(worker_id, entry)
+        except BaseException:
+            self.policy.dispatched.done(key)
+            raise
         inbox = self.receiver.open(key)
         link.inboxes[key] = inbox
-        self.policy.dispatched.add(key, worker_id, prefill)
         self.num_routed += 1
         link.send(["g", key, pickle.dumps((prompt_token_ids, params, request_id, hints,
                                           self.receiver.target(key)), protocol=5)])
@@ -409,6 +431,8 @@ class IntakeWorkers:
                 link.send(["a", key])
 
     def close(self) -> None:
+        if self._polling is not None:
+            self._polling.cancel()
         for link in self._links.values():
             link.close()
         self._links.clear()
@@ -422,7 +446,3 @@ def _replica_load(entry: dict) -> ReplicaLoad:
                        load.get("num_prefill_tokens_pending", 0), load.get("reported_at"))
 
 
-def _log_failure(task: asyncio.Task) -> None:
-    with contextlib.suppress(asyncio.CancelledError):
-        if task.exception() is not None:
-            logger.warning("listing the worker replicas failed: %r", task.exception())

@@ -39,7 +39,7 @@ from mxserve.api.outputs import decode_output
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct("!I")
+FRAME_HEADER = struct.Struct("!I")
 MAX_FRAME = 256 << 20
 IDLE_CHECK_S = 1.0  # an idle sender looks this often whether its router hung up
 
@@ -52,7 +52,7 @@ def _hung_up(sock: socket.socket) -> bool:
 
 def frame(payload: object) -> bytes:
     data = msgpack.packb(payload)
-    return _LEN.pack(len(data)) + data
+    return FRAME_HEADER.pack(len(data)) + data
 
 
 class OutputReceiver:
@@ -129,13 +129,13 @@ class _Connection(asyncio.Protocol):
         buffer += data
         start = 0
         try:
-            while len(buffer) - start >= _LEN.size:
-                (n,) = _LEN.unpack_from(buffer, start)
+            while len(buffer) - start >= FRAME_HEADER.size:
+                (n,) = FRAME_HEADER.unpack_from(buffer, start)
                 if n > MAX_FRAME:
                     raise ValueError(f"frame of {n} bytes")
-                if len(buffer) - start - _LEN.size < n:
+                if len(buffer) - start - FRAME_HEADER.size < n:
                     break
-                body = start + _LEN.size
+                body = start + FRAME_HEADER.size
                 payload = msgpack.unpackb(buffer[body:body + n])
                 start = body + n
                 if self.authenticated:

@@ -62,7 +62,7 @@ def test_application_builds_from_its_args(serve_config):
     built = call_user_app_builder_with_args_if_necessary(builder, app["args"])
     assert isinstance(built, serve.Application)
     # serveConfigV2 starts Serve's proxies on the ports: the routers must not bind them too
-    assert "ingress" not in app["args"] and built._bound_deployment.init_args[-1] is None
+    assert "ingress" not in app["args"] and built._bound_deployment.init_args[-2] is None
     with pytest.raises(ValueError):
         app_builder({**app["args"], "num_workerz": 2})
 

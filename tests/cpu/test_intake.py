@@ -240,3 +240,29 @@ def test_the_intake_drops_a_connection_without_its_token_or_with_a_bad_frame(llm
 
     results, rejected, _ = asyncio.run(main())
     assert results == [b"", b"", b""] and rejected == 3
+
+
+def test_the_in_flight_autoscaling_policy_is_serves_rule_on_the_workers_reports():
+    """cluster/autoscaling.InFlightPolicy on Serve's context fields (Serve applies the delays
+    and bounds around it): ceil(requests the workers hold / target); no decision (the current
+    target) while no replica runs or none has reported, so a deployment's start does not count
+    toward a scale-down."""
+    from types import SimpleNamespace
+
+    from mxserve.cluster.autoscaling import InFlightPolicy
+
+    policy = InFlightPolicy(target=8)
+
+    def ask(in_flight: list[int], running: int = 2, target: int = 2) -> int:
+        ctx = SimpleNamespace(aggregated_metrics={"worker_in_flight": dict(enumerate(in_flight))},
+                              current_num_replicas=running, target_num_replicas=target)
+        return policy(ctx)[0]
+
+    assert ask([3, 4]) == 1
+    assert ask([8, 9]) == 3
+    assert ask([16, 16]) == 4
+    assert ask([0, 0]) == 1
+    assert ask([], target=3) == 3  # nothing reported yet
+    assert ask([5], running=0, target=2) == 2  # starting
+    with pytest.raises(ValueError, match="target"):
+        InFlightPolicy(target=0)
