@@ -182,9 +182,8 @@ class Streaming(BaseModel):
     direct: bool = True
     # intake: the routers send each request to the worker they choose over one TCP connection
     # a (router, worker) pair, routing it themselves, not as a Serve call each
-    # (cluster/intake.py); needs direct and the prefix routing policy. None: on where both
-    # are (ServeConfig.uses_intake)
-    intake: bool | None = None
+    # (cluster/intake.py); needs direct and the prefix routing policy
+    intake: bool = False
 
 
 class Limits(BaseModel):
@@ -295,9 +294,8 @@ class ServeConfig(BaseModel):
 
     @property
     def uses_intake(self) -> bool:
-        """Requests go to the workers over the routers' intake connections (streaming.intake;
-        unset: wherever direct streams and the prefix policy are on)."""
-        return self._intake_possible if self.streaming.intake is None else self.streaming.intake
+        """Requests go to the workers over the routers' intake connections (streaming.intake)."""
+        return self.streaming.intake
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> ServeConfig:

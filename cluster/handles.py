@@ -24,7 +24,6 @@ from mxserve.cluster.output_channel import OutputReceiver
 
 logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
-FIRST_REPORT_TIMEOUT_S = 10.0  # ... for the first one of a replica (request intake's directory)
 
 
 class DraftAddress:
@@ -259,19 +258,24 @@ class ReplicaDirectory:
         self.prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
         self._known: dict[str, object] = {}
         self._last: dict[str, dict] = {}  # replica id -> its last entry
+        self._asked: dict[str, asyncio.Future] = {}  # replica id -> its report on the way
 
     async def __call__(self) -> list[dict]:
         """Every listed replica that has answered once: a replica still listed whose report
         does not come in time this once (its loop busy) keeps its last one."""
         actors = await asyncio.to_thread(replica_actors, self.prefix, self._known)
-        # a replica not heard from yet gets longer (a fresh replica on a busy host: left out,
-        # it would take no request until the next listing)
+        # a report later than LOAD_TIMEOUT_S (a replica still starting, a busy loop) is not
+        # asked again: the next listing takes it once it comes
+        for replica_id, actor in actors:
+            if replica_id not in self._asked:
+                self._asked[replica_id] = asyncio.ensure_future(
+                    actor.record_routing_stats.remote())
         results = await asyncio.gather(
-            *(asyncio.wait_for(a.record_routing_stats.remote(),
-                               LOAD_TIMEOUT_S if r in self._last else FIRST_REPORT_TIMEOUT_S)
-              for r, a in actors), return_exceptions=True)
+            *(asyncio.wait_for(asyncio.shield(self._asked[r]), LOAD_TIMEOUT_S)
+              for r, _ in actors), return_exceptions=True)
         listed = {replica_id for replica_id, _ in actors}
         self._last = {r: e for r, e in self._last.items() if r in listed}
+        self._asked = {r: f for r, f in self._asked.items() if r in listed and not f.done()}
         for (replica_id, _), result in zip(actors, results):
             if isinstance(result, dict) and result.get("intake"):
                 meta = result.pop("intake")

@@ -280,10 +280,11 @@ class IntakeWorkers:
         self.num_routed = 0
 
     async def loads(self) -> list[dict]:
-        entries = await self._refresh()
-        return [e["load"] for e in entries]
+        """The workers' reports, asked for now (a replica that does not answer within the
+        directory's timeout keeps its last one)."""
+        return [e["load"] for e in await self.refresh()]
 
-    async def _refresh(self) -> list[dict]:
+    async def refresh(self) -> list[dict]:
         entries = await self.directory()
         self.replicas = {e["worker_id"]: e for e in entries}
         for worker_id in [w for w in self._links if w not in self.replicas]:
@@ -297,7 +298,7 @@ class IntakeWorkers:
         while True:
             await asyncio.sleep(self.period_s)
             try:
-                await self._refresh()
+                await self.refresh()
             except Exception as e:  # (the GCS or a replica briefly unreachable)
                 logger.warning("listing the worker replicas failed: %r", e)
 
@@ -308,7 +309,7 @@ class IntakeWorkers:
             self._polling = asyncio.create_task(self._poll())
         while not self.replicas:
             if self._first_listing is None or self._first_listing.done():
-                self._first_listing = asyncio.create_task(self._refresh())
+                self._first_listing = asyncio.create_task(self.refresh())
             await asyncio.shield(self._first_listing)
             if not self.replicas:
                 await asyncio.sleep(self.period_s)

@@ -135,7 +135,7 @@ def test_worker_errors_come_back_with_their_status(llms):
                                                  "bad"))
             # fill both workers (4 running each, no queue), then one more is refused
             c.listed = [0]
-            await c.routed.loads()
+            await c.routed.refresh()
             long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             streams = [c.routed.generate(p, long, f"f{i}") for i, p in enumerate(_prompts(4))]
             firsts = [await anext(s) for s in streams]
@@ -188,11 +188,11 @@ def test_a_worker_hanging_up_fails_its_streams_as_lost_and_routing_moves_on(llms
         async with Cluster(llms) as c:
             long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
             c.listed = [1]
-            await c.routed.loads()
+            await c.routed.refresh()
             stream = c.routed.generate(_prompts(1)[0], long, "lost")
             await anext(stream)
             c.listed = [0, 1]
-            await c.routed.loads()
+            await c.routed.refresh()
             c.servers[1].close()  # as a worker's process dying breaks the connection
             with pytest.raises(WorkerLostError) as lost:
                 await _collect(stream)
@@ -214,7 +214,7 @@ def test_a_draining_worker_hands_the_request_back(llms):
     async def main():
         async with Cluster(llms) as c:
             c.listed = [0]
-            await c.routed.loads()
+            await c.routed.refresh()
             await c.workers[0].drain()
             _, outs = await _collect(c.routed.generate(_prompts(1)[0], GREEDY, "drained"))
             return outs
