@@ -536,8 +536,9 @@ def main() -> None:
                   "max_tokens_per_message": args.max_tokens_per_message},
               "inproc": inproc, **variants, "served_variants": list(variants),
               "targets_by_variant": by_variant,
-              # the default configuration's served path (ingress routers, direct streams,
-              # request intake) where it ran, else the last of --variants
+              # the served path that meets the targets (ingress routers, direct streams,
+              # request intake: streaming.intake, opt-in) where it ran, else the last of
+              # --variants
               "targets_met": by_variant.get("served_ingress_intake",
                                             by_variant[list(variants)[-1]])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
