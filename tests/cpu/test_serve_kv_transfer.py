@@ -99,6 +99,8 @@ def test_a_worker_chosen_for_load_pulls_the_prefix_from_the_other_node(served):
         assert _generate(served, app.app_name, prompts[3]).token_ids == want[3]
         (holder2,) = served.wait_indexed(prefixes[1], app)
         _set_faults(app.app_name, holder2, {"corrupt_chunk": 0})
+        time.sleep(0.6)  # the choice weighs the workers' cache sizes and KV usage: let their
+        # reports (every stats_period_s) take in the last request's blocks first
         fourth = _generate(served, app.app_name, prompts[4])
         assert fourth.token_ids == want[4] and fourth.cached_tokens == 0
         stats = _kv_stats(app.app_name)
