@@ -18,9 +18,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from mxserve.api.errors import WorkerLostError
-from mxserve.api.outputs import StepOutput, decode_output, merge_outputs
+from mxserve.api.outputs import StepOutput, decode_output
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.cluster.output_channel import OutputReceiver
+from mxserve.cluster.output_channel import OutputReceiver, merge_piled
 
 logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1.0  # the longest the router waits for one worker's load report
@@ -173,16 +173,7 @@ class HandleWorkers:
                     raise self._lost(item)
                 if isinstance(item, BaseException):
                     raise item
-                # what piled up while this stream's consumer was busy goes on as one message
-                # (each costs every hop after this one the same work)
-                piled = [item]
-                while not piled[-1].finished and not inbox.empty():
-                    later = inbox.get_nowait()
-                    if not isinstance(later, StepOutput):
-                        held = later
-                        break
-                    piled.append(later)
-                item = merge_outputs(piled)
+                item, held = merge_piled(item, inbox)
                 finished = item.finished
                 yield item
                 if finished:

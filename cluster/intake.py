@@ -44,9 +44,16 @@ import msgpack
 
 from mxserve.api.block_hash import block_hashes
 from mxserve.api.errors import INTERNAL, ServeError, WorkerLostError
-from mxserve.api.outputs import StepOutput, decode_output, encode_output, merge_outputs
+from mxserve.api.outputs import StepOutput, decode_output, encode_output
 from mxserve.api.sampling_params import SamplingParams
-from mxserve.cluster.output_channel import FRAME_HEADER, MAX_FRAME, OutputReceiver, frame
+from mxserve.cluster.output_channel import (
+    FRAME_HEADER,
+    MAX_FRAME,
+    FrameReader,
+    OutputReceiver,
+    frame,
+    merge_piled,
+)
 from mxserve.router.routing import PrefixRouter, ReplicaLoad
 
 logger = logging.getLogger(__name__)
@@ -54,29 +61,6 @@ logger = logging.getLogger(__name__)
 END_TAIL_S = 30.0  # after the worker's "end", the longest the last output may take to come
 LOST_HOLD_S = 60.0  # a worker whose connection broke stays out of routing this long, unless
 # the directory stops listing it first (Serve replaced it)
-
-
-class _FrameReader:
-    """Whole frames out of a byte stream fed piecewise (asyncio.Protocol.data_received)."""
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-
-    def feed(self, data: bytes) -> list:
-        buffer = self.buffer
-        buffer += data
-        start, payloads = 0, []
-        while len(buffer) - start >= FRAME_HEADER.size:
-            (n,) = FRAME_HEADER.unpack_from(buffer, start)
-            if n > MAX_FRAME:
-                raise ValueError(f"frame of {n} bytes")
-            if len(buffer) - start - FRAME_HEADER.size < n:
-                break
-            body = start + FRAME_HEADER.size
-            payloads.append(msgpack.unpackb(buffer[body:body + n]))
-            start = body + n
-        del buffer[:start]
-        return payloads
 
 
 # --------------------------------------------------------------------------- worker side
@@ -116,7 +100,7 @@ class IntakeServer:
 class _IntakeConnection(asyncio.Protocol):
     def __init__(self, server: IntakeServer) -> None:
         self.server = server
-        self.reader = _FrameReader()
+        self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.authenticated = False
         self.tasks: dict[str, asyncio.Task] = {}  # key -> the request's task
@@ -412,14 +396,7 @@ class IntakeWorkers:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                piled = [item]  # what piled up while this stream's consumer was busy
-                while not piled[-1].finished and not inbox.empty():
-                    later = inbox.get_nowait()
-                    if not isinstance(later, StepOutput):
-                        held = later
-                        break
-                    piled.append(later)
-                item = merge_outputs(piled)
+                item, held = merge_piled(item, inbox)
                 finished = item.finished
                 yield item
                 if finished:

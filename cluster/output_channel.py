@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import msgpack
 
-from mxserve.api.outputs import decode_output
+from mxserve.api.outputs import StepOutput, decode_output, merge_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,44 @@ def _hung_up(sock: socket.socket) -> bool:
 def frame(payload: object) -> bytes:
     data = msgpack.packb(payload)
     return FRAME_HEADER.pack(len(data)) + data
+
+
+class FrameReader:
+    """Whole frames out of a byte stream fed piecewise (asyncio.Protocol.data_received)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        """The payloads of the frames now whole; raises ValueError on an oversized frame."""
+        buffer = self.buffer
+        buffer += data
+        start, payloads = 0, []
+        while len(buffer) - start >= FRAME_HEADER.size:
+            (n,) = FRAME_HEADER.unpack_from(buffer, start)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes")
+            if len(buffer) - start - FRAME_HEADER.size < n:
+                break
+            body = start + FRAME_HEADER.size
+            payloads.append(msgpack.unpackb(buffer[body:body + n]))
+            start = body + n
+        del buffer[:start]
+        return payloads
+
+
+def merge_piled(first: StepOutput, inbox: asyncio.Queue) -> tuple[StepOutput, object]:
+    """`first` merged with the outputs that piled up behind it in a request's inbox while its
+    consumer was busy (each message costs every later hop the same work), up to its last
+    output; also the first non-output item met (an error, an end), else None, for the caller
+    to handle next."""
+    piled = [first]
+    while not piled[-1].finished and not inbox.empty():
+        later = inbox.get_nowait()
+        if not isinstance(later, StepOutput):
+            return merge_outputs(piled), later
+        piled.append(later)
+    return merge_outputs(piled), None
 
 
 class OutputReceiver:
@@ -114,7 +152,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, receiver: OutputReceiver) -> None:
         self.receiver = receiver
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.reader = FrameReader()
         self.authenticated = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -125,19 +163,8 @@ class _Connection(asyncio.Protocol):
         self.receiver._transports.discard(self.transport)  # the worker's Serve calls say why
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        start = 0
         try:
-            while len(buffer) - start >= FRAME_HEADER.size:
-                (n,) = FRAME_HEADER.unpack_from(buffer, start)
-                if n > MAX_FRAME:
-                    raise ValueError(f"frame of {n} bytes")
-                if len(buffer) - start - FRAME_HEADER.size < n:
-                    break
-                body = start + FRAME_HEADER.size
-                payload = msgpack.unpackb(buffer[body:body + n])
-                start = body + n
+            for payload in self.reader.feed(data):
                 if self.authenticated:
                     self.receiver._deliver(payload)
                 elif payload == self.receiver.token:
@@ -151,11 +178,9 @@ class _Connection(asyncio.Protocol):
             self.receiver.num_rejected += 1
             logger.warning("output channel: dropped a connection (%r)", e)
             self._drop()
-            return
-        del buffer[:start]
 
     def _drop(self) -> None:
-        self.buffer.clear()
+        self.reader.buffer.clear()
         self.transport.close()
 
 
