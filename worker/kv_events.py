@@ -70,17 +70,23 @@ class KVEventPublisher:
         self._tasks = [asyncio.create_task(self._publish_loop()),
                        asyncio.create_task(self._heartbeat_loop())]
 
-    async def close(self, timeout_s: float = 2.0) -> None:
+    async def stop(self) -> None:
+        """End the publish and heartbeat loops without leaving the index: to peers this is a
+        crash (the heartbeat expires and a live peer reaps our entries)."""
         # redis-py can swallow a cancellation that lands inside its own timeout block (turned
         # into a timeout error, which the loops outlive by design; redis-py issues 2028, 2551):
         # the flag ends the loops at their next turn, and the cancel is repeated until they do.
-        # Seen once in CI as a close() that never returned.
+        # Seen in CI as a close() that never returned, and as a "crashed" publisher whose
+        # heartbeat went on.
         self._closing = True
         pending = [task for task in self._tasks if not task.done()]
         while pending:
             for task in pending:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.1)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        await self.stop()
         try:
             await asyncio.wait_for(self.index.purge(self.worker_id), timeout_s)
         except Exception as e:  # Redis gone: the heartbeat expires and peers purge us

@@ -211,8 +211,7 @@ def test_concurrent_workers_keep_the_index_equal_to_their_caches(redis_server, t
         await check_holders(index, pubs)
         # A crashed worker (no purge, heartbeat stops) is reaped by a live peer.
         assert await index.blocks_of("w2")
-        for task in pubs[2]._tasks:
-            task.cancel()
+        await pubs[2].stop()
         await asyncio.sleep(FAST.heartbeat_ttl_s)  # its heartbeat key outlives it this long
         # then a peer's next reap purges it (a few heartbeats; polled, as a loaded machine's
         # event loop runs late: a fixed sleep of TTL + 4 heartbeats failed once in a CI run)
