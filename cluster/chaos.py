@@ -2,12 +2,12 @@
 Redis prefix index) are killed at random times; what a worker loss costs the clients.
 
 Closed-loop clients each send greedy requests drawn from a prompt pool, one at a time, and
-record every request's outcome. A killer SIGKILLs a random live worker replica's process
-every `kill_every_s` (once the app has all its workers again: Serve replaces a killed
-replica), after noting how many requests it was running (those must move); optionally, halfway
-between two worker kills, Redis is crashed and restarted empty, or a draft replica (speculation
-with draft_placement "replica") SIGKILLed, in turn. `ChaosResult`
-sums it up: completed / failed / hung, output mismatches against the undisturbed run, time
+record every request's outcome. A killer SIGKILLs a random live worker replica's process (a
+busy one where any is) every `kill_every_s` (once the app has all its workers again: Serve
+replaces a killed replica), after noting how many requests it was running (those must move);
+optionally, halfway between two worker kills, Redis is crashed and restarted empty, or a draft
+replica (speculation with draft_placement "replica") SIGKILLed, in turn. `ChaosResult` sums it
+up: completed / failed / hung, output mismatches against the undisturbed run, time
 to first token inside the fault windows and outside, and KV blocks still held once idle.
 
 Used by tests/cpu/test_serve_chaos.py and bench/chaos.py; Ray must already be initialized
@@ -189,8 +189,8 @@ def _one(client: Client, index: int, prompt: list[int], max_tokens: int,
 
 def _kill_worker(endpoint: str, app_name: str, num_workers: int, rng: random.Random,
                  wait_s: float) -> Kill | None:
-    """SIGKILL a random worker replica's process once all num_workers are up (None if they
-    never were within wait_s, or no load report came)."""
+    """SIGKILL a random worker replica's process, a busy one where any is, once all
+    num_workers are up (None if they never were within wait_s, or no load report came)."""
     import grpc
 
     if not _wait_whole(endpoint, app_name, num_workers, wait_s, idle=False):
@@ -204,7 +204,10 @@ def _kill_worker(endpoint: str, app_name: str, num_workers: int, rng: random.Ran
     alive = sorted(set(pids) & set(loads))
     if not alive:
         return None
-    victim = rng.choice(alive)
+    # A worker with requests in flight when there is one: a kill of an idle worker (say a
+    # replacement the router has not sent to yet) tests no migration.
+    busy = [w for w in alive if loads[w].num_running + loads[w].num_waiting > 0]
+    victim = rng.choice(busy or alive)
     os.kill(pids[victim], signal.SIGKILL)
     return Kill(time.monotonic(), victim, loads[victim].num_running + loads[victim].num_waiting)
 
