@@ -182,8 +182,9 @@ class Streaming(BaseModel):
     direct: bool = True
     # intake: the routers send each request to the worker they choose over one TCP connection
     # a (router, worker) pair, routing it themselves, not as a Serve call each
-    # (cluster/intake.py); needs direct and the prefix routing policy
-    intake: bool = False
+    # (cluster/intake.py); needs direct and the prefix routing policy. None: on where those
+    # hold (ServeConfig.uses_intake)
+    intake: bool | None = None
 
 
 class Limits(BaseModel):
@@ -282,7 +283,7 @@ class ServeConfig(BaseModel):
                                  "nodes")
             # the default gives way to TLS (a copy: the caller's Streaming stays as given)
             self.streaming = self.streaming.model_copy(update={"direct": False})
-        if self.streaming.intake and not self._intake_possible:
+        if self.streaming.intake is True and not self._intake_possible:
             raise ValueError("streaming.intake needs streaming.direct (its outputs come over the "
                              "routers' output channels) and routing.policy prefix (the routers "
                              "route with it)")
@@ -294,7 +295,10 @@ class ServeConfig(BaseModel):
 
     @property
     def uses_intake(self) -> bool:
-        """Requests go to the workers over the routers' intake connections (streaming.intake)."""
+        """Requests go to the workers over the routers' intake connections (streaming.intake;
+        by default wherever direct streams and the prefix policy are on)."""
+        if self.streaming.intake is None:
+            return self._intake_possible
         return self.streaming.intake
 
     @classmethod

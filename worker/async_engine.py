@@ -350,10 +350,11 @@ class AsyncEngine:
             batches: dict = {}
             stream.held.append(item)
             _send_direct(stream, None, batches)
+            stream.loop.call_soon_threadsafe(stream.ready.set)  # before the send: see below
             _send_batches(batches)
         else:
             stream.put(item, 0, None)
-        stream.loop.call_soon_threadsafe(stream.ready.set)
+            stream.loop.call_soon_threadsafe(stream.ready.set)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, the streams a message is due for woken with one hand-over per
@@ -378,9 +379,13 @@ class AsyncEngine:
                         by_loop.setdefault(stream.loop, []).append(stream.ready)
             elif stream.put(out, len(out.new_token_ids), None if last else due):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
-        _send_batches(batches)
+        # The wake-ups are queued on the loops before the frames leave: a router that gets a
+        # request's last output can send this worker the next request at once, and the loop
+        # must count the finished one out (Worker.generate) before it takes in the new one,
+        # or a worker at its limit rejects a request its router admitted into a free place.
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
+        _send_batches(batches)
 
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: every request ends with an error. A bug fails those requests; a

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
+import time
 
 import pytest
 
@@ -151,6 +152,44 @@ def test_worker_errors_come_back_with_their_status(llms):
     assert full.code == RESOURCE_EXHAUSTED and "full" in full.message
     assert all(f.new_token_ids for f in firsts)
     assert audits[0]["in_flight"] == 0 and audits[0]["kv_blocks_used"] == 0
+
+
+def test_a_worker_at_its_limit_takes_the_next_request_once_it_sent_the_last_output(
+        llms, monkeypatch):
+    """Four closed-loop clients on one worker of capacity 4 (no queue), each sending its next
+    request the moment its last output arrives: the worker has counted the finished request
+    out by then (its wake-up is queued before the output leaves), so none is refused. The
+    engine thread dawdles after each send, as a thread that lost the GIL in it does."""
+    from mxserve.worker import async_engine
+
+    send = async_engine._send_batches
+
+    def send_then_dawdle(batches: dict) -> None:
+        send(batches)
+        time.sleep(0.003)
+
+    monkeypatch.setattr(async_engine, "_send_batches", send_then_dawdle)
+
+    async def main():
+        async with Cluster(llms, max_queued_requests=0) as c:
+            c.listed = [0]
+            await c.routed.refresh()
+            short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            refused = []
+
+            async def client(n: int) -> None:
+                for i in range(100):
+                    try:
+                        await _collect(c.routed.generate([5 + n, 6, i], short, f"c{n}-{i}"))
+                    except ServeError as e:
+                        refused.append(e.message)
+
+            await asyncio.gather(*(client(n) for n in range(4)))
+            await c.idle()
+            return refused, c.workers[0].num_requests_total
+
+    refused, total = asyncio.run(main())
+    assert refused == [] and total == 400, (refused[:3], total)
 
 
 def test_a_cancel_aborts_on_the_worker_and_frees_its_blocks(llms):
