@@ -10,9 +10,9 @@ for enough replicas to keep that fraction near `target_busy`:
 
     desired = ceil(sum of the replicas' busy fractions / target_busy), at least 1
 
-Serve applies the autoscaling config around it (upscale / downscale delays, min / max
-replicas). No Ray imports: Serve calls it with its AutoscalingContext, and it reads only the
-fields named here."""
+(no decision while no replica runs or none has reported). Serve applies the autoscaling config
+around it (upscale / downscale delays, min / max replicas). No Ray imports: Serve calls it with
+its AutoscalingContext, and it reads only the fields named here."""
 
 from __future__ import annotations
 
@@ -28,8 +28,18 @@ class DraftLoadPolicy:
         self.target_busy = target_busy
 
     def __call__(self, ctx) -> tuple[int, dict]:
-        busy = sum(((ctx.aggregated_metrics or {}).get(BUSY_METRIC) or {}).values())
+        reports = (ctx.aggregated_metrics or {}).get(BUSY_METRIC) or {}
+        if _starting(ctx, reports):
+            return ctx.target_num_replicas, {}
+        busy = sum(reports.values())
         return max(1, math.ceil(busy / self.target_busy - 1e-9)), {"busy": busy}
+
+
+def _starting(ctx, reports: dict) -> bool:
+    """No replica runs yet, or none has reported: a policy makes no decision then (it keeps
+    the current target, as Serve's default policy does), so the scale-down delay does not run
+    while the first replicas load and a deployment's initial replicas are not stopped at once."""
+    return ctx.current_num_replicas == 0 or not reports
 
 
 IN_FLIGHT_METRIC = "worker_in_flight"
@@ -52,9 +62,7 @@ class InFlightPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict]:
         reports = (ctx.aggregated_metrics or {}).get(IN_FLIGHT_METRIC) or {}
-        if ctx.current_num_replicas == 0 or not reports:
-            # starting, or nothing reported yet: no decision (as Serve's default policy), so
-            # the scale-down delay does not run while the first replicas load
+        if _starting(ctx, reports):
             return ctx.target_num_replicas, {}
         in_flight = sum(reports.values())
         return max(1, math.ceil(in_flight / self.target - 1e-9)), {"in_flight": in_flight}

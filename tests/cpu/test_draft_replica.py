@@ -360,15 +360,17 @@ def test_bad_placement_configs_name_the_field(ckpt):
 
 def test_the_draft_autoscaling_policy_follows_the_replicas_busy_time():
     """cluster/autoscaling.DraftLoadPolicy on Serve's context fields: enough replicas for the
-    summed busy fraction at target_busy (Serve applies the delays and bounds around it)."""
+    summed busy fraction at target_busy (Serve applies the delays and bounds around it); no
+    decision while the replicas start."""
     from types import SimpleNamespace
 
     from mxserve.cluster.autoscaling import DraftLoadPolicy
 
     policy = DraftLoadPolicy(target_busy=0.5)
 
-    def ask(busy: list[float]) -> int:
-        ctx = SimpleNamespace(aggregated_metrics={"draft_busy": dict(enumerate(busy))})
+    def ask(busy: list[float], running: int = 2, target: int = 2) -> int:
+        ctx = SimpleNamespace(aggregated_metrics={"draft_busy": dict(enumerate(busy))},
+                              current_num_replicas=running, target_num_replicas=target)
         return policy(ctx)[0]
 
     assert ask([0.4]) == 1
@@ -376,6 +378,7 @@ def test_the_draft_autoscaling_policy_follows_the_replicas_busy_time():
     assert ask([0.9, 0.8]) == 4
     assert ask([0.5, 0.5]) == 2
     assert ask([0.1, 0.1, 0.0, 0.0]) == 1
-    assert ask([]) == 1  # no reports yet
+    assert ask([], target=3) == 3  # no reports yet: no decision
+    assert ask([0.1], running=0, target=2) == 2  # starting
     with pytest.raises(ValueError, match="target_busy"):
         DraftLoadPolicy(target_busy=0)
