@@ -346,15 +346,14 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
+        batches: dict = {}
         if stream.direct is not None and isinstance(item, StepOutput):
-            batches: dict = {}
             stream.held.append(item)
             _send_direct(stream, None, batches)
-            stream.loop.call_soon_threadsafe(stream.ready.set)  # before the send: see below
-            _send_batches(batches)
         else:
             stream.put(item, 0, None)
-            stream.loop.call_soon_threadsafe(stream.ready.set)
+        stream.loop.call_soon_threadsafe(stream.ready.set)  # before the send: see _deliver_all
+        _send_batches(batches)
 
     def _deliver_all(self, outputs: list[StepOutput]) -> None:
         """A step's outputs, the streams a message is due for woken with one hand-over per

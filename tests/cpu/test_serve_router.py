@@ -572,6 +572,11 @@ def test_build_app_turns_the_config_into_deployment_options():
     policy = worker._deployment_config.autoscaling_config.policy
     assert policy.policy_function.endswith("InFlightPolicy")
     assert policy.policy_kwargs == {"target": config.autoscaling.target_ongoing_requests}
+    # None: on wherever direct streams and the prefix policy are
+    assert ServeConfig(streaming=dict(intake=None)).uses_intake
+    assert not ServeConfig(streaming=dict(intake=None, direct=False)).uses_intake
+    assert not ServeConfig(streaming=dict(intake=None), routing=dict(policy="round_robin")
+                           ).uses_intake
     with pytest.raises(ValueError, match="streaming.intake needs"):
         ServeConfig(streaming=dict(direct=False, intake=True))
     with pytest.raises(ValueError, match="streaming.intake needs"):
