@@ -537,7 +537,7 @@ def main() -> None:
               "inproc": inproc, **variants, "served_variants": list(variants),
               "targets_by_variant": by_variant,
               # the served path that meets the targets (ingress routers, direct streams,
-              # request intake: streaming.intake, opt-in) where it ran, else the last of
+              # request intake: the defaults) where it ran, else the last of
               # --variants
               "targets_met": by_variant.get("served_ingress_intake",
                                             by_variant[list(variants)[-1]])}

@@ -206,7 +206,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--request-intake", action=argparse.BooleanOptionalAction, default=None,
                    help="routers route each request themselves and send it to the worker over "
                         "TCP, not as a Serve call (streaming.intake; needs direct streams and "
-                        "--routing prefix; default off; docs/serving.md)")
+                        "--routing prefix; default on where both are; docs/serving.md)")
     p.add_argument("--routing", default=None, choices=["prefix", "power_of_two", "round_robin"],
                    help="how the router picks a worker (default prefix: cached prefix minus "
                         "load, via Redis; the others need no Redis)")

@@ -183,9 +183,8 @@ class Streaming(BaseModel):
     # intake: the routers send each request to the worker they choose over one TCP connection
     # a (router, worker) pair, routing it themselves, not as a Serve call each
     # (cluster/intake.py); needs direct and the prefix routing policy. None: on where those
-    # hold (ServeConfig.uses_intake). Off by default until a worker's rare "full" refusal of a
-    # request its router admitted is understood (docs/architecture.md, step 2)
-    intake: bool | None = False
+    # hold (ServeConfig.uses_intake)
+    intake: bool | None = None
 
 
 class Limits(BaseModel):
@@ -297,7 +296,7 @@ class ServeConfig(BaseModel):
     @property
     def uses_intake(self) -> bool:
         """Requests go to the workers over the routers' intake connections (streaming.intake;
-        None: wherever direct streams and the prefix policy are on)."""
+        by default wherever direct streams and the prefix policy are on)."""
         if self.streaming.intake is None:
             return self._intake_possible
         return self.streaming.intake

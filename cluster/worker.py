@@ -123,7 +123,7 @@ class Worker:
         if self.draining:
             yield self._handed_back(request_id, prompt_token_ids, resume)
             return
-        if self.num_in_flight >= self.capacity:
+        if self.num_in_flight - self.async_engine.num_ending >= self.capacity:
             raise ServeError(RESOURCE_EXHAUSTED,
                              f"worker {self.worker_id} is full: {self.num_in_flight} requests "
                              f"running or queued (limit {self.capacity}); retry later")

@@ -107,6 +107,9 @@ class AsyncEngine:
         self.tokens_per_wake = tokens_per_wake
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # Requests whose last output the loop thread has handed on and whose consumer has not
+        # taken it yet (`num_ending`); set.add / discard are atomic across the two threads
+        self._ending: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Why the engine can step no more (a tensor-parallel rank failed), once it can't:
@@ -132,6 +135,16 @@ class AsyncEngine:
     def num_streams(self) -> int:
         """Requests with an open output stream here."""
         return len(self._streams)
+
+    @property
+    def num_ending(self) -> int:
+        """Streams whose request is over in the engine (its last output handed on) and whose
+        consumer has not yet taken that output: a caller counting its requests in flight on the
+        event loop still counts these, though they hold no place in the engine. The loop may
+        take a socket's data before an earlier wake-up from this thread (uvloop runs I/O
+        callbacks before the callbacks queued for the next turn), so a router answered with
+        the last output can have its next request here first."""
+        return len(self._ending)
 
     @property
     def running(self) -> bool:
@@ -199,11 +212,14 @@ class AsyncEngine:
                         break
                 item = merge_outputs(items)
                 finished = item.finished
+                if finished:
+                    self._ending.discard(rid)
                 yield item
                 if error is not None:
                     raise error
         finally:
             self._streams.pop(rid, None)
+            self._ending.discard(rid)
             if not finished:  # its output goes nowhere: a new stream may have taken its id
                 self._commands.put(("drop", rid))
 
@@ -340,6 +356,13 @@ class AsyncEngine:
             if events:
                 self._kv_sink(events)
 
+    def _mark_ending(self, request_id: str, stream: _Stream) -> None:
+        """(loop thread) The request's last output is on its way to `stream`. Undone at once
+        when the consumer closed the stream meanwhile (it discards after it pops)."""
+        self._ending.add(request_id)
+        if self._streams.get(request_id) is not stream:
+            self._ending.discard(request_id)
+
     def _deliver(self, request_id: str, item: object) -> None:
         """One output or error for a stream, its consumer woken at once (a direct stream's
         output goes to its sender at once, with what it held)."""
@@ -347,6 +370,8 @@ class AsyncEngine:
         if stream is None:
             return
         batches: dict = {}
+        if isinstance(item, StepOutput) and item.finished:
+            self._mark_ending(request_id, stream)
         if stream.direct is not None and isinstance(item, StepOutput):
             stream.held.append(item)
             _send_direct(stream, None, batches)
@@ -369,6 +394,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             last = out.finished or out.finish_reason
+            if out.finished:
+                self._mark_ending(out.request_id, stream)
             if stream.direct is not None:
                 # (inline, the common case of a step's output: a direct stream holds it)
                 stream.held.append(out)
@@ -378,10 +405,11 @@ class AsyncEngine:
                         by_loop.setdefault(stream.loop, []).append(stream.ready)
             elif stream.put(out, len(out.new_token_ids), None if last else due):
                 by_loop.setdefault(stream.loop, []).append(stream.ready)
-        # The wake-ups are queued on the loops before the frames leave: a router that gets a
-        # request's last output can send this worker the next request at once, and the loop
-        # must count the finished one out (Worker.generate) before it takes in the new one,
-        # or a worker at its limit rejects a request its router admitted into a free place.
+        # A router that gets a request's last output can send this worker the next request at
+        # once: the finished ones are in `_ending` (above) before the frames leave, and the
+        # wake-ups are queued first, so a worker at its limit counts them out (Worker.generate
+        # admits against num_in_flight - num_ending) and takes the request its router
+        # admitted into the freed place.
         for loop, events in by_loop.items():
             loop.call_soon_threadsafe(_set_all, events)
         _send_batches(batches)

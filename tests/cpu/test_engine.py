@@ -210,6 +210,52 @@ def test_loop_stats_count_every_step_with_its_hand_over_inside(ckpt):
     assert stats["step_cpu_s"] <= threads["mxserve-engine"] + 0.02, threads
 
 
+def test_num_ending_counts_last_outputs_not_yet_taken_and_none_leak_when_streams_close(ckpt):
+    """`num_ending` (what a Worker at its limit admits against): a stream whose last output the
+    engine thread handed on and its consumer has not taken counts, one that took it does not;
+    60 streams closed around their last token (before it, or after it came and before it was
+    taken, at random) leave none counted and every block free."""
+    import random
+
+    llm = LLM(model=ckpt, load_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    rng = random.Random(0)
+
+    async def main():
+        stream = engine.generate([5, 6, 7], params)
+        outs = [await anext(stream)]
+        while sum(len(o.new_token_ids) for o in outs) < 4:
+            await asyncio.sleep(0.05)  # not taking: the last output waits in the stream
+            if engine.num_ending:
+                break
+        waiting = engine.num_ending
+        outs += [o async for o in stream]
+        taken = engine.num_ending
+
+        async def close_around_the_end(i: int) -> None:
+            gen = engine.generate([3 + i % 50, 4, 5], params)
+            seen = 0
+            async for out in gen:
+                seen += len(out.new_token_ids)
+                if seen >= 3:
+                    break
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            await gen.aclose()
+
+        await asyncio.gather(*(close_around_the_end(i) for i in range(60)))
+        await asyncio.sleep(0.1)
+        return waiting, taken, engine.num_ending, engine.num_streams
+
+    try:
+        waiting, taken, left, streams = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert (waiting, taken, left, streams) == (1, 0, 0, 0)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 @pytest.mark.parametrize("due", [1, 3])
 def test_a_stream_hands_over_every_output_once_in_order_across_threads(due):
     """The hand-over between the engine's thread and a stream's consumer, raced: a thread puts

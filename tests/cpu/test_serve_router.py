@@ -219,13 +219,20 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
 
     async def main():
         streams = [router.generate(long) for _ in range(3)]
-        for s in streams:
-            await anext(s)  # admitted and running or queued
+        for s in streams[:2]:
+            await anext(s)  # running
+        # queued behind them (its first token comes when one of them ends: then that one no
+        # longer counts against the limit, AsyncEngine.num_ending)
+        third = asyncio.ensure_future(anext(streams[2]))
+        while worker.num_in_flight < 3:
+            await asyncio.sleep(0.001)
         with pytest.raises(ServeError) as e:  # (the worker's own check, past the router's)
             await anext(worker.generate([5, 6, 7], SamplingParams(max_tokens=4), "fourth"))
         assert e.value.code == RESOURCE_EXHAUSTED and "is full" in e.value.message
-        for s in streams:
+        for s in streams[:2]:
             await s.aclose()  # the client goes away mid-stream
+        await third
+        await streams[2].aclose()
         assert await worker.wait_idle()
         return await router.health()
 
@@ -550,37 +557,32 @@ def test_build_app_turns_the_config_into_deployment_options():
     assert direct is True  # outputs over the routers' output channels unless set off
     assert own_ports == {"grpc": 9000, "http": 8000, "route_prefix": "/", "timeout_s": None,
                          "grace_s": 300.0}  # ingress "routers": the routers serve the ports
-    assert intake is None and worker.init_args[-1] is False  # a Serve call a request
-    assert worker._deployment_config.autoscaling_config.policy.policy_function.endswith(
-        "default_autoscaling_policy")
+    # request intake: the routers route (no Redis URL: by load alone) and send requests over
+    # TCP; the workers report what they hold for Serve's autoscaling
+    assert intake == {"redis_url": None, "namespace": "mxserve:mxserve",
+                      "routing": config.routing.policy_options(), "period_s": 0.5}
+    assert worker.init_args[-1] is True
+    policy = worker._deployment_config.autoscaling_config.policy
+    assert policy.policy_function.endswith("InFlightPolicy")
+    assert policy.policy_kwargs == {"target": config.autoscaling.target_ongoing_requests}
     proxied = build_app(config.model_copy(update=dict(ingress="proxy")))._bound_deployment
     assert proxied.init_args[-2] is None  # Serve's proxies serve them
     assert worker.init_args[2] is None  # no Redis URL: no prefix index, Serve's own routing
     assert worker.init_args[-2] == {"streams_per_token": 8, "max_tokens_per_message": 16}
     assert worker._deployment_config.request_router_config.request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter")
-    # request intake: the routers route (no Redis URL: by load alone) and send requests over
-    # TCP; the workers report what they hold for Serve's autoscaling
-    intake_config = ServeConfig(**{**config.model_dump(), "streaming": {"intake": True}})
-    assert intake_config.uses_intake
-    router = build_app(intake_config)._bound_deployment
-    worker = router.init_args[0]._bound_deployment
-    assert router.init_args[-1] == {"redis_url": None, "namespace": "mxserve:mxserve",
-                                    "routing": config.routing.policy_options(),
-                                    "period_s": 0.5}
-    assert worker.init_args[-1] is True
-    policy = worker._deployment_config.autoscaling_config.policy
-    assert policy.policy_function.endswith("InFlightPolicy")
-    assert policy.policy_kwargs == {"target": config.autoscaling.target_ongoing_requests}
-    # None: on wherever direct streams and the prefix policy are
-    assert ServeConfig(streaming=dict(intake=None)).uses_intake
-    assert not ServeConfig(streaming=dict(intake=None, direct=False)).uses_intake
-    assert not ServeConfig(streaming=dict(intake=None), routing=dict(policy="round_robin")
-                           ).uses_intake
+    # intake off (set off, or direct streams off): a Serve call a request, Serve's policy
+    calls = build_app(ServeConfig(**{**config.model_dump(), "streaming": {"intake": False}})
+                      )._bound_deployment
+    assert calls.init_args[-1] is None and calls.init_args[0]._bound_deployment.init_args[-1] \
+        is False
+    no_direct = ServeConfig(**{**config.model_dump(), "streaming": {"direct": False}})
+    assert not no_direct.uses_intake and config.uses_intake
     with pytest.raises(ValueError, match="streaming.intake needs"):
         ServeConfig(streaming=dict(direct=False, intake=True))
     with pytest.raises(ValueError, match="streaming.intake needs"):
         ServeConfig(streaming=dict(intake=True), routing=dict(policy="round_robin"))
+    assert not ServeConfig(routing=dict(policy="round_robin")).uses_intake
 
 
 def test_build_app_reserves_one_bundle_per_tensor_parallel_rank():
