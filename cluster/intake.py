@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgpack
 
 from mxserve.api.block_hash import block_hashes
-from mxserve.api.errors import INTERNAL, ServeError, WorkerLostError
+from mxserve.api.errors import INTERNAL, RESOURCE_EXHAUSTED, ServeError, WorkerLostError
 from mxserve.api.outputs import StepOutput, decode_output, encode_output
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.output_channel import (
@@ -246,6 +246,14 @@ class _Link:
 _END = object()
 
 
+class _Refused(Exception):
+    """A worker answered a request first with RESOURCE_EXHAUSTED (it is full)."""
+
+    def __init__(self, error: ServeError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class IntakeWorkers:
     """`router.ingress.Workers` over request intake: this router routes each request itself and
     writes it to the chosen worker; the outputs come over `receiver`."""
@@ -262,6 +270,7 @@ class IntakeWorkers:
         self._connecting: dict[str, asyncio.Task] = {}
         self._lost: dict[str, float] = {}  # worker id -> when its connection broke
         self.num_routed = 0
+        self.num_refused = 0  # requests a worker refused as full (each then tried on the next)
 
     async def loads(self) -> list[dict]:
         """The workers' reports, asked for now (a replica that does not answer within the
@@ -299,9 +308,9 @@ class IntakeWorkers:
                 await asyncio.sleep(self.period_s)
         return self.replicas
 
-    async def _choose(self, prompt: list[int], hints: dict, key: str) -> tuple[str, dict]:
-        """(worker id, its entry) for this prompt, the dispatch recorded under key at once
-        (the next choice counts it, however soon)."""
+    async def _choose(self, prompt: list[int], hints: dict) -> tuple[list[str], dict]:
+        """The workers for this prompt, the preferred first (the rest in the order to try when
+        one refuses: `generate`), and the prompt tokens each holds."""
         replicas = await self._current()
         resume = hints.get("resume")
         left = resume.worker_id if resume is not None else None
@@ -315,9 +324,7 @@ class IntakeWorkers:
         meta = candidates[0]["meta"]
         hashes = block_hashes(prompt, meta["block_size"], meta["model_id"])
         decision = await self.policy.route(loads, hashes, meta["block_size"], len(prompt))
-        chosen = decision.order[0]
         self.on_routed(decision.cached_tokens)
-        entry = replicas[chosen]
         held = decision.held_tokens
         if "kv_source" not in hints and held:
             holder = max(held, key=held.get)
@@ -325,8 +332,7 @@ class IntakeWorkers:
             if address:
                 hints["kv_source"] = {"address": address,
                                       "num_blocks": held[holder] // meta["block_size"]}
-        self.policy.dispatched.add(key, chosen, max(0, len(prompt) - held.get(chosen, 0)))
-        return chosen, entry
+        return decision.order, held
 
     async def _link(self, worker_id: str, entry: dict) -> _Link:
         link = self._links.get(worker_id)
@@ -363,10 +369,38 @@ class IntakeWorkers:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, **hints) -> AsyncIterator[StepOutput]:
-        """The chosen worker's outputs for this request. Raises what the worker raised
-        (ServeError), or WorkerLostError when its connection breaks first."""
+        """The chosen worker's outputs for this request. A worker that refuses it as full
+        (RESOURCE_EXHAUSTED: its load report was behind, or the routers' shares of the
+        capacity add up to more than it holds) passes it to the next in the policy's order,
+        each worker once. Raises what the worker raised (ServeError: the last refusal when
+        every one refused), or WorkerLostError when its connection breaks first."""
+        order, held = await self._choose(prompt_token_ids, hints)
+        refusal: ServeError | None = None
+        for worker_id in order:
+            entry = self.replicas.get(worker_id)
+            if entry is None:  # (left the listing while routing)
+                continue
+            try:
+                async for out in self._attempt(worker_id, entry, prompt_token_ids, params,
+                                               request_id, hints,
+                                               max(0, len(prompt_token_ids)
+                                                   - held.get(worker_id, 0))):
+                    yield out
+                return
+            except _Refused as e:
+                refusal = e.error
+        if refusal is None:
+            raise WorkerLostError("no worker is listed")
+        raise refusal
+
+    async def _attempt(self, worker_id: str, entry: dict, prompt_token_ids: list[int],
+                       params: SamplingParams, request_id: str, hints: dict,
+                       uncached: int) -> AsyncIterator[StepOutput]:
+        """The request on one worker; raises _Refused when the worker answers first that it
+        is full."""
         key = uuid.uuid4().hex
-        worker_id, entry = await self._choose(prompt_token_ids, hints, key)
+        # recorded at once: the next choice counts it, however soon
+        self.policy.dispatched.add(key, worker_id, uncached)
         try:
             link = await self._link(worker_id, entry)
         except BaseException:
@@ -377,7 +411,7 @@ class IntakeWorkers:
         self.num_routed += 1
         link.send(["g", key, pickle.dumps((prompt_token_ids, params, request_id, hints,
                                           self.receiver.target(key)), protocol=5)])
-        finished, ended = False, False
+        finished, ended, first = False, False, True
         held = None  # taken from the inbox while merging, handled next
         try:
             while True:
@@ -395,9 +429,14 @@ class IntakeWorkers:
                     ended = True
                     continue
                 if isinstance(item, BaseException):
+                    if (first and isinstance(item, ServeError)
+                            and item.code == RESOURCE_EXHAUSTED):
+                        finished = True  # (refused: nothing to abort there)
+                        self.num_refused += 1
+                        raise _Refused(item)
                     raise item
                 item, held = merge_piled(item, inbox)
-                finished = item.finished
+                finished, first = item.finished, False
                 yield item
                 if finished:
                     return

@@ -266,6 +266,9 @@ class Router:
             end.status, end.detail = (error.code, error.message) if error else ("error", repr(e))
             if error is None:
                 raise
+            if error.code == RESOURCE_EXHAUSTED and error.retry_after_s is None:
+                # a worker's refusal (every worker full): retried as this router's own would be
+                error.retry_after_s = self.admission.retry_after_s
             raise error from None
         finally:
             self.num_in_flight -= admitted

@@ -153,6 +153,44 @@ def test_worker_errors_come_back_with_their_status(llms):
     assert audits[0]["in_flight"] == 0 and audits[0]["kv_blocks_used"] == 0
 
 
+def test_a_worker_that_refuses_as_full_passes_the_request_to_the_next_in_order(llms):
+    """The policy's first choice is full (its load report was behind, or routers' shares of
+    the capacity overshoot it): the request goes to the next worker in the decision's order
+    and streams as the engine's; with every worker full the last refusal reaches the caller."""
+    from mxserve.router.routing import Decision
+
+    expected = llms[0].generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+    async def main():
+        async with Cluster(llms, max_queued_requests=0) as c:
+            await c.routed.refresh()
+
+            async def w0_first(loads, *args):  # a stale view: w0 looks best
+                return Decision(sorted(load.replica_id for load in loads), "load", 0)
+
+            c.routed.policy.route = w0_first
+            long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            fill = [c.workers[0].generate(p, long, f"f{i}") for i, p in enumerate(_prompts(4))]
+            for s in fill:
+                await anext(s)  # w0 runs 4 of 4
+            tokens, _ = await _collect(c.routed.generate([5, 6, 7], GREEDY, "moved"))
+            moved = (c.routed.num_refused, c.workers[1].num_requests_total)
+            more = [c.workers[1].generate(p, long, f"g{i}") for i, p in enumerate(_prompts(4))]
+            for s in more:
+                await anext(s)  # w1 full too
+            with pytest.raises(ServeError) as full:
+                await _collect(c.routed.generate([5, 6, 7], GREEDY, "over"))
+            for s in fill + more:
+                await s.aclose()
+            audits = await c.idle()
+            return tokens, moved, full.value, c.routed.num_refused, audits
+
+    tokens, moved, full, refused, audits = asyncio.run(main())
+    assert tokens == expected and moved == (1, 1)
+    assert full.code == RESOURCE_EXHAUSTED and "w1 is full" in full.message and refused == 3
+    assert all(a["in_flight"] == a["kv_blocks_used"] == 0 for a in audits)
+
+
 def test_a_worker_at_its_limit_takes_the_next_request_once_it_sent_the_last_output(
         llms, monkeypatch):
     """Four closed-loop clients on one worker of capacity 4 (no queue), each sending its next

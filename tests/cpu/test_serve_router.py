@@ -245,6 +245,39 @@ def test_worker_rejects_beyond_its_queue_and_aborts_free_blocks(tiny):
     worker.engine.kv.check_integrity()
 
 
+def test_a_workers_refusal_reaches_the_client_with_the_routers_retry_hint(tiny):
+    """Two routers that each think they have the whole worker (their shares overshoot it):
+    the second one's request, refused by the full worker, reaches its client as
+    RESOURCE_EXHAUSTED with the router's retry hint, as a router's own shedding does."""
+    from mxserve.router.ingress import Admission
+
+    router, worker = tiny  # capacity 3 (max_num_seqs=2, max_queued_requests=1)
+    other = Router(router.tokenizer, router.card, router.workers,
+                   admission=Admission(retry_after_s=0.25))
+    long = build_request("w5 w6 w7", max_tokens=400, ignore_eos=True)
+
+    async def main():
+        streams = [router.generate(long) for _ in range(3)]
+        for s in streams[:2]:
+            await anext(s)
+        third = asyncio.ensure_future(anext(streams[2]))
+        while worker.num_in_flight < 3:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ServeError) as e:
+            await collect(other, build_request("w5", max_tokens=4))
+        for s in streams[:2]:
+            await s.aclose()
+        await third
+        await streams[2].aclose()
+        other.close()
+        assert await worker.wait_idle()
+        return e.value
+
+    error = asyncio.run(main())
+    assert error.code == RESOURCE_EXHAUSTED and "is full" in error.message
+    assert error.retry_after_s == 0.25
+
+
 @pytest.mark.parametrize("spec_version", ["2.0", "2.4"])
 def test_a_streamed_http_reply_whose_client_left_frees_its_requests_at_once(tiny, spec_version):
     """The client is gone before the SSE body's first byte (ASGI 2.4: the first send fails;
