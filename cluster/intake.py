@@ -24,7 +24,10 @@ The engine's outputs still go over the router's output channel (cluster/output_c
 Wire: each frame is a 4-byte big-endian length and msgpack, as on the output channel. The
 router's first frame is the worker's token (from the worker's replica metadata, read over
 Ray); the worker drops a connection that does not present it. Router -> worker: ["g", key,
-pickled (prompt ids, params, request id, hints, stream_to)] or ["a", key]. Worker -> router:
+prompt ids, SamplingParams' fields, request id, kv_source, ResumeState's fields or None,
+stream_to] (`_request_frame`: plain msgpack, no pickle on the socket) or ["a", key]. A request
+whose fields do not make a SamplingParams (or ResumeState) is answered with an error for its
+key alone; a frame of another shape drops the connection. Worker -> router:
 [key, "error", code, message, field, retry_after_s], [key, "out", encode_output bytes] (an
 answer made without the engine: a hand-back) or [key, "end"].
 """
@@ -32,8 +35,8 @@ answer made without the engine: a hand-back) or [key, "end"].
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import pickle
 import secrets
 import socket
 import time
@@ -43,8 +46,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgpack
 
 from mxserve.api.block_hash import block_hashes
-from mxserve.api.errors import INTERNAL, RESOURCE_EXHAUSTED, ServeError, WorkerLostError
-from mxserve.api.outputs import StepOutput, decode_output, encode_output
+from mxserve.api.errors import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    InvalidRequestError,
+    ServeError,
+    WorkerLostError,
+)
+from mxserve.api.outputs import ResumeState, StepOutput, decode_output, encode_output
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.output_channel import (
     FRAME_HEADER,
@@ -133,7 +143,7 @@ class _IntakeConnection(asyncio.Protocol):
                 continue
             try:
                 if payload[0] == "g":
-                    self._start(payload[1], payload[2])
+                    self._start(*payload[1:])
                 elif payload[0] == "a":
                     task = self.tasks.get(payload[1])
                     if task is not None:
@@ -148,10 +158,17 @@ class _IntakeConnection(asyncio.Protocol):
         logger.warning("request intake: dropped a connection (%r)", error)
         self.hang_up()
 
-    def _start(self, key: str, blob: bytes) -> None:
-        prompt, params, request_id, hints, stream_to = pickle.loads(blob)
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params is not a SamplingParams")
+    def _start(self, key: str, prompt: list[int], params: dict, request_id: str,
+               kv_source: dict | None, resume: dict | None, stream_to: dict) -> None:
+        try:
+            hints = dict(kv_source=kv_source,
+                         resume=None if resume is None else ResumeState(**resume))
+            params = SamplingParams(**params)
+        except InvalidRequestError as e:
+            return self._write([key, "error", INVALID_ARGUMENT, str(e), e.field, None])
+        except TypeError as e:  # a field unknown here or missing (a router of another version)
+            return self._write([key, "error", INTERNAL, f"worker: a request it cannot read "
+                                f"({e})", None, None])
         self.server.num_requests += 1
         task = asyncio.get_running_loop().create_task(
             self._serve(key, prompt, params, request_id, hints, stream_to))
@@ -409,8 +426,8 @@ class IntakeWorkers:
         inbox = self.receiver.open(key)
         link.inboxes[key] = inbox
         self.num_routed += 1
-        link.send(["g", key, pickle.dumps((prompt_token_ids, params, request_id, hints,
-                                          self.receiver.target(key)), protocol=5)])
+        link.send(_request_frame(key, prompt_token_ids, params, request_id, hints,
+                                 self.receiver.target(key)))
         finished, ended, first = False, False, True
         held = None  # taken from the inbox while merging, handled next
         try:
@@ -453,6 +470,18 @@ class IntakeWorkers:
         for link in self._links.values():
             link.close()
         self._links.clear()
+
+
+def _request_frame(key: str, prompt: list[int], params: SamplingParams, request_id: str,
+                   hints: dict, stream_to: dict) -> list:
+    resume = hints.get("resume")
+    return ["g", key, prompt, _fields(params), request_id, hints.get("kv_source"),
+            None if resume is None else _fields(resume), stream_to]
+
+
+def _fields(obj) -> dict:
+    """A flat dataclass's fields by name (what its constructor takes back)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _replica_load(entry: dict) -> ReplicaLoad:

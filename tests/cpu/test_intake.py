@@ -9,7 +9,6 @@ each end as the request path promises, with every KV block free."""
 from __future__ import annotations
 
 import asyncio
-import pickle
 import struct
 
 import pytest
@@ -306,7 +305,7 @@ def test_the_intake_drops_a_connection_without_its_token_or_with_a_bad_frame(llm
             host, port = c.servers[0].address.rsplit(":", 1)
             results = []
             for first in (frame("not the token"), frame(c.servers[0].token)
-                          + frame(["g", "k", pickle.dumps((1, 2))]),
+                          + frame(["g", "k", b"a pickle, say"]),
                           struct.pack("!I", 1 << 30)):
                 reader, writer = await asyncio.open_connection(host, int(port))
                 writer.write(first)
@@ -316,6 +315,47 @@ def test_the_intake_drops_a_connection_without_its_token_or_with_a_bad_frame(llm
 
     results, rejected, _ = asyncio.run(main())
     assert results == [b"", b"", b""] and rejected == 3
+
+
+def test_a_request_frame_is_plain_msgpack_and_a_bad_field_fails_that_request_alone(llms):
+    """The router's request frame holds no pickle (SamplingParams and ResumeState as their
+    fields); fields the worker cannot make a SamplingParams of answer that request with
+    INVALID_ARGUMENT naming the field (or INTERNAL for an unknown one) and the connection
+    serves on."""
+    import msgpack
+
+    from mxserve.cluster.intake import _request_frame
+    from mxserve.cluster.output_channel import FrameReader
+
+    resume = ResumeState("w1", None, 0, [4, 5], b"\x00\x01", 2, worker_lost=True)
+    sent = _request_frame("k", [5, 6], GREEDY, "r", {"resume": resume}, {"key": "k"})
+    back = msgpack.unpackb(msgpack.packb(sent))
+    assert SamplingParams(**back[3]) == GREEDY and ResumeState(**back[6]) == resume
+
+    async def main():
+        async with Cluster(llms) as c:
+            host, port = c.servers[0].address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            good = _request_frame("ok", [5, 6], GREEDY, "r2", {}, {"key": "ok"})
+            writer.write(frame(c.servers[0].token)
+                         + frame(["g", "neg", [5, 6], {"temperature": -1.0}, "r0", None, None,
+                                  {}])
+                         + frame(["g", "new", [5, 6], {"a_new_field": 1}, "r1", None, None,
+                                  {}])
+                         + frame(good[:-1] + [{"address": "127.0.0.1:1", "token": "t",
+                                               "key": "ok"}]))
+            frames, got = FrameReader(), []
+            while len(got) < 3:
+                got += frames.feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+            writer.close()
+            return got, c.servers[0].num_rejected, await c.idle()
+
+    got, rejected, _ = asyncio.run(main())
+    by_key = {g[0]: g for g in got}
+    assert by_key["neg"][1:3] == ["error", INVALID_ARGUMENT] and by_key["neg"][4] == "temperature"
+    assert by_key["new"][1:3] == ["error", "INTERNAL"] and "a_new_field" in by_key["new"][3]
+    # the third went to the engine: its output channel does not answer, so it fails UNAVAILABLE
+    assert by_key["ok"][1:3] == ["error", "UNAVAILABLE"] and rejected == 0
 
 
 def test_the_in_flight_autoscaling_policy_is_serves_rule_on_the_workers_reports():
