@@ -35,6 +35,7 @@ answer made without the engine: a hand-back) or [key, "end"].
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -397,12 +398,13 @@ class IntakeWorkers:
             entry = self.replicas.get(worker_id)
             if entry is None:  # (left the listing while routing)
                 continue
-            try:
-                async for out in self._attempt(worker_id, entry, prompt_token_ids, params,
-                                               request_id, hints,
-                                               max(0, len(prompt_token_ids)
-                                                   - held.get(worker_id, 0))):
-                    yield out
+            uncached = max(0, len(prompt_token_ids) - held.get(worker_id, 0))
+            attempt = self._attempt(worker_id, entry, prompt_token_ids, params, request_id,
+                                    hints, uncached)
+            try:  # (closed with this stream, not when collected: the abort goes out at once)
+                async with contextlib.aclosing(attempt) as outs:
+                    async for out in outs:
+                        yield out
                 return
             except _Refused as e:
                 refusal = e.error

@@ -235,12 +235,13 @@ def test_a_cancel_aborts_on_the_worker_and_frees_its_blocks(llms):
             stream = c.routed.generate(_prompts(1)[0], long, "cancelled")
             await anext(stream)
             used = sum([(await w.audit())["kv_blocks_used"] for w in c.workers])
-            await stream.aclose()  # sends "abort"
+            await stream.aclose()  # sends "abort", at once, not when the stream is collected
+            closed = (len(c.receiver._inboxes), len(c.routed.policy.dispatched))
             audits = await c.idle()
-            return used, audits, [w.num_requests_aborted for w in c.workers]
+            return used, closed, audits, [w.num_requests_aborted for w in c.workers]
 
-    used, audits, aborted = asyncio.run(main())
-    assert used > 0 and sum(aborted) == 1
+    used, closed, audits, aborted = asyncio.run(main())
+    assert used > 0 and closed == (0, 0) and sum(aborted) == 1
 
 
 def test_a_router_hanging_up_aborts_what_it_sent(llms):
