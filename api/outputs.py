@@ -82,12 +82,7 @@ def encode_output(out: StepOutput) -> bytes:
     ResumeState's as a nested list). Ray hands bytes through as they are; a StepOutput object it
     would cloudpickle, and un-cloudpickle at the router, for every message (several times the
     Python work, in the worker process whose GIL the engine thread steps with)."""
-    resume = out.resume
-    if resume is not None:
-        resume = [resume.worker_id, resume.kv_address, resume.num_blocks,
-                  resume.output_token_ids, resume.generator_state, resume.num_cached_tokens,
-                  resume.num_drafts, resume.num_draft_tokens, resume.num_accepted_tokens,
-                  resume.worker_lost]
+    resume = None if out.resume is None else resume_fields(out.resume)
     return msgpack.packb((
         out.request_id, out.new_token_ids, out.new_logprobs, out.finished, out.finish_reason,
         out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens, out.num_drafts,
@@ -100,3 +95,11 @@ def decode_output(data: bytes) -> StepOutput:
     if fields[11] is not None:
         fields[11] = ResumeState(*fields[11])
     return StepOutput(*fields)
+
+
+def resume_fields(resume: ResumeState) -> list:
+    """A ResumeState's fields in order, for msgpack (`ResumeState(*fields)` makes it back):
+    the output channel and request intake carry it so."""
+    return [resume.worker_id, resume.kv_address, resume.num_blocks, resume.output_token_ids,
+            resume.generator_state, resume.num_cached_tokens, resume.num_drafts,
+            resume.num_draft_tokens, resume.num_accepted_tokens, resume.worker_lost]

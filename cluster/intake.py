@@ -24,7 +24,7 @@ The engine's outputs still go over the router's output channel (cluster/output_c
 Wire: each frame is a 4-byte big-endian length and msgpack, as on the output channel. The
 router's first frame is the worker's token (from the worker's replica metadata, read over
 Ray); the worker drops a connection that does not present it. Router -> worker: ["g", key,
-prompt ids, SamplingParams' fields, request id, kv_source, ResumeState's fields or None,
+prompt ids, SamplingParams' fields by name, request id, kv_source, `resume_fields` or None,
 stream_to] (`_request_frame`: plain msgpack, no pickle on the socket) or ["a", key]. A request
 whose fields do not make a SamplingParams (or ResumeState) is answered with an error for its
 key alone; a frame of another shape drops the connection. Worker -> router:
@@ -55,7 +55,13 @@ from mxserve.api.errors import (
     ServeError,
     WorkerLostError,
 )
-from mxserve.api.outputs import ResumeState, StepOutput, decode_output, encode_output
+from mxserve.api.outputs import (
+    ResumeState,
+    StepOutput,
+    decode_output,
+    encode_output,
+    resume_fields,
+)
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.cluster.output_channel import (
     FRAME_HEADER,
@@ -160,10 +166,10 @@ class _IntakeConnection(asyncio.Protocol):
         self.hang_up()
 
     def _start(self, key: str, prompt: list[int], params: dict, request_id: str,
-               kv_source: dict | None, resume: dict | None, stream_to: dict) -> None:
+               kv_source: dict | None, resume: list | None, stream_to: dict) -> None:
         try:
             hints = dict(kv_source=kv_source,
-                         resume=None if resume is None else ResumeState(**resume))
+                         resume=None if resume is None else ResumeState(*resume))
             params = SamplingParams(**params)
         except InvalidRequestError as e:
             return self._write([key, "error", INVALID_ARGUMENT, str(e), e.field, None])
@@ -477,13 +483,9 @@ class IntakeWorkers:
 def _request_frame(key: str, prompt: list[int], params: SamplingParams, request_id: str,
                    hints: dict, stream_to: dict) -> list:
     resume = hints.get("resume")
-    return ["g", key, prompt, _fields(params), request_id, hints.get("kv_source"),
-            None if resume is None else _fields(resume), stream_to]
-
-
-def _fields(obj) -> dict:
-    """A flat dataclass's fields by name (what its constructor takes back)."""
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    return ["g", key, prompt, params, request_id, hints.get("kv_source"),
+            None if resume is None else resume_fields(resume), stream_to]
 
 
 def _replica_load(entry: dict) -> ReplicaLoad:

@@ -123,9 +123,10 @@ class Worker:
         if self.draining:
             yield self._handed_back(request_id, prompt_token_ids, resume)
             return
-        if self.num_in_flight - self.async_engine.num_ending >= self.capacity:
+        held = self.num_in_flight - self.async_engine.num_ending  # (ended ones hold nothing)
+        if held >= self.capacity:
             raise ServeError(RESOURCE_EXHAUSTED,
-                             f"worker {self.worker_id} is full: {self.num_in_flight} requests "
+                             f"worker {self.worker_id} is full: {held} requests "
                              f"running or queued (limit {self.capacity}); retry later")
         try:
             request = self.engine.make_request(prompt_token_ids, params, request_id)

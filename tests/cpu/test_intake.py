@@ -331,7 +331,7 @@ def test_a_request_frame_is_plain_msgpack_and_a_bad_field_fails_that_request_alo
     resume = ResumeState("w1", None, 0, [4, 5], b"\x00\x01", 2, worker_lost=True)
     sent = _request_frame("k", [5, 6], GREEDY, "r", {"resume": resume}, {"key": "k"})
     back = msgpack.unpackb(msgpack.packb(sent))
-    assert SamplingParams(**back[3]) == GREEDY and ResumeState(**back[6]) == resume
+    assert SamplingParams(**back[3]) == GREEDY and ResumeState(*back[6]) == resume
 
     async def main():
         async with Cluster(llms) as c:
