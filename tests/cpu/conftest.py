@@ -11,7 +11,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -90,6 +92,45 @@ def _raylet_alive(node) -> bool:
     return raylet.process.poll() is None
 
 
+class Streams:
+    """One greedy streaming client a prompt. `results()`: each one's token ids (or its gRPC error);
+    `wait_first_output()` returns once every stream has had a token, so a fault injected then
+    lands mid-stream however fast the workers decode."""
+
+    def __init__(self, served, app: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.first = [threading.Event() for _ in prompts]
+        pool = ThreadPoolExecutor(len(prompts))
+        self.futures = [pool.submit(self._one, served, app, p, max_tokens, e)
+                        for p, e in zip(prompts, self.first)]
+        pool.shutdown(wait=False)
+
+    @staticmethod
+    def _one(served, app, prompt, max_tokens, first: threading.Event):
+        import grpc
+
+        tokens: list[int] = []
+        with served.client(app) as client:
+            try:
+                for r in client.stream(prompt, temperature=0, max_tokens=max_tokens,
+                                       ignore_eos=True):
+                    tokens += r.token_ids
+                    first.set()
+                return tokens
+            except grpc.RpcError as e:
+                return e.code().name
+            finally:
+                first.set()
+
+    def wait_first_output(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for e in self.first:
+            assert e.wait(max(0.0, deadline - time.monotonic())), "a stream had no output"
+        assert not any(f.done() for f in self.futures), "a stream ended before the fault"
+
+    def results(self) -> list:
+        return [f.result(timeout=300) for f in self.futures]
+
+
 class Served:
     """The running cluster: the main app's config, its offline twin, and helpers."""
 
@@ -164,6 +205,9 @@ class Served:
             assert time.monotonic() < deadline, "the prefix never reached the index"
             time.sleep(0.05)
         return got
+
+    def streams(self, app: str, prompts: list[list[int]], max_tokens: int) -> Streams:
+        return Streams(self, app, prompts, max_tokens)
 
     def requests_per_worker(self, app: str | None = None) -> dict[str, int]:
         return {w.worker_id: w.num_requests_total for w in self.wait_idle(app)}

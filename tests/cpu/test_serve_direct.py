@@ -111,8 +111,6 @@ def test_direct_stream_cancel_frees_the_workers_blocks(served, direct):
 
 
 def test_a_worker_killed_under_direct_streams_they_end_as_if_undisturbed(served, direct):
-    from concurrent.futures import ThreadPoolExecutor
-
     rng = random.Random(31)
     prompts = [[rng.randrange(3, 256) for _ in range(20 + 4 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -120,16 +118,7 @@ def test_a_worker_killed_under_direct_streams_they_end_as_if_undisturbed(served,
     pids = worker_pids(direct.app_name)
     assert len(pids) == 2, pids
 
-    def one(prompt):
-        with served.client(direct.app_name) as client:
-            try:
-                return client.generate(prompt, temperature=0, max_tokens=400,
-                                       ignore_eos=True).token_ids
-            except grpc.RpcError as e:
-                return e.code().name
-
-    pool = ThreadPoolExecutor(len(prompts))
-    pending = [pool.submit(one, p) for p in prompts]
+    pending = served.streams(direct.app_name, prompts, 400)
     deadline = time.monotonic() + 60
     with served.client(direct.app_name) as client:
         while True:
@@ -139,8 +128,7 @@ def test_a_worker_killed_under_direct_streams_they_end_as_if_undisturbed(served,
             assert time.monotonic() < deadline, loads
             time.sleep(0.02)
     victim = max(loads, key=lambda w: w.num_running).worker_id
-    time.sleep(0.3)
+    pending.wait_first_output()
     os.kill(pids[victim], signal.SIGKILL)
-    results = [f.result(timeout=300) for f in pending]
-    pool.shutdown()
+    results = pending.results()
     assert results == want, [r if isinstance(r, str) else len(r) for r in results]

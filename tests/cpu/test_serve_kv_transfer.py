@@ -179,18 +179,18 @@ def test_drain_under_load_moves_eight_running_streams_to_the_other_worker(served
         served.remove_nodes(nodes)
 
 
-def _one_at_a_time(served, tiny_checkpoint, seed: int):
-    """(model, engine options, 4 prompts, their offline greedy 1,800 tokens each) for workers
-    that run one request at a time (max_num_seqs 1): the streams stay alive across a replica
-    being stopped."""
+def _one_at_a_time(served, tiny_checkpoint, seed: int, count: int = 4):
+    """(model, engine options, `count` prompts, their offline greedy 1,800 tokens each) for
+    workers that run one request at a time (max_num_seqs 1): the streams stay alive across a
+    replica being stopped."""
     from mxserve import LLM
 
     model = str(tiny_checkpoint("llama", max_position_embeddings=2048))
     engine = {**served.config.engine, "max_num_seqs": 1, "num_kv_blocks": 512}
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(4)]
+    prompts = [[rng.randrange(3, 256) for _ in range(12 + 5 * i)] for i in range(count)]
     params = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
-    llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": 4})
+    llm = LLM(model=model, load_progress=False, **{**engine, "max_num_seqs": count})
     return model, engine, prompts, [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -224,15 +224,16 @@ def test_workers_serve_stops_hand_their_streams_to_the_new_ones(served, tiny_che
 
 
 def test_a_scale_down_by_autoscaling_drains_the_worker_it_stops(served, tiny_checkpoint):
-    """Two workers under autoscaling (min 1, max 2, 8 ongoing requests wanted a worker) run
-    four streams, one at a time each: the load wants one worker, so Serve stops one of them
+    """Two workers under autoscaling (min 1, max 2, 16 ongoing requests wanted a worker) run
+    eight streams, one at a time each: the load wants one worker, so Serve stops one of them
     mid-stream; the router asks it to drain as it leaves the routing set, and its streams go
-    on on the other worker with the undisturbed run's tokens."""
+    on on the other worker with the undisturbed run's tokens. Four streams a worker, each
+    1,800 tokens long, keep both busy well past the scale-down delay (5 s) on a fast machine."""
     from ray import serve
 
     from mxserve.cluster.config import Autoscaling
 
-    model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=11)
+    model, engine, prompts, want = _one_at_a_time(served, tiny_checkpoint, seed=11, count=8)
     nodes = served.add_nodes(2, num_cpus=1, resources={"xfer_node": 1},
                              object_store_memory=128 * MB)
     app = served.deploy(

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from mxserve import SamplingParams
 from mxserve.cluster.config import Resources
@@ -20,24 +19,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 MB = 2**20
-
-
-def _streams(served, app: str, prompts: list[list[int]], max_tokens: int):
-    """One streaming client a prompt: a future of each one's token ids (or its gRPC error)."""
-    import grpc
-
-    def one(prompt):
-        with served.client(app) as client:
-            try:
-                return client.generate(prompt, temperature=0, max_tokens=max_tokens,
-                                       ignore_eos=True).token_ids
-            except grpc.RpcError as e:
-                return e.code().name
-
-    pool = ThreadPoolExecutor(len(prompts))
-    futures = [pool.submit(one, p) for p in prompts]
-    pool.shutdown(wait=False)
-    return futures
 
 
 def _wait_workers(served, app: str, ready, timeout_s: float = 90.0) -> list:
@@ -93,14 +74,14 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
         pids = worker_pids(app.app_name)
         assert len(pids) == 2, pids
 
-        pending = _streams(served, app.app_name, prompts, 400)
+        pending = served.streams(app.app_name, prompts, 400)
         loads = _wait_workers(served, app.app_name, lambda ws: sum(
             w.num_running for w in ws) == 8 and all(w.num_running for w in ws))
         victim = max(loads, key=lambda w: w.num_running)
         (survivor,) = set(pids) - {victim.worker_id}
         before = {w.worker_id: w.num_requests_total for w in loads}
         assert victim.worker_id in _index_workers(app)
-        time.sleep(0.5)  # every stream has output by now
+        pending.wait_first_output()
         os.kill(pids[victim.worker_id], signal.SIGKILL)
         killed_at = time.monotonic()
         victim, num_on_victim = victim.worker_id, victim.num_running
@@ -111,7 +92,7 @@ def test_a_worker_killed_mid_stream_its_streams_end_as_if_undisturbed(served):
         assert got.token_ids == probe_want
         assert time.monotonic() - start < 2.0, time.monotonic() - start
 
-        results = [f.result(timeout=300) for f in pending]
+        results = pending.results()
         assert results == want, [r if isinstance(r, str) else len(r) for r in results]
         loads = {w.worker_id: w for w in served.wait_idle(app.app_name)}
         moved = loads[survivor].num_requests_total - before[survivor] - 1  # (less the probe)
@@ -158,14 +139,14 @@ def test_a_worker_that_stops_answering_is_replaced_and_its_streams_go_on(served)
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         want = [o.token_ids for o in served.llm.generate(prompts, params)]
         pids = worker_pids(app.app_name)
-        pending = _streams(served, app.app_name, prompts, 400)
+        pending = served.streams(app.app_name, prompts, 400)
         loads = _wait_workers(served, app.app_name, lambda ws: sum(
             w.num_running for w in ws) == 8 and all(w.num_running for w in ws))
         victim = max(loads, key=lambda w: w.num_running).worker_id
-        time.sleep(0.5)
+        pending.wait_first_output()
         os.kill(pids[victim], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        results = [f.result(timeout=300) for f in pending]
+        results = pending.results()
         assert results == want, [r if isinstance(r, str) else len(r) for r in results]
         assert time.monotonic() - stopped_at < 60  # (graceful_shutdown_timeout_s is 120)
         healed = _wait_workers(served, app.app_name, lambda ws: len(ws) == 2 and victim not in {
