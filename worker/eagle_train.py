@@ -1,9 +1,9 @@
 """`mxserve train-draft`: an EAGLE head (worker/eagle.py) for a target model, by
 self-distillation on the target's own outputs.
 
-1. Prompts: chat prompts made from KJV verses and general questions (`chat_prompts`), and a
-   quarter of KJV passages to continue (`passage_prompts`); the training and held-out splits
-   share no verse or question.
+1. Prompts: chat prompts made from KJV verses and general questions (`chat_prompts`, a quarter
+   of them questions: `general_questions`), and a quarter of KJV passages to continue
+   (`passage_prompts`); the training and held-out splits share no verse or question.
 2. The target answers them (greedy, `max_tokens`), then runs once over each prompt + answer
    for its final hidden states f (the features the head reads at inference).
 3. The head learns, for every answer position p, from (x_{p+1}, f_p): its output g_p regresses
@@ -55,6 +55,72 @@ QUESTIONS = [  # general chat prompts; the held-out split takes every fifth
     "What is a healthy breakfast?", "Explain what a verb is.", "What is the sun?",
     "How do I write a good email?",
 ]
+# More general chat for the training split: the 32 questions above alone give the head only 32
+# distinct answers of the kind a chat user asks for. Topics and tasks steer clear of the
+# held-out questions' subjects (gravity, photosynthesis, bees, volcanoes, exercise, the moon,
+# mountains, email).
+TOPICS = [
+    "a rainbow", "the internet", "the ocean tides", "a black hole", "the human brain",
+    "electric cars", "the Roman Empire", "recycling", "a balanced diet", "the stock market",
+    "climate change", "a smartphone", "the printing press", "the French Revolution",
+    "antibiotics", "the immune system", "solar panels", "wind power", "a rainforest",
+    "the desert", "earthquakes", "a hurricane", "snow", "the Olympic Games", "chess",
+    "football", "the piano", "jazz music", "a library", "a museum", "the Great Wall of China",
+    "the pyramids of Egypt", "ancient Greece", "the Renaissance", "Shakespeare", "a novel",
+    "poetry", "the English language", "mathematics", "algebra", "a triangle", "fractions",
+    "the number zero", "money", "a bank", "taxes", "the economy", "inflation",
+    "a job interview", "teamwork", "leadership", "friendship", "kindness", "honesty",
+    "patience", "coffee", "bread", "cheese", "chocolate", "a vegetable garden", "trees",
+    "a butterfly", "ants", "dolphins", "whales", "elephants", "cats", "dogs", "horses",
+    "dinosaurs", "evolution", "DNA", "the human cell", "bacteria", "viruses", "the skeleton",
+    "the lungs", "a telescope", "the Milky Way", "Mars", "a comet", "satellites",
+    "airplanes", "trains", "bicycles", "a bridge", "a skyscraper", "glass", "plastic",
+    "paper", "steel", "a battery", "magnets", "sound", "heat", "ice", "clouds", "the wind",
+    "rivers", "islands", "maps", "a compass", "time zones", "a calendar", "the alphabet",
+    "handwriting", "music", "painting", "photography", "movies", "video games",
+    "social media", "programming", "a computer virus", "passwords", "robots",
+    "artificial intelligence", "cloud computing", "3D printing", "a spreadsheet", "stress",
+    "meditation", "camping", "the post office", "a hospital", "firefighters",
+]
+TOPIC_FORMS = [
+    "What can you tell me about {t}?", "Explain {t} in simple words.",
+    "Tell me three facts about {t}.",
+    "What makes {t} important?", "Write a short paragraph about {t}.",
+    "How would you describe {t} to a child?", "What should everyone know about {t}?",
+    "Give a short history of {t}.", "What are the pros and cons of {t}?",
+    "Write a short poem about {t}.",
+]
+TASKS = [
+    "make a cup of coffee", "bake bread", "plant a tree", "learn to swim",
+    "save money each month", "prepare for an exam", "write a resume", "start running",
+    "make new friends", "keep a house plant alive", "clean a kitchen", "change a flat tire",
+    "learn to play the guitar", "organize my desk", "wake up early", "cook rice",
+    "write a thank-you note", "give a good speech", "learn a new language", "fall asleep faster",
+    "stay focused while working", "make a budget", "care for a puppy", "draw a cat",
+    "read more books", "drink more water", "pack for a trip", "boil an egg",
+    "speed up a slow computer", "choose a strong password", "remember names",
+    "take better photos", "make pancakes", "grow tomatoes", "stop procrastinating",
+    "be more patient", "learn to code", "wash wool clothes", "set up a fish tank",
+    "ask for a raise",
+]
+TASK_FORMS = [
+    "How do I {t}?", "Give me some tips to {t}.", "What is the best way to {t}?",
+    "Write step-by-step instructions to {t}.",
+]
+
+
+def general_questions(split: str) -> list[str]:
+    """The general chat prompts of a split: the held-out split takes every fifth of QUESTIONS;
+    the training split the rest, and TOPICS and TASKS in each of their forms."""
+    heldout = [q for i, q in enumerate(QUESTIONS) if i % 5 == 4]
+    if split != "train":
+        return heldout
+    made = [f.format(t=t) for t in TOPICS for f in TOPIC_FORMS] + \
+        [f.format(t=t) for t in TASKS for f in TASK_FORMS]
+    return [q for i, q in enumerate(QUESTIONS) if i % 5 != 4] + \
+        [q for q in made if q not in heldout]
+
+
 TEMPLATES = [  # turning a verse into a chat prompt
     "What does this verse mean? {v}", "Explain in simple words: {v}",
     "Summarize this in one sentence: {v}", "Rewrite this in modern English: {v}",
@@ -80,7 +146,7 @@ def chat_prompts(n: int, split: str = "train", seed: int = 0) -> list[list[dict]
     """n chat conversations (one user message each): verses in templates and general questions;
     the "train" and "heldout" splits share no verse (Old / New Testament) or question."""
     pool = _verses(split)
-    questions = [q for i, q in enumerate(QUESTIONS) if (i % 5 == 4) == (split != "train")]
+    questions = general_questions(split)
     rng = random.Random(f"{seed}-{split}")
     out = []
     for i in range(n):

@@ -133,3 +133,22 @@ def test_the_loss_weighs_regression_and_cross_entropy_as_configured():
     both, _ = _losses(g, want, mask, embed, TrainConfig(cls_fraction=1.0))
     torch.testing.assert_close(only_ce, 2.0 * ce)
     torch.testing.assert_close(both, reg + 0.1 * ce)
+
+
+def test_the_training_and_held_out_prompts_share_no_question_verse_or_subject():
+    """The held-out chat prompts (bench/spec_decode.py's) are the 8 held-out questions and New
+    Testament verses; the training split's general questions (hundreds, made from topics and
+    tasks) repeat none of them, nor name a held-out question's subject."""
+    from mxserve.worker.eagle_train import TEMPLATES, chat_prompts, general_questions
+
+    train, heldout = general_questions("train"), general_questions("heldout")
+    assert len(heldout) == 8 and len(set(train)) == len(train) > 1000
+    subjects = ("gravity", "photosynthesis", "bee", "volcano", "exercise", "moon", "mountain",
+                "email")
+    assert not [q for q in train if any(s in q.lower() for s in subjects)]
+    train_chat = {c[0]["content"] for c in chat_prompts(2000, "train")}
+    heldout_chat = {c[0]["content"] for c in chat_prompts(200, "heldout")}
+    assert not train_chat & heldout_chat
+    assert len({q for q in train_chat if q in set(train)}) > 300  # the quarter: questions
+    verse_prompts = tuple(t.split("{")[0] for t in TEMPLATES)
+    assert {q for q in heldout_chat if not q.startswith(verse_prompts)} <= set(heldout)
