@@ -136,6 +136,9 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--init-head", default=None, help="start from this head's weights (a head "
                    "directory train-draft wrote) instead of random ones: more training on new "
                    "data (give another --seed)")
+    p.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="a new head's MLP width (default the target's): more capacity at the "
+                   "same KV and attention cost")
     p.add_argument("--seed", type=int, default=0, help="the prompts, text windows, initial "
                    "weights and batch order")
 
@@ -511,6 +514,12 @@ def cmd_train_draft(args) -> int:
         raise MxserveError("--cls-weight: it and --feature-weight are both 0 (nothing to learn)")
     if not 0 < args.cls_fraction <= 1:
         raise MxserveError(f"--cls-fraction: must be in (0, 1], got {args.cls_fraction}")
+    if args.head_intermediate_size is not None and args.head_intermediate_size < 1:
+        raise MxserveError(f"--head-intermediate-size: must be >= 1, got "
+                           f"{args.head_intermediate_size}")
+    if args.head_intermediate_size is not None and args.init_head:
+        raise MxserveError("--head-intermediate-size: a head from --init-head keeps its own "
+                           "width; give one or the other")
     report = train_draft(args.model, args.out, args.num_prompts, args.max_tokens,
                          args.heldout, args.num_speculative_tokens,
                          TrainConfig(epochs=args.epochs, lr=args.lr,
@@ -521,6 +530,7 @@ def cmd_train_draft(args) -> int:
                                      cls_fraction=args.cls_fraction),
                          text_tokens=args.text_tokens, device=args.device,
                          init_head_dir=args.init_head,
+                         head_intermediate_size=args.head_intermediate_size,
                          draft_vocab_size=args.draft_vocab_size,
                          max_num_seqs=args.max_num_seqs, num_threads=args.num_threads)
     print(json.dumps({key: report[key] for key in ("heldout_teacher_forced_top1", "heldout")

@@ -298,11 +298,14 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return t * cos[:, None] + rotated * sin[:, None]
 
 
-def init_head(target, seed: int = 0, std: float = 0.02, device: str = "cpu") -> EagleHead:
+def init_head(target, seed: int = 0, std: float = 0.02, device: str = "cpu",
+              intermediate_size: int | None = None) -> EagleHead:
     """A new head for `target` (float32, on `device`): linears ~ N(0, std^2), norms 1, biases 0;
-    the fc starts as [0 ; I] (the feature passes through)."""
+    the fc starts as [0 ; I] (the feature passes through). intermediate_size: its MLP's width
+    (default the target's): more capacity for the same KV and attention cost."""
     torch.manual_seed(seed)
-    head = EagleHead(head_config(target), torch.float32, device)
+    shape = {} if intermediate_size is None else {"intermediate_size": intermediate_size}
+    head = EagleHead(head_config(target, **shape), torch.float32, device)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
@@ -513,7 +516,8 @@ def acceptance_length(model: str | None, head_dir: str, conversations: list[list
 def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens: int = 128,
                 num_heldout: int = 32, k: int = 3, train: TrainConfig | None = None,
                 text_tokens: int = 0, device: str = "cpu", draft_vocab_size: int = 8192,
-                init_head_dir: str | None = None, log=print, **engine_options) -> dict:
+                init_head_dir: str | None = None, head_intermediate_size: int | None = None,
+                log=print, **engine_options) -> dict:
     """The whole command: data (cached), training (resumable), the head in `out`, and its
     quality on held-out prompts: teacher-forced agreement, and the acceptance length of the
     engine speculating with it (`num_heldout` > 0). Returns the report it also writes to
@@ -521,9 +525,16 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
     vocabulary: the `draft_vocab_size` tokens the target wrote most in the training data (0: the
     whole vocabulary); the report gives the share of held-out answer tokens it covers.
     init_head_dir: a saved head to start from instead of random weights (its own draft
-    vocabulary is replaced by this data's)."""
+    vocabulary is replaced by this data's). head_intermediate_size: a new head's MLP width
+    (default the target's; a head from init_head_dir keeps its own)."""
     from mxserve.worker.llm import LLM
 
+    if init_head_dir is not None and head_intermediate_size is not None:
+        with open(os.path.join(init_head_dir, "config.json")) as f:
+            width = json.load(f).get("intermediate_size")
+        if head_intermediate_size != width:
+            raise ValueError(f"head_intermediate_size: {init_head_dir} has {width}, got "
+                             f"{head_intermediate_size} (a head keeps its shape)")
     train = train or TrainConfig()
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
@@ -558,11 +569,13 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
     heldout_samples = generate_samples(llm, _unique(chat_prompts(
         max(num_heldout, 64), "heldout", train.seed)), max_tokens)
     heldout_features = target_features(llm, heldout_samples)
-    head = init_head(target, train.seed, device=embed.device.type)
     if init_head_dir is not None:
-        start_from = load_head(init_head_dir, target, torch.float32, embed.device)
-        head.load_state_dict(start_from.state_dict())
+        torch.manual_seed(train.seed)  # (as init_head does: the same noise either way)
+        head = load_head(init_head_dir, target, torch.float32, embed.device)
         log(f"train-draft: starting from {init_head_dir}")
+    else:
+        head = init_head(target, train.seed, device=embed.device.type,
+                         intermediate_size=head_intermediate_size)
     train_head(head, embed, samples, features, train, os.path.join(out, "train_state.pt"),
                log)
     ranking = draft_vocab_ranking(samples)

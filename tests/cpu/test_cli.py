@@ -47,9 +47,10 @@ def test_bad_input_fails_before_any_work():
 
 def test_train_draft_refuses_bad_loss_flags_before_loading_the_model(tmp_path):
     for flag, value in (("--cls-fraction", "0"), ("--cls-fraction", "1.5"),
-                        ("--feature-weight", "-1")):
+                        ("--feature-weight", "-1"), ("--head-intermediate-size", "0"),
+                        ("--head-intermediate-size", "64 --init-head /some/head")):
         argv = ["train-draft", "--out", str(tmp_path), "--model", "/nonexistent/model",
-                flag, value]
+                flag, *value.split()]
         done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (argv, done.stderr)
         assert done.stderr.startswith(f"mxserve: error: {flag}"), (argv, done.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from mxserve.api.sampling_params import SamplingParams
@@ -76,6 +77,26 @@ def test_train_draft_makes_a_head_with_a_draft_vocabulary_and_resumes(tiny_check
     more = train_draft(str(ckpt), str(tmp_path / "more"), init_head_dir=report["head"],
                        train=TrainConfig(epochs=1, batch_tokens=64, lr=1e-12, seed=1), **args)
     assert any("starting from" in line for line in logs), logs
+    with pytest.raises(ValueError, match="head_intermediate_size"):  # a head keeps its shape
+        train_draft(str(ckpt), str(tmp_path / "more"), init_head_dir=report["head"],
+                    head_intermediate_size=8, train=TrainConfig(epochs=1, batch_tokens=64),
+                    **args)
+
+    # a wider head (--head-intermediate-size): saved with its width, loaded by the engine,
+    # drafting without changing the output
+    width = 2 * target.intermediate_size
+    wide = train_draft(str(ckpt), str(tmp_path / "wide"), head_intermediate_size=width,
+                       train=TrainConfig(epochs=1, batch_tokens=64), **args)
+    assert json.loads((tmp_path / "wide" / "head" / "config.json").read_text())[
+        "intermediate_size"] == width
+    assert load_head(wide["head"], target, torch.float32, torch.device("cpu")
+                     ).layer.mlp.down_proj.weight.shape == (target.hidden_size, width)
+    assert wide["heldout"]["verify_steps"] > 0
+    with LLM(str(ckpt), load_progress=False, dtype="float32", **ENGINE, speculative_config={
+            **spec, "model": wide["head"]}) as llm:
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.num_draft_tokens for o in outs) > 0
     start = load_head(report["head"], target, torch.float32, torch.device("cpu"))  # 2 epochs
     again = load_head(more["head"], target, torch.float32, torch.device("cpu"))
     for (name, p), q in zip(start.named_parameters(), again.parameters()):
