@@ -526,15 +526,12 @@ def train_draft(model: str | None, out: str, num_prompts: int = 512, max_tokens:
     whole vocabulary); the report gives the share of held-out answer tokens it covers.
     init_head_dir: a saved head to start from instead of random weights (its own draft
     vocabulary is replaced by this data's). head_intermediate_size: a new head's MLP width
-    (default the target's; a head from init_head_dir keeps its own)."""
+    (default the target's; not with init_head_dir: that head keeps its own)."""
     from mxserve.worker.llm import LLM
 
     if init_head_dir is not None and head_intermediate_size is not None:
-        with open(os.path.join(init_head_dir, "config.json")) as f:
-            width = json.load(f).get("intermediate_size")
-        if head_intermediate_size != width:
-            raise ValueError(f"head_intermediate_size: {init_head_dir} has {width}, got "
-                             f"{head_intermediate_size} (a head keeps its shape)")
+        raise ValueError("head_intermediate_size: a head from init_head_dir keeps its own "
+                         "width; give one or the other")
     train = train or TrainConfig()
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
