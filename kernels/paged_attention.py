@@ -49,12 +49,6 @@ MAX_SPLITS = 64
 # the folded mass's stored p (exp2(score - its tile's max) <= 1): float32 keeps the mass exact to
 # fp32 rounding; float16 halves the bytes written and read again (2^-12 relative per term)
 SCORES_DTYPE = torch.float32
-# where an unsplit decode's stored p is normalised: "kernel" (_decode_mass_kernel after the
-# attention kernel), "atomic" (the attention program itself, once its loop is done, adds its KV
-# head's share into the mass row atomically), "heads" (the program writes its KV head's share to a
-# [B, Hkv, width] buffer; _sum_heads_kernel adds the heads up in a fixed order)
-MASS_EPILOGUE = "kernel"
-STORE_HINT = ""
 
 
 @triton.jit
@@ -126,8 +120,7 @@ def _tile_rows(q0, kv_head, q_len, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 
 @triton.jit
 def _store_scores(row_ptr, s, qi, kv_head, pos, hi, stride_sh, GROUP: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HINT: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A decode tile's p [BLOCK_M, BLOCK_N] (rows: its one query's BLOCK_G heads, then padding)
     into row_ptr [Hq, width] (the buffer's dtype) at positions pos < hi: the [BLOCK_G, BLOCK_N]
     of real rows taken out first and stored on their own, which writes faster than the masked
@@ -136,8 +129,7 @@ def _store_scores(row_ptr, s, qi, kv_head, pos, hi, stride_sh, GROUP: tl.constex
                             [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
     g = tl.arange(0, BLOCK_G)
     tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :],
-             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :],
-             eviction_policy=HINT)
+             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
 
 
 @triton.jit
@@ -148,20 +140,17 @@ def _paged_attention_kernel(
     # if STORE_SCORES (decode only): scores [B, Hq, width] (fp32 or fp16), every attended
     # position's p = exp2(s - m), m its tile's running max, stored in tile_max [B, Hq, tiles] fp32
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
-    lse_ptr, scores_ptr, tile_max_ptr, mass_ptr, total_ptr, counter_ptr,
+    lse_ptr, scores_ptr, tile_max_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_os, stride_lt, stride_lh, stride_st, stride_sh, stride_xt, stride_xh, stride_mr,
-    stride_mh, stride_tr,
+    stride_os, stride_lt, stride_lh, stride_st, stride_sh, stride_xt, stride_xh,
     # tiles of BLOCK_M = BLOCK_Q queries x BLOCK_G heads (GROUP of them real), see _tile_rows
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     STORE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr, INTERP_BF16: tl.constexpr,
-    EPILOGUE: tl.constexpr, HINT: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    BLOCK_KV: tl.constexpr,
 ):
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
@@ -190,7 +179,7 @@ def _paged_attention_kernel(
                                  den, acc, qk_scale, INTERP_BF16)
         if STORE_SCORES:  # decode: the mass's numerators, normalised once splits are merged
             _store_scores(scores_ptr + q_start * stride_st, p, qi, kv_head, pos, hi, stride_sh,
-                          GROUP, BLOCK_G, BLOCK_M, BLOCK_N, HINT)
+                          GROUP, BLOCK_G, BLOCK_M, BLOCK_N)
             tl.store(tile_max_ptr + q_start * stride_xt + heads * stride_xh + start // BLOCK_N,
                      m, mask=row_ok)
     o, lse = _finish(m, den, acc)
@@ -203,53 +192,6 @@ def _paged_attention_kernel(
     if STORE_LSE:
         tl.store(lse_ptr + (q_start + qi) * stride_lt + heads * stride_lh + split, lse,
                  mask=row_ok)
-    if EPILOGUE > 0:  # unsplit decode: normalise this program's stored p now, its lse known
-        _mass_epilogue(scores_ptr + q_start * stride_st, tile_max_ptr + q_start * stride_xt,
-                       lse_ptr + q_start * stride_lt, mass_ptr + r * stride_mr,
-                       total_ptr + r * stride_tr, counter_ptr + r, kv_head, lo, hi, stride_sh,
-                       stride_xh, stride_lh, stride_mh, GROUP, BLOCK_G, BLOCK_N, NUM_KV_HEADS,
-                       BLOCK_KV, EPILOGUE)
-
-
-@triton.jit
-def _mass_epilogue(scores_row, tile_max_row, lse_row, mass_row, total_row, counter_ptr, kv_head,
-                   lo, hi, stride_sh, stride_xh, stride_lh, stride_mh, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                   BLOCK_KV: tl.constexpr, EPILOGUE: tl.constexpr):
-    """A decode program's KV head's share of the mass: its GROUP heads' stored p tiles times
-    exp2(tile max - lse), summed over the heads; added into mass_row (EPILOGUE 1, atomically:
-    the request's other KV heads add into the same row) or stored at kv_head * stride_mh (2)."""
-    tl.debug_barrier()  # the program's p, tile maxima and lse stores, visible to all its threads
-    g = tl.arange(0, BLOCK_G)
-    gh, gm = kv_head * GROUP + g, g < GROUP
-    lse = tl.load(lse_row + gh * stride_lh, mask=gm, other=0.0)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < hi
-        tile_max = tl.load(tile_max_row + gh * stride_xh + start // BLOCK_N, mask=gm, other=0.0)
-        scale = tl.where(gm, tl.exp2(tile_max - lse), 0.0)
-        p = tl.load(scores_row + gh[:, None] * stride_sh + pos[None, :],
-                    mask=gm[:, None] & valid[None, :], other=0.0).to(tl.float32)
-        share = tl.sum(p * scale[:, None], axis=0)
-        if EPILOGUE == 1:
-            tl.atomic_add(mass_row + pos, share, mask=valid)
-        else:
-            tl.store(mass_row + kv_head * stride_mh + pos, share, mask=valid)
-    if EPILOGUE == 3:  # the request's last KV-head program to finish adds all heads' shares
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_KV_HEADS - 1:
-            kv = tl.arange(0, BLOCK_KV)
-            for start in range(lo, hi, BLOCK_N):
-                pos = start + tl.arange(0, BLOCK_N)
-                valid = pos < hi
-                shares = tl.load(mass_row + kv[:, None] * stride_mh + pos[None, :],
-                                 mask=(kv < NUM_KV_HEADS)[:, None] & valid[None, :], other=0.0,
-                                 cache_modifier=".cg")
-                row = total_row + pos
-                tl.store(row, tl.load(row, mask=valid, other=0.0) + tl.sum(shares, axis=0),
-                         mask=valid)
-            tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -322,29 +264,6 @@ def _decode_mass_kernel(
         mass += tl.reshape(tl.sum(scaled, axis=0), [BLOCK_P])
     row = mass_ptr + b * stride_mr + pos
     tl.store(row, tl.load(row, mask=valid, other=0.0) + mass, mask=valid)
-
-
-@triton.jit
-def _sum_heads_kernel(
-    # pointers: shares [B, Hkv, width] fp32 (written up to seq_len); seq_lens [B]; mass, added into
-    shares_ptr, seq_lens_ptr, mass_ptr,
-    # scalars, strides
-    width, stride_hr, stride_hh, stride_mr,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_P: tl.constexpr,
-    TRIGGER: tl.constexpr,
-):
-    if TRIGGER:
-        gdc_launch_dependents()
-    b, pid_p = tl.program_id(0), tl.program_id(1)
-    end = tl.minimum(tl.load(seq_lens_ptr + b), width)
-    if pid_p * BLOCK_P >= end:
-        return
-    pos, kv = pid_p * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_KV)
-    valid = pos < end
-    shares = tl.load(shares_ptr + b * stride_hr + kv[:, None] * stride_hh + pos[None, :],
-                     mask=(kv < NUM_KV_HEADS)[:, None] & valid[None, :], other=0.0)
-    row = mass_ptr + b * stride_mr + pos
-    tl.store(row, tl.load(row, mask=valid, other=0.0) + tl.sum(shares, axis=0), mask=valid)
 
 
 @triton.jit
@@ -487,14 +406,6 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     scores, tile_max = (torch.empty(total_q, num_heads, width, dtype=SCORES_DTYPE, device=q.device),
                         torch.empty(total_q, num_heads, triton.cdiv(width, block_n), **f32)) \
         if fold else (lse_arg, lse_arg)
-    epilogue = {"atomic": 1, "heads": 2, "serial": 3}.get(MASS_EPILOGUE, 0) \
-        if fold and num_splits == 1 else 0
-    shares = mass if epilogue == 1 else torch.empty(num_seqs, num_kv_heads, width, **f32) \
-        if epilogue in (2, 3) else lse_arg
-    stride_mh = shares.stride(1) if epilogue in (2, 3) else 0
-    counters = torch.zeros(num_seqs, dtype=torch.int32, device=q.device) if epilogue == 3 \
-        else tile_max
-    total = mass if epilogue == 3 else lse_arg
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], IS_DECODE=is_decode,
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
@@ -502,15 +413,13 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, scores, tile_max, shares, total, counters,
-            scale * LOG2E, tokens_per_split,
+            q, k_cache, v_cache, *index, part, lse_arg, scores, tile_max, scale * LOG2E,
+            tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
             lse_arg.stride(0), lse_arg.stride(1), scores.stride(0), scores.stride(1),
-            tile_max.stride(0), tile_max.stride(1), shares.stride(0), stride_mh, total.stride(0),
-            NUM_KV_HEADS=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            NUM_SPLITS=num_splits, STORE_LSE=lse is not None, STORE_SCORES=fold,
-            EPILOGUE=epilogue, HINT=STORE_HINT if fold else "", **meta)
+            tile_max.stride(0), tile_max.stride(1), NUM_SPLITS=num_splits,
+            STORE_LSE=lse is not None, STORE_SCORES=fold, **meta)
     if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
         _merge_splits_kernel[(total_q, num_heads)](
@@ -521,15 +430,7 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
         lse = final
     if mass is None or not (total_q and num_seqs and width):
         return out
-    if epilogue == 2:
-        block_p = 32 if not q.is_cuda else 512
-        _sum_heads_kernel[(num_seqs, triton.cdiv(width, block_p))](
-            shares, seq_lens, mass, width, shares.stride(0), shares.stride(1), mass.stride(0),
-            NUM_KV_HEADS=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            BLOCK_P=block_p, TRIGGER=pdl_supported(q))
-    elif epilogue in (1, 3):
-        pass
-    elif fold:
+    if fold:
         block_p, block_h = _mass_tiles(num_seqs, num_heads, width, q.device)
         _decode_mass_kernel[(num_seqs, triton.cdiv(width, block_p))](
             scores, tile_max, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),

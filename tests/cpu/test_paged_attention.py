@@ -264,41 +264,6 @@ def test_mass_adds_into_the_callers_buffer(num_splits):
         paged_decode_attention(q, k_cache, v_cache, tables, lens, mass=buf, backend="triton")
 
 
-@pytest.mark.parametrize("epilogue", ["kernel", "atomic", "heads", "serial"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unsplit_decode_mass_epilogues(dtype, epilogue, monkeypatch):
-    """An unsplit decode's folded mass, wherever it is normalised (paged_attention
-    MASS_EPILOGUE): the reference's, added into a strided caller's buffer, a padding request
-    (seq_len 0) adding nothing, the output the same as without the mass; a second call on the
-    same buffer adds the same again (the serial epilogue's counters reset)."""
-    monkeypatch.setattr(paged_attention, "MASS_EPILOGUE", epilogue)
-    gen = seeded("epilogue", dtype)
-    seq_lens = [37, 0, 12, 50, 1]
-    k_cache, v_cache, tables, _ = make_paged([max(n, 1) for n in seq_lens], 3, 16, 8, dtype,
-                                             gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = (2 * torch.randn(5, 12, 16, generator=gen)).to(dtype)
-    width = 56
-    wide = torch.rand(5, width + 9, generator=gen)
-    before, buf = wide.clone(), wide[:, 3:]
-    out, _ = paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=1,
-                                    return_attn_mass=True, mass=buf, max_seq_len=width,
-                                    backend="triton")
-    ref_out, ref = paged_decode_attention_torch(q, k_cache, v_cache, tables, lens,
-                                                return_attn_mass=True, max_seq_len=width)
-    want = before.clone()
-    want[:, 3:3 + width] += ref
-    torch.testing.assert_close(wide, want, atol=1e-5, rtol=1e-4)
-    assert wide[1].equal(before[1]) and wide[:, :3].equal(before[:, :3])
-    assert wide[:, 3 + width:].equal(before[:, 3 + width:])
-    assert out.equal(paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=1,
-                                            max_seq_len=width, backend="triton"))
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=1,
-                           return_attn_mass=True, mass=buf, max_seq_len=width, backend="triton")
-    want[:, 3:3 + width] += ref
-    torch.testing.assert_close(wide, want, atol=2e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_empty_context_gives_zeros(num_splits):
     """seq_len 0 (e.g. padding rows of a captured batch): zeros, never NaN."""
