@@ -43,7 +43,7 @@ class _Skip:
 
 WHOLE = """        if STORE_SCORES:
             tl.store(scores_ptr + (q_start + qi)[:, None] * stride_st
-                     + heads[:, None] * stride_sh + pos[None, :], s, mask=row_ok[:, None] & keep)
+                     + heads[:, None] * stride_sh + pos[None, :], p, mask=row_ok[:, None] & keep)
 """
 
 
@@ -102,15 +102,18 @@ def probe(b: int, context: int, width: int, rows: list) -> None:
         pa._decode_mass_kernel = real
     print(row, flush=True)
     rows.append(row)
-    scores = torch.randn(b, HQ, width, generator=gen, device="cuda") * 4
-    lse = torch.randn(b, HQ, 1, generator=gen, device="cuda") + 8
+    scores = torch.rand(b, HQ, width, generator=gen, device="cuda")  # p in [0, 1)
+    tile_n = pa._tiles(q, HQ // HKV, True)[3]
+    tile_max = torch.randn(b, HQ, triton.cdiv(width, tile_n), generator=gen, device="cuda")
+    lse = tile_max.amax(-1, keepdim=True) + 8
 
     def mass_only(block_p, block_h, warps):
         def run():
             for _ in range(LAYERS):
                 pa._decode_mass_kernel[(b, triton.cdiv(width, block_p))](
-                    scores, lse, lens, mass, width, scores.stride(0), scores.stride(1),
-                    lse.stride(0), mass.stride(0), NUM_HEADS=HQ, BLOCK_H=block_h,
+                    scores, tile_max, lse, lens, mass, width, scores.stride(0),
+                    scores.stride(1), tile_max.stride(0), tile_max.stride(1), lse.stride(0),
+                    mass.stride(0), NUM_HEADS=HQ, TILE_N=tile_n, BLOCK_H=block_h,
                     BLOCK_P=block_p, TRIGGER=False, num_warps=warps)
         return run
 
