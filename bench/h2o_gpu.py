@@ -307,19 +307,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--steps", type=int, default=96)  # six compaction rounds of 16
     parser.add_argument("--kv-gb", type=float, default=12.0)
-    parser.add_argument("--scores-store", choices=("tma", "registers"), default="tma",
-                        help="how the decode kernel stores p (paged_attention.SCORES_TMA; "
-                             "tma only where the GPU has the unit)")
     args = parser.parse_args()
-    paged_attention.SCORES_TMA = args.scores_store == "tma"
     args.batches = [int(b) for b in args.batches.split(",")]
     import triton
 
     result = header("h2o_gpu")
     result["versions"]["triton"] = triton.__version__
     result["command"] = "python bench/h2o_gpu.py " + " ".join(sys.argv[1:])
-    result.update(context=args.context, batches=args.batches, steps=args.steps,
-                  scores_store=args.scores_store)
+    result.update(context=args.context, batches=args.batches, steps=args.steps)
     result["bound"] = bound(args.context, args.batches, copy_tbps())
     print(result["bound"], flush=True)
     width = _max_len(args)  # the engine's decode graphs' mass width

@@ -31,14 +31,12 @@ from __future__ import annotations
 import torch
 
 from .triton_compat import (
-    TensorDescriptor,
     cast_out,
     gdc_launch_dependents,
     interpreted_bf16,
     pdl_supported,
     round_bf16,
     tl,
-    tma_supported,
     to_f32,
     triton,
 )
@@ -51,8 +49,6 @@ MAX_SPLITS = 64
 # the folded mass's stored p (exp2(score - its tile's max) <= 1): float32 keeps the mass exact to
 # fp32 rounding; float16 halves the bytes written and read again (2^-12 relative per term)
 SCORES_DTYPE = torch.float32
-# the decode tile's p goes out through a TMA descriptor where the device has one (_store_scores)
-SCORES_TMA = True
 
 
 @triton.jit
@@ -123,27 +119,17 @@ def _tile_rows(q0, kv_head, q_len, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 
 
 @triton.jit
-def _store_scores(row_ptr, desc, desc_row, s, qi, kv_head, start, pos, hi, stride_sh,
-                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _store_scores(row_ptr, s, qi, kv_head, pos, hi, stride_sh, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A decode tile's p [BLOCK_M, BLOCK_N] (rows: its one query's BLOCK_G heads, then padding)
     into row_ptr [Hq, width] (the buffer's dtype) at positions pos < hi: the [BLOCK_G, BLOCK_N]
     of real rows taken out first and stored on their own, which writes faster than the masked
-    whole tile (bench/results/h2o_fold_probe.json). TMA: through `desc` instead (the buffer as
-    [B * Hkv, GROUP, width], boxes [1, BLOCK_G, BLOCK_N]; this head's row: desc_row): the tile
-    goes to shared memory and an asynchronous bulk copy takes it out while the loop goes on;
-    rows past GROUP and positions past the width are clipped by the copy, and positions in
-    [hi, width) get the tile's zeros (p of a key not attended), which the mass never reads."""
+    whole tile (bench/results/h2o_fold_probe.json)."""
     s_g = tl.sum(tl.reshape(tl.where((qi == 0)[:, None], s, 0.0),
                             [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
-    if TMA:
-        box = tl.reshape(s_g.to(row_ptr.dtype.element_ty), [1, BLOCK_G, BLOCK_N])
-        desc.store([desc_row, 0, start], box)
-    else:
-        g = tl.arange(0, BLOCK_G)
-        tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :],
-                 s_g.to(row_ptr.dtype.element_ty),
-                 mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
+    g = tl.arange(0, BLOCK_G)
+    tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :],
+             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
 
 
 @triton.jit
@@ -152,10 +138,9 @@ def _paged_attention_kernel(
     # query_start_loc [R + 1] and context_lens [R] (unless IS_DECODE); seq_lens [R];
     # out [T, Hq, D] (one split) or fp32 partials [T, Hq, S, D]; lse [T, Hq, S] (if STORE_LSE);
     # if STORE_SCORES (decode only): scores [B, Hq, width] (fp32 or fp16), every attended
-    # position's p = exp2(s - m), m its tile's running max, stored in tile_max [B, Hq, tiles] fp32;
-    # scores_desc: with STORE_TMA, a descriptor of scores as [B * Hkv, GROUP, width] (else None)
+    # position's p = exp2(s - m), m its tile's running max, stored in tile_max [B, Hq, tiles] fp32
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_lens_ptr, seq_lens_ptr, out_ptr,
-    lse_ptr, scores_ptr, scores_desc, tile_max_ptr,
+    lse_ptr, scores_ptr, tile_max_ptr,
     # scalars: scale * log2(e); context tokens a split (a multiple of BLOCK_N; the last: the rest)
     qk_scale, tokens_per_split,
     # strides (every last dim is contiguous); stride_os is 0 with one split
@@ -165,8 +150,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_DECODE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr, STORE_TMA: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr, INTERP_BF16: tl.constexpr,
 ):
     pid_rs, kv_head, pid_q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, split = pid_rs // NUM_SPLITS, pid_rs % NUM_SPLITS
@@ -194,9 +178,8 @@ def _paged_attention_kernel(
         m, den, acc, p = _attend(q, k_cache_ptr + offs, v_cache_ptr + offs, kv_mask, keep, m,
                                  den, acc, qk_scale, INTERP_BF16)
         if STORE_SCORES:  # decode: the mass's numerators, normalised once splits are merged
-            _store_scores(scores_ptr + q_start * stride_st, scores_desc,
-                          q_start * tl.num_programs(1) + kv_head, p, qi, kv_head, start, pos, hi,
-                          stride_sh, GROUP, BLOCK_G, BLOCK_M, BLOCK_N, STORE_TMA)
+            _store_scores(scores_ptr + q_start * stride_st, p, qi, kv_head, pos, hi, stride_sh,
+                          GROUP, BLOCK_G, BLOCK_M, BLOCK_N)
             tl.store(tile_max_ptr + q_start * stride_xt + heads * stride_xh + start // BLOCK_N,
                      m, mask=row_ok)
     o, lse = _finish(m, den, acc)
@@ -420,14 +403,9 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     part = out if num_splits == 1 else torch.empty(total_q, num_heads, num_splits, head_dim, **f32)
     lse_arg = part if lse is None else lse
     fold = mass is not None and fold_mass and is_decode and width > 0
-    scores, scores_desc, tile_max = lse_arg, None, lse_arg
-    if fold:  # rows padded to 16 bytes, as a descriptor's strides must be
-        scores = torch.empty(total_q, num_heads, triton.cdiv(width, 8) * 8, dtype=SCORES_DTYPE,
-                             device=q.device)
-        tile_max = torch.empty(total_q, num_heads, triton.cdiv(width, block_n), **f32)
-        if SCORES_TMA and tma_supported(q):
-            scores_desc = TensorDescriptor.from_tensor(
-                scores.view(total_q * num_kv_heads, group, scores.shape[2]), [1, block_g, block_n])
+    scores, tile_max = (torch.empty(total_q, num_heads, width, dtype=SCORES_DTYPE, device=q.device),
+                        torch.empty(total_q, num_heads, triton.cdiv(width, block_n), **f32)) \
+        if fold else (lse_arg, lse_arg)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], IS_DECODE=is_decode,
                 BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=triton.next_power_of_2(head_dim),
@@ -435,15 +413,13 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
     if total_q and num_seqs:
         grid = (num_seqs * num_splits, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, *index, part, lse_arg, scores, scores_desc, tile_max,
-            scale * LOG2E,
+            q, k_cache, v_cache, *index, part, lse_arg, scores, tile_max, scale * LOG2E,
             tokens_per_split,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
             part.stride(0), part.stride(1), 0 if num_splits == 1 else part.stride(2),
             lse_arg.stride(0), lse_arg.stride(1), scores.stride(0), scores.stride(1),
             tile_max.stride(0), tile_max.stride(1), NUM_SPLITS=num_splits,
-            STORE_LSE=lse is not None, STORE_SCORES=fold, STORE_TMA=scores_desc is not None,
-            **meta)
+            STORE_LSE=lse is not None, STORE_SCORES=fold, **meta)
     if num_splits > 1 and total_q:
         final = torch.empty(total_q, num_heads, 1, **f32)  # merged lse
         _merge_splits_kernel[(total_q, num_heads)](

@@ -27,11 +27,6 @@ try:  # programmatic dependent launch's grid dependency control, Triton >= 3.3
 except ImportError:  # older Triton, or none: pdl_supported says no, and no kernel reaches these
     gdc_launch_dependents = gdc_wait = None
 
-try:  # host-side TMA tensor descriptors, Triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # older Triton, or none: tma_supported says no
-    TensorDescriptor = None
-
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -61,16 +56,6 @@ def pdl_supported(t: torch.Tensor) -> bool:
     capability numbers through the same call) with a Triton that has it."""
     return (gdc_wait is not None and t.is_cuda and torch.version.hip is None
             and _capability_major(t.device.index or 0) >= 9)
-
-
-def tma_supported(t: torch.Tensor) -> bool:
-    """Kernels on `t` may store through a host-made tensor descriptor: NVIDIA sm_90+ (the TMA
-    unit) or the interpreter (which emulates it, so CPU tests run the same code)."""
-    if TensorDescriptor is None:
-        return False
-    if not t.is_cuda:
-        return is_interpreted()
-    return torch.version.hip is None and _capability_major(t.device.index or 0) >= 9
 
 
 @functools.cache

@@ -20,7 +20,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
-import json  # noqa: E402
 import math  # noqa: E402
 import zlib  # noqa: E402
 
@@ -155,72 +154,6 @@ def test_decode_mass_from_half_precision_scores(dtype, num_splits, monkeypatch):
     torch.testing.assert_close(mass16, mass32, rtol=2.0**-10, atol=heads * 6e-8)
     torch.testing.assert_close(mass16.sum(1), lens.new_full((4,), heads).float(), rtol=1e-3,
                                atol=0)
-
-
-@pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2), (3, 3)])
-def test_decode_scores_through_a_descriptor_or_registers_alike(num_heads, num_kv_heads,
-                                                               num_splits, scores_dtype,
-                                                               monkeypatch):
-    """p stored through the TMA descriptor (SCORES_TMA, what sm_90+ and the interpreter take)
-    and from registers give the same output and mass bits. GROUP 3 pads to 4 tile rows: a box
-    row past the group is clipped, not written into the next KV head's first row; splits end
-    inside a tile, whose zeros the box writes past the split."""
-    gen = seeded("tma", num_heads, num_kv_heads, num_splits, scores_dtype)
-    seq_lens, dim, bs = [1, 37, 70, 131], 16, 16
-    k_cache, v_cache, tables, truth = make_paged(seq_lens, num_kv_heads, dim, bs, torch.float32,
-                                                 gen)
-    q = 2 * torch.randn(len(seq_lens), num_heads, dim, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    monkeypatch.setattr(paged_attention, "SCORES_DTYPE", scores_dtype)
-    made = []
-    real = paged_attention.TensorDescriptor.from_tensor
-    monkeypatch.setattr(paged_attention.TensorDescriptor, "from_tensor",
-                        lambda t, block: made.append(block) or real(t, block))
-
-    def run(tma):
-        monkeypatch.setattr(paged_attention, "SCORES_TMA", tma)
-        return paged_decode_attention(q, k_cache, v_cache, tables, lens, num_splits=num_splits,
-                                      return_attn_mass=True, max_seq_len=140, backend="triton")
-
-    out_r, mass_r = run(False)
-    assert not made
-    out_t, mass_t = run(True)
-    assert made == [[1, {1: 1, 3: 4, 4: 4}[num_heads // num_kv_heads], 16]]  # CPU tiles
-    assert out_t.equal(out_r) and mass_t.equal(mass_r)
-    for i, (n, (k, v)) in enumerate(zip(seq_lens, truth)):
-        _, p, _ = dense(q[i:i + 1], k, v, torch.tensor([n - 1]))
-        tol = 1e-5 if scores_dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(mass_t[i, :n].double(), p.sum((0, 1)), rtol=tol, atol=1e-6)
-        assert (mass_t[i, n:] == 0).all()
-
-
-TMA_COMPILE = r"""
-import torch
-from triton.runtime.jit import mangle_type
-from mxserve.kernels import paged_attention as pa
-
-fn, out = pa._paged_attention_kernel, {}
-for tma in (False, True):  # the 1B shape's decode tile, folded mass
-    desc = pa.TensorDescriptor.from_tensor(torch.empty(8, 4, 256), [1, 4, 64]) if tma else None
-    const = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=1, IS_DECODE=True, BLOCK_Q=1,
-                 BLOCK_G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, STORE_LSE=True, STORE_SCORES=True,
-                 STORE_TMA=tma, INTERP_BF16=False, **({} if tma else {"scores_desc": None}))
-    sig = {n: "constexpr" if n in const else mangle_type(desc) if n == "scores_desc"
-           else ("*i32" if n in ("bt_ptr", "qsl_ptr", "ctx_lens_ptr", "seq_lens_ptr") else
-                 "*fp32" if n in ("lse_ptr", "scores_ptr", "tile_max_ptr") else "*bf16")
-           if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    out[tma] = "cp.async.bulk.tensor" in kernel.asm["ptx"]
-print(json.dumps(out))
-"""
-
-
-def test_the_descriptor_store_compiles_to_a_tma_copy_on_sm90(compile_outside_interpreter):
-    """On sm_90 the descriptor store is the TMA unit's bulk copy, and only with STORE_TMA."""
-    assert json.loads(compile_outside_interpreter(TMA_COMPILE)) == {"false": False, "true": True}
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)

@@ -43,7 +43,7 @@ for e, m in ((8, 1), (8, 16), (8, 64), (16, 1), (16, 64)):  # the tuned tiles (_
 # prefill/extend attention (64-row tiles; decode's 16-row tiles take mma.sync, not wgmma)
 const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=1, IS_DECODE=False, BLOCK_Q=16,
              BLOCK_G=4, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, STORE_LSE=False, STORE_SCORES=False,
-             STORE_TMA=False, INTERP_BF16=False)
+             INTERP_BF16=False)
 out["paged_attention_prefill"] = compile_case(pa._paged_attention_kernel, const, 4, 3)
 print(json.dumps(out))
 """
