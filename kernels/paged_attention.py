@@ -120,16 +120,20 @@ def _tile_rows(q0, kv_head, q_len, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
 
 @triton.jit
 def _store_scores(row_ptr, s, qi, kv_head, pos, hi, stride_sh, GROUP: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVICT: tl.constexpr):
     """A decode tile's p [BLOCK_M, BLOCK_N] (rows: its one query's BLOCK_G heads, then padding)
     into row_ptr [Hq, width] (the buffer's dtype) at positions pos < hi: the [BLOCK_G, BLOCK_N]
     of real rows taken out first and stored on their own, which writes faster than the masked
-    whole tile (bench/results/h2o_fold_probe.json)."""
+    whole tile (bench/results/h2o_fold_probe.json). EVICT: the store's L2 eviction policy
+    (evict_last unsplit: more of p is still in L2 when the mass kernel reads it,
+    bench/results/h2o_l2_probe.json)."""
     s_g = tl.sum(tl.reshape(tl.where((qi == 0)[:, None], s, 0.0),
                             [BLOCK_M // BLOCK_G, BLOCK_G, BLOCK_N]), axis=0)
     g = tl.arange(0, BLOCK_G)
     tl.store(row_ptr + (kv_head * GROUP + g)[:, None] * stride_sh + pos[None, :],
-             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :])
+             s_g.to(row_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (pos < hi)[None, :],
+             eviction_policy=EVICT)
 
 
 @triton.jit
@@ -179,7 +183,8 @@ def _paged_attention_kernel(
                                  den, acc, qk_scale, INTERP_BF16)
         if STORE_SCORES:  # decode: the mass's numerators, normalised once splits are merged
             _store_scores(scores_ptr + q_start * stride_st, p, qi, kv_head, pos, hi, stride_sh,
-                          GROUP, BLOCK_G, BLOCK_M, BLOCK_N)
+                          GROUP, BLOCK_G, BLOCK_M, BLOCK_N,
+                          "evict_last" if NUM_SPLITS == 1 else "")
             tl.store(tile_max_ptr + q_start * stride_xt + heads * stride_xh + start // BLOCK_N,
                      m, mask=row_ok)
     o, lse = _finish(m, den, acc)
@@ -237,7 +242,7 @@ def _decode_mass_kernel(
     stride_st, stride_sh, stride_xt, stride_xh, stride_lt, stride_mr,
     # shapes and tiling (TILE_N: the attention kernel's BLOCK_N)
     NUM_HEADS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, EVICT: tl.constexpr = "",  # p's L2 policy: read once, last use
 ):
     if TRIGGER:  # the next kernel (o_proj's GEMV) may start loading its weights
         gdc_launch_dependents()
@@ -259,7 +264,7 @@ def _decode_mass_kernel(
         scale = tl.where(tile_mask, tl.exp2(tile_max - lse[:, None]), 0.0)  # one a tile
         p = tl.load(scores_ptr + b * stride_st + heads[:, None] * stride_sh + pos[None, :],
                     mask=(heads < NUM_HEADS)[:, None] & valid[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+                    other=0.0, eviction_policy=EVICT).to(tl.float32)  # [BLOCK_H, BLOCK_P]
         scaled = tl.reshape(p, [BLOCK_H, TILES, TILE_N]) * scale[:, :, None]
         mass += tl.reshape(tl.sum(scaled, axis=0), [BLOCK_P])
     row = mass_ptr + b * stride_mr + pos
@@ -435,8 +440,9 @@ def _launch(q, k_cache, v_cache, index, out, scale, width, *, is_decode, num_spl
         _decode_mass_kernel[(num_seqs, triton.cdiv(width, block_p))](
             scores, tile_max, lse, seq_lens, mass, width, scores.stride(0), scores.stride(1),
             tile_max.stride(0), tile_max.stride(1), lse.stride(0), mass.stride(0),
-            NUM_HEADS=num_heads, TILE_N=block_n, BLOCK_H=block_h,
-            BLOCK_P=block_p, TRIGGER=pdl_supported(q), **({"num_warps": 4} if q.is_cuda else {}))
+            NUM_HEADS=num_heads, TILE_N=block_n, BLOCK_H=block_h, BLOCK_P=block_p,
+            TRIGGER=pdl_supported(q), EVICT="evict_first" if num_splits == 1 else "",
+            **({"num_warps": 4} if q.is_cuda else {}))
     else:
         _attn_mass_kernel[(num_seqs, triton.cdiv(width, block_n))](
             q, k_cache, block_tables, index[1], index[2], seq_lens, lse, mass, scale * LOG2E,
