@@ -20,6 +20,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
+import json  # noqa: E402
 import math  # noqa: E402
 import zlib  # noqa: E402
 
@@ -154,6 +155,35 @@ def test_decode_mass_from_half_precision_scores(dtype, num_splits, monkeypatch):
     torch.testing.assert_close(mass16, mass32, rtol=2.0**-10, atol=heads * 6e-8)
     torch.testing.assert_close(mass16.sum(1), lens.new_full((4,), heads).float(), rtol=1e-3,
                                atol=0)
+
+
+EVICT_COMPILE = r"""
+from mxserve.kernels import paged_attention as pa
+
+fn, out = pa._paged_attention_kernel, {}
+for splits in (1, 4):  # the 1B shape's decode tile, folded mass
+    const = dict(GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=splits, IS_DECODE=True, BLOCK_Q=1,
+                 BLOCK_G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64, STORE_LSE=True, STORE_SCORES=True,
+                 INTERP_BF16=False)
+    types = {"bt_ptr": "*i32", "qsl_ptr": "*i32", "ctx_lens_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "lse_ptr": "*fp32", "scores_ptr": "*fp32", "tile_max_ptr": "*fp32"}
+    kernel, _ = compile_for(fn, const, types)
+    out[f"attention_{splits}"] = "evict_last" in kernel.asm["ptx"]
+for evict in ("evict_first", ""):
+    const = dict(NUM_HEADS=32, TILE_N=64, BLOCK_H=8, BLOCK_P=512, TRIGGER=False, EVICT=evict)
+    kernel, _ = compile_for(pa._decode_mass_kernel, const, pointer="*fp32",
+                            types={"seq_lens_ptr": "*i32"})
+    out[f"mass_{evict or 'none'}"] = "evict_first" in kernel.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def test_unsplit_decode_keeps_p_in_l2_for_the_mass_kernel(compile_outside_interpreter):
+    """sm_90: an unsplit decode stores p evict_last and the mass kernel reads it evict_first
+    (bench/results/h2o_l2_probe.md); split decode (p small, in L2 anyway) carries no hint."""
+    got = json.loads(compile_outside_interpreter(EVICT_COMPILE))
+    assert got == {"attention_1": True, "attention_4": False, "mass_evict_first": True,
+                   "mass_none": False}
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
