@@ -51,7 +51,7 @@ def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | N
     bk = 1 << (k - 1).bit_length()
     bn = max(1, tile // bk)
     alt = {"default": None, "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
-           "8_warps": (bn, 8)}
+           "8_warps": (bn, 8), "one_row_a_pass": (bn, 4 if bn * bk <= tile else 8, 1)}
     if bn > 1:
         alt["rows_half"] = (bn // 2, 4)
     return alt
@@ -143,7 +143,8 @@ def mx_section() -> list[dict]:
 def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
     default = GemvOptions()
     variants = {"cublas": GemvOptions(max_rows=0), "gemv": GemvOptions(pdl=False),
-                "gemv_pdl": default, "gemv_pdl_4_rows": GemvOptions(max_rows=4)}
+                "gemv_pdl": default, "gemv_pdl_2_rows": GemvOptions(max_rows=2),
+                "gemv_pdl_4_rows": GemvOptions(max_rows=4)}
     if quantization:  # every MX weight on gemv at one row, whatever its size
         variants["gemv_pdl_mx_all"] = GemvOptions(mx_max_elements=1 << 62)
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
@@ -177,6 +178,8 @@ def engine_section(quantization: str | None, batches=(1, 4)) -> list[dict]:
         last["greedy_tokens_equal_cublas"] = tokens_by["gemv", batch] == tokens_by["cublas", batch]
         last["greedy_tokens_equal_without_pdl"] = \
             tokens_by["gemv_pdl", batch] == tokens_by["gemv", batch]
+        last["greedy_tokens_equal_2_rows"] = \
+            tokens_by["gemv_pdl_2_rows", batch] == tokens_by["cublas", batch]
         last["greedy_tokens_equal_4_rows"] = \
             tokens_by["gemv_pdl_4_rows", batch] == tokens_by["cublas", batch]
         if quantization:
@@ -227,6 +230,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,4", help="engine section: decode batch sizes")
     p.add_argument("--models", default="1b,8b", help="kernels section: decoder shapes")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="kernels section: rows of x")
+    p.add_argument("--weights", default="bf16,mxfp4", help="engine section: bf16 and/or mxfp4")
     args = p.parse_args()
     res = header("gemv_gpu")
     res["max_rows"] = GemvOptions().max_rows
@@ -237,7 +241,9 @@ def main() -> None:
         res["mx"] = mx_section()
     if "engine" in args.sections:
         batches = tuple(int(b) for b in args.batches.split(","))
-        res["engine"] = engine_section(None, batches) + engine_section("mxfp4", batches)
+        res["engine"] = [r for q in args.weights.split(",")
+                         for r in engine_section(None if q == "bf16" else q, batches)]
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemv_gpu.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(args.out, "gemv_gpu.md"), "w") as f:

@@ -3,11 +3,13 @@ dtype or MX (kernels/mx_layout.py's layout, decoded exactly in registers), on th
 
 A program owns BLOCK_N rows of w and loads its whole [BLOCK_N, K] tile at once, before it reads
 x: every load of a program is in flight together (16-byte vectors), with no K loop and no
-pipeline to fill. Then each of the M rows of x is reduced against the tile held in registers
-(fp32 products and sums), so w is read once for all rows. On the H200 this beats cuBLAS on
-every 1B decode shape at M = 1 (bench/results/pdl_probe.json), where cuBLAS's kernels sit at a
-latency floor even with the weights in L2 (bench/results/l2_prefetch_probe.json); from M = 2
-cuBLAS wins again (bench/results/gemv_gpu.md). With PDL (sm_90+) a GEMV starts while the
+pipeline to fill. Then the M rows of x are reduced against the tile held in registers (fp32
+products and sums), so w is read once for all rows: up to 4 rows a pass (BLOCK_M, while they
+hold at most a tile's elements), one reduction for all of them, each row's result the bits it
+gets alone. On the H200 this beats cuBLAS on every 1B decode shape at M = 1
+(bench/results/pdl_probe.json), where cuBLAS's kernels sit at a latency floor even with the
+weights in L2 (bench/results/l2_prefetch_probe.json); from M = 2 cuBLAS mostly wins again, at
+M = 4 on the large shapes (bench/results/gemv_gpu.md, gemv_gpu.multi_row.md). With PDL (sm_90+) a GEMV starts while the
 kernel before it runs and loads its weights until gdc_wait (bench/results/gemv_gpu.engine_pdl.md).
 When the model takes it is a GemvOptions (kernels/options.py) the engine passes down.
 
@@ -53,6 +55,7 @@ from .triton_compat import use_triton as _use_triton
 MAX_K = 16384  # the tile holds a whole row of w
 TILE = 8192  # elements of w per program
 DTYPES = (torch.bfloat16, torch.float16)
+MAX_BLOCK_M = 4  # rows of x a program reduces at once against its tile
 MX_TILE = 2 * TILE  # elements of an MX weight per program: best on 18 of the 22 shapes there
 
 
@@ -70,7 +73,7 @@ def _gemv_kernel(
     stride_cs, stride_ch, stride_plane, stride_sn,
     # EPILOGUE 0: plain, BLOCK_N rows a program; 1: SiLU-and-mul, 2: RoPE (q/k heads in the
     # first ROT_ROWS rows, Q_ROWS of them queries; v after), each BLOCK_N row pairs a program
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     ADD: tl.constexpr, EPILOGUE: tl.constexpr, KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     # MX weights: their element format and layout (mx_layout.format_args)
@@ -126,57 +129,69 @@ def _gemv_kernel(
         norm_w = to_f32(tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
     if LAUNCH_PDL:
         gdc_wait()  # everything above is constant; x and the rest come from earlier kernels
-    for m in range(M):
-        x = to_f32(tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0), INTERP_BF16)
+    for m0 in range(0, M, BLOCK_M):  # BLOCK_M rows at once (MX: one), each reduced alone
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        mk = m_ok[:, None] & k_mask[None, :]
+        x = to_f32(tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk,
+                           other=0.0), INTERP_BF16)  # [BLOCK_M, BLOCK_K]
         if NORM:  # layer_ops.add_rms_norm_'s steps and roundings, the sum kept apart
             if ADD:
-                r = to_f32(tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0),
-                            INTERP_BF16)
+                r = to_f32(tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :],
+                                   mask=mk, other=0.0), INTERP_BF16)
                 x = round_to_dtype(x + r, dtype, INTERP_BF16)
                 if pid == 0:
-                    tl.store(new_res_ptr + m * stride_nm + offs_k,
-                             cast_out(x, dtype, INTERP_BF16), mask=k_mask)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = round_to_dtype(round_to_dtype(x * rstd, dtype, INTERP_BF16) * norm_w, dtype,
-                               INTERP_BF16)
-        if MX_PAIRS:  # one product chain per element slot, then one reduction
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(x, E, BLOCK_K)
+                    tl.store(new_res_ptr + offs_m[:, None] * stride_nm + offs_k[None, :],
+                             cast_out(x, dtype, INTERP_BF16), mask=mk)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
+            x = round_to_dtype(round_to_dtype(x * rstd[:, None], dtype, INTERP_BF16)
+                               * norm_w[None, :], dtype, INTERP_BF16)
+        if MX_PAIRS:  # one product chain per element slot, then one reduction (one row)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(tl.reshape(x, [BLOCK_K]), E, BLOCK_K)
             prod = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
             if E == 16:
                 prod += p4 * x4 + p5 * x5 + p6 * x6 + p7 * x7
-            acc = tl.sum(tl.sum(prod, axis=len(prod.shape) - 1), axis=len(prod.shape) - 2)
-        else:
-            acc = tl.sum(w * x, axis=len(w.shape) - 1)
+            acc = tl.expand_dims(tl.sum(tl.sum(prod, axis=len(prod.shape) - 1),
+                                        axis=len(prod.shape) - 2), 0)
+        elif EPILOGUE == 0:  # [BLOCK_M, BLOCK_N]
+            acc = tl.sum(tl.expand_dims(w, 0) * x[:, None, :], axis=2)
+        else:  # [BLOCK_M, BLOCK_N, 2]
+            acc = tl.sum(tl.expand_dims(w, 0) * x[:, None, None, :], axis=3)
         if HAS_BIAS:
-            acc += bias
-        out_row = out_ptr + m * stride_om
+            acc += tl.expand_dims(bias, 0)
+        out_rows = out_ptr + offs_m[:, None] * stride_om  # [BLOCK_M, 1]
         if EPILOGUE == 0:  # (fp32 out: the value rounded to x's dtype, as a cast after would)
             y = cast_out(acc, dtype, INTERP_BF16)
-            tl.store(out_row + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            tl.store(out_rows + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & (offs_n < N)[None, :])
         elif EPILOGUE == 1:  # layer_ops.silu_and_mul's roundings
             gate, up = tl.split(round_to_dtype(acc, dtype, INTERP_BF16))
             silu = round_to_dtype(gate * tl.sigmoid(gate), dtype, INTERP_BF16)
-            tl.store(out_row + pairs, cast_out(silu * up, dtype, INTERP_BF16), mask=valid)
+            tl.store(out_rows + pairs[None, :], cast_out(silu * up, dtype, INTERP_BF16),
+                     mask=m_ok[:, None] & valid[None, :])
         else:  # layer_ops.apply_rotary_'s steps on the rounded products; v as they are
-            lo, hi = tl.split(round_to_dtype(acc, dtype, INTERP_BF16))
-            pos = tl.load(pos_ptr + m).to(tl.int64)
-            cos = tl.load(cos_ptr + pos * stride_c + pairs % HALF, mask=rot, other=1.0)
-            sin = tl.load(sin_ptr + pos * stride_c + pairs % HALF, mask=rot, other=0.0)
-            lo, hi = tl.where(rot, lo * cos - hi * sin, lo), tl.where(rot, hi * cos + lo * sin, hi)
+            lo, hi = tl.split(round_to_dtype(acc, dtype, INTERP_BF16))  # [BLOCK_M, BLOCK_N]
+            pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            rot_m = rot[None, :] & m_ok[:, None]
+            at_c = pos[:, None] * stride_c + (pairs % HALF)[None, :]
+            cos = tl.load(cos_ptr + at_c, mask=rot_m, other=1.0)
+            sin = tl.load(sin_ptr + at_c, mask=rot_m, other=0.0)
+            lo, hi = tl.where(rot_m, lo * cos - hi * sin, lo), tl.where(rot_m, hi * cos + lo * sin, hi)
             lo, hi = cast_out(lo, dtype, INTERP_BF16), cast_out(hi, dtype, INTERP_BF16)
-            tl.store(out_row + a, lo, mask=valid)
-            tl.store(out_row + b, hi, mask=valid)
-            if KV:  # the new token's k and v into the caches (paged_attention.write_kv_cache)
-                slot = tl.load(slot_ptr + m).to(tl.int64)
-                is_k = rot & (a >= Q_ROWS)
-                col = tl.where(is_k, a - Q_ROWS, a - ROT_ROWS)  # in the k or v heads
-                at = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs \
-                    + (col // HEAD_DIM) * stride_ch + col % HEAD_DIM
+            keep = m_ok[:, None] & valid[None, :]
+            tl.store(out_rows + a[None, :], lo, mask=keep)
+            tl.store(out_rows + b[None, :], hi, mask=keep)
+            if KV:  # the new tokens' k and v into the caches (paged_attention.write_kv_cache)
+                slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
+                is_k = (rot & (a >= Q_ROWS))[None, :]
+                col = tl.where(rot & (a >= Q_ROWS), a - Q_ROWS, a - ROT_ROWS)  # k or v heads
+                at = ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs)[:, None] \
+                    + ((col // HEAD_DIM) * stride_ch + col % HEAD_DIM)[None, :]
                 step = tl.where(is_k, HALF, 1)  # b's column after a's
-                keep = valid & (pairs * 0 + slot >= 0)  # (a scalar mask: the interpreter balks)
+                keep = keep & (slot >= 0)[:, None]
                 tl.store(k_cache_ptr + at, lo, mask=keep & is_k)
                 tl.store(k_cache_ptr + at + step, hi, mask=keep & is_k)
-                is_v = a >= ROT_ROWS
+                is_v = (a >= ROT_ROWS)[None, :]
                 tl.store(v_cache_ptr + at, lo, mask=keep & is_v)
                 tl.store(v_cache_ptr + at + step, hi, mask=keep & is_v)
 
@@ -228,10 +243,10 @@ def preferred(x: torch.Tensor, w: torch.Tensor | MXLinearWeight,
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
          out_dtype: torch.dtype | None = None, backend: str = "auto",
-         config: tuple[int, int] | None = None, pdl: bool = True) -> torch.Tensor:
+         config: tuple[int, ...] | None = None, pdl: bool = True) -> torch.Tensor:
     """x [..., K] @ w.T + bias -> [..., N] in x's dtype, fp32 accumulation; any number of rows
     (speed is for a few: GemvOptions.max_rows). out_dtype float32: the same values, stored as
-    fp32 (the LM head's logits: no cast kernel after). config (BLOCK_N, num_warps) overrides the
+    fp32 (the LM head's logits: no cast kernel after). config (BLOCK_N, num_warps[, BLOCK_M]) overrides the
     default (bench/). pdl: launch with PDL where the device has it (GemvOptions.pdl). backend
     "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad input."""
     _check(x, w, bias)
@@ -282,7 +297,7 @@ class KVWrite:
 def decode_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                       norm: Norm | None = None, silu_and_mul: bool = False,
                       rope: Rope | None = None, kv: KVWrite | None = None,
-                      backend: str = "auto", config: tuple[int, int] | None = None,
+                      backend: str = "auto", config: tuple[int, ...] | None = None,
                       pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One kernel for a decoder projection with the elementwise steps around it:
     (epilogue(prologue(x) @ w.T + bias), the new residual or None). x [M, K].
@@ -403,8 +418,14 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype
     block_k = triton.next_power_of_2(k)
     per = 2 if epilogue else 1  # rows a unit: a row, or a pair
     tile = MX_TILE if isinstance(w, MXLinearWeight) else TILE
-    block_n, warps = config or (max(1, tile // (per * block_k)),
-                                4 if per * block_k <= tile else 8)
+    block_n, warps = (config or (max(1, tile // (per * block_k)),
+                                 4 if per * block_k <= tile else 8))[:2]
+    # rows of x a pass: a few at once while they are at most a tile's elements (a thread then
+    # holds as many of x as of w), MX weights one at a time (their decode's pairs hold a single
+    # row of x); config's third entry overrides (bench/)
+    block_m = config[2] if config is not None and len(config) > 2 else \
+        1 if isinstance(w, MXLinearWeight) else \
+        max(1, min(triton.next_power_of_2(m), MAX_BLOCK_M, TILE // block_k))
     norm_w, eps = (norm.weight, norm.eps) if norm is not None else (x2, 0.0)
     res, res_out = (norm.residual, new_res) if adds else (x2, x2)  # (unread without ADD)
     if rope is not None:
@@ -428,7 +449,7 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype
         slots, kc, vc, scales, m, n, k, eps, x2.stride(0), stride_wn, out.stride(0),
         res.stride(0), res_out.stride(0), cos.stride(0) if rope is not None else 0,
         *cache_strides, stride_plane, scales.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None,
         ADD=adds, EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows,
         Q_ROWS=q_rows, PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1, MX=mx, **fmt,
         LAUNCH_PDL=pdl, INTERP_BF16=interpreted_bf16(x2.dtype, x2),

@@ -79,6 +79,45 @@ def test_gemv_every_program_configuration_gives_the_same_rows():
         _check(out, x, w, None)
 
 
+def test_rows_taken_a_few_at_once_equal_each_row_alone():
+    """Rows of x reduced together (several a pass, a partial last pass) give each row's bits
+    computed alone: a verify's rows are what decode steps compute, in every epilogue."""
+    gen = torch.Generator().manual_seed(11)
+    m, heads, kv_heads, d, k, page = 7, 4, 2, 16, 64, 4
+    x, residual, norm_w, w, b, rope = _rope_case(m, heads, kv_heads, d, k, gen)
+    norm = Norm(residual, norm_w, 1e-6)
+    slots = torch.randperm(6 * page, generator=gen)[:m]
+
+    def caches():
+        return (torch.zeros(6, page, kv_heads, d, dtype=torch.bfloat16),
+                torch.zeros(6, page, kv_heads, d, dtype=torch.bfloat16))
+
+    def rows(i):
+        return slice(i, i + 1)
+
+    kc, vc = caches()
+    got, res = decode_projection(x, w, b, norm=norm, rope=rope, kv=KVWrite(kc, vc, slots),
+                                 backend="triton")
+    kc1, vc1 = caches()
+    for i in range(m):
+        one = Rope(rope.positions[rows(i)], rope.cos, rope.sin, heads, kv_heads, d)
+        alone, res1 = decode_projection(x[rows(i)], w, b, norm=Norm(residual[rows(i)], norm_w,
+                                                                      1e-6),
+                                        rope=one, kv=KVWrite(kc1, vc1, slots[rows(i)]),
+                                        backend="triton")
+        assert torch.equal(alone, got[rows(i)]) and torch.equal(res1, res[rows(i)])
+    assert torch.equal(kc1, kc) and torch.equal(vc1, vc) and kc.abs().sum() > 0
+    gate_up = (torch.randn(2 * 40, k, generator=gen) * 0.05).to(torch.bfloat16)
+    both, _ = decode_projection(x, gate_up, norm=norm, silu_and_mul=True, backend="triton")
+    plain = gemv(x, w, b, backend="triton")
+    for i in range(m):
+        alone, _ = decode_projection(x[rows(i)], gate_up, norm=Norm(residual[rows(i)], norm_w,
+                                                                     1e-6),
+                                     silu_and_mul=True, backend="triton")
+        assert torch.equal(alone, both[rows(i)])
+        assert torch.equal(gemv(x[rows(i)], w, b, backend="triton"), plain[rows(i)])
+
+
 def test_gemv_on_cpu_by_default_is_f_linear():
     x = torch.randn(2, 64).to(torch.bfloat16)
     w = torch.randn(8, 64).to(torch.bfloat16)
@@ -338,7 +377,7 @@ fn = gemv._gemv_kernel
 types = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
          "scales_ptr": "*u8", "w_ptr": "*i32"}
 for e, epilogue in ((8, 0), (16, 1)):
-    const = dict(BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True,
+    const = dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True,
                  EPILOGUE=epilogue, KV=False, HEAD_DIM=2, ROT_ROWS=0, Q_ROWS=0, PAGE_SIZE=1,
                  MX=True, EBITS=2, MBITS=1 if e == 8 else 3, NAN_CODE=-1, E=e,
                  P=1 if e == 8 else 3, S=16, FOLD=True, TILE=64, NAN_SCALES=True, LAUNCH_PDL=True,

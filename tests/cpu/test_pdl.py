@@ -35,8 +35,8 @@ def ptx(fn, arch, constexprs):
 def cases(flag):
     return {
         "gemv": (gemv._gemv_kernel, dict(
-            BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True, EPILOGUE=0, KV=False,
-            HEAD_DIM=2, ROT_ROWS=0, Q_ROWS=0, PAGE_SIZE=1, MX=False, EBITS=1, MBITS=1,
+            BLOCK_M=4, BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, NORM=True, ADD=True, EPILOGUE=0,
+            KV=False, HEAD_DIM=2, ROT_ROWS=0, Q_ROWS=0, PAGE_SIZE=1, MX=False, EBITS=1, MBITS=1,
             NAN_CODE=-1, E=8, P=1, S=1, FOLD=True, TILE=0, NAN_SCALES=False, LAUNCH_PDL=flag,
             INTERP_BF16=False)),
         "rms_norm": (layer_ops._rms_norm_kernel, dict(
