@@ -50,8 +50,15 @@ COPY_TBS = 4.27
 def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | None]:
     bk = 1 << (k - 1).bit_length()
     bn = max(1, tile // bk)
-    alt = {"default": None, "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
+    alt = {"default": None, "whole": (bn, 4 if bn * bk <= tile else 8),
+           "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
            "8_warps": (bn, 8), "one_row_a_pass": (bn, 4 if bn * bk <= tile else 8, 1)}
+    if tile == gemv_mod.TILE:  # the few-row tensor-core kernel's shapes (dense weights)
+        for block_n, block_k, warps, stages in ((16, 512, 4, 4), (16, 256, 4, 4),
+                                                (32, 256, 4, 3), (32, 512, 4, 3),
+                                                (64, 256, 4, 3), (64, 128, 4, 4)):
+            alt[f"tc_{block_n}x{block_k}_w{warps}_s{stages}"] = ("rows", block_n, block_k,
+                                                                 warps, stages)
     if bn > 1:
         alt["rows_half"] = (bn // 2, 4)
     return alt
@@ -83,6 +90,53 @@ def kernel_section(models=tuple(SHAPES), ms=MS) -> list[dict]:
                                   for k2, v in row.items()}), flush=True)
             del ws
             torch.cuda.empty_cache()
+    return rows
+
+
+def fused_section(ms=MS) -> list[dict]:
+    """The fused decode projections of the 1B shape (add + RMSNorm + q/k/v + RoPE + KV write;
+    add + RMSNorm + gate/up + SiLU-and-mul) at M rows, per program shape of _configs (dense),
+    us a call, weights cycled past L2; cuBLAS's F.linear of the same weight alone (no norm, no
+    epilogue: what the unfused path's GEMM costs) beside it."""
+    from mxserve.kernels.gemv import KVWrite, Norm, Rope, decode_projection
+
+    rows = []
+    heads, kv_heads, d, hidden = 32, 8, 64, 2048
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    angles = torch.outer(torch.arange(4096.0, device="cuda"),
+                         1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda") / d))
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    caches = [torch.zeros(256, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2)]
+    norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    for name, n in (("qkv_rope_kv", (heads + 2 * kv_heads) * d), ("gate_up_silu", 16384)):
+        copies = max(2, min(8, int(240e6 // (n * hidden * 2)) + 1))
+        ws = [torch.randn(n, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            res = torch.randn(m, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            norm = Norm(res, norm_w, 1e-5)
+            if name == "qkv_rope_kv":
+                steps = dict(rope=Rope(torch.arange(m, device="cuda") + 100, cos, sin, heads,
+                                       kv_heads, d),
+                             kv=KVWrite(*caches, torch.arange(m, device="cuda") + 200))
+            else:
+                steps = dict(silu_and_mul=True)
+            ref, _ = decode_projection(x, ws[0], norm=norm, backend="torch", **steps)
+            row = {"layer": name, "n": n, "k": hidden, "m": m,
+                   "cublas_linear_us": graph_us([lambda w=w, x=x: F.linear(x, w)
+                                                 for w in ws * 2])}
+            for cname, cfg in _configs(hidden).items():
+                y, _ = decode_projection(x, ws[0], norm=norm, config=cfg, **steps)
+                err = ((y.float() - ref.float()).abs() / (ref.float().abs() + 1e-2)).max()
+                us = graph_us([lambda w=w, x=x, c=cfg, nm=norm, st=steps: decode_projection(
+                    x, w, norm=nm, config=c, **st) for w in ws * 2])
+                row[cname] = {"us": us, "max_rel_err": round(err.item(), 4)}
+            rows.append(row)
+            print(json.dumps({k2: (v["us"] if isinstance(v, dict) else v)
+                              for k2, v in row.items()}), flush=True)
+        del ws
     return rows
 
 
@@ -237,6 +291,8 @@ def main() -> None:
     res["ms"] = [int(m) for m in args.ms.split(",")]
     if "kernels" in args.sections:
         res["kernels"] = kernel_section(tuple(args.models.split(",")), res["ms"])
+    if "fused" in args.sections:
+        res["fused"] = fused_section(res["ms"])
     if "mx" in args.sections:
         res["mx"] = mx_section()
     if "engine" in args.sections:

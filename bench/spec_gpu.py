@@ -218,8 +218,12 @@ def kernel_profile(engine, num_steps: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:12]
     return {"kernel_ms": round(sum(e.device_time_total for e in events) / num_steps / 1e3, 4),
-            "kernels_per_step": round(sum(e.count for e in events) / num_steps, 1)}
+            "kernels_per_step": round(sum(e.count for e in events) / num_steps, 1),
+            # (a PDL-launched kernel's time includes its wait for the one before)
+            "top_kernels_ms": {e.key[:80]: [round(e.device_time_total / num_steps / 1e3, 4),
+                                            round(e.count / num_steps, 1)] for e in top}}
 
 
 def make_engine(args, **options):
