@@ -53,12 +53,6 @@ def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | N
     alt = {"default": None, "whole": (bn, 4 if bn * bk <= tile else 8),
            "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
            "8_warps": (bn, 8), "one_row_a_pass": (bn, 4 if bn * bk <= tile else 8, 1)}
-    if tile == gemv_mod.TILE:  # the few-row tensor-core kernel's shapes (dense weights)
-        for block_n, block_k, warps, stages in ((16, 512, 4, 4), (16, 256, 4, 4),
-                                                (32, 256, 4, 3), (32, 512, 4, 3),
-                                                (64, 256, 4, 3), (64, 128, 4, 4)):
-            alt[f"tc_{block_n}x{block_k}_w{warps}_s{stages}"] = ("rows", block_n, block_k,
-                                                                 warps, stages)
     if bn > 1:
         alt["rows_half"] = (bn // 2, 4)
     return alt

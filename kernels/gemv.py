@@ -9,10 +9,11 @@ hold at most a tile's elements), one reduction for all of them, each row's resul
 gets alone. On the H200 this beats cuBLAS on every 1B decode shape at M = 1
 (bench/results/pdl_probe.json), where cuBLAS's kernels sit at a latency floor even with the
 weights in L2 (bench/results/l2_prefetch_probe.json); from M = 2 cuBLAS mostly wins again, at
-M = 4 on the large shapes (bench/results/gemv_gpu.md, gemv_gpu.multi_row.md). With PDL
-(sm_90+) a GEMV starts while the
-kernel before it runs and loads its weights until gdc_wait (bench/results/gemv_gpu.engine_pdl.md).
-When the model takes it is a GemvOptions (kernels/options.py) the engine passes down.
+M = 4 on the large shapes (bench/results/gemv_gpu.md, gemv_gpu.multi_row.md; a tensor-core
+kernel with many rows a program, tried: gemv_gpu.rows.md). With PDL (sm_90+) a GEMV starts
+while the kernel before it runs and loads its weights until gdc_wait
+(bench/results/gemv_gpu.engine_pdl.md). When the model takes it is a GemvOptions
+(kernels/options.py) the engine passes down.
 
 `decode_projection` runs a decoder block's first projection with what surrounds it, one kernel:
 the add + RMSNorm before (each program normalizes the row: it holds all of K), and after it
@@ -57,7 +58,6 @@ MAX_K = 16384  # the tile holds a whole row of w
 TILE = 8192  # elements of w per program
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_BLOCK_M = 4  # rows of x a program reduces at once against its tile
-ROWS_BLOCK_M = 16  # _gemv_rows_kernel: the rows of x its dot takes (up to this many real)
 MX_TILE = 2 * TILE  # elements of an MX weight per program: best on 18 of the 22 shapes there
 
 
@@ -201,121 +201,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of each masked-in address (GPU only: inline PTX)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                              "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_rows_kernel(
-    # as _gemv_kernel's, dense w of x's dtype only; M <= BLOCK_M
-    x_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
-    v_cache_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_c, stride_cb, stride_cs, stride_ch,
-    # BLOCK_N rows of w a program (EPILOGUE 1, 2: BLOCK_N // 2 row pairs), BLOCK_K a step
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-    KV: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr, Q_ROWS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, LAUNCH_PDL: tl.constexpr,
-    INTERP_BF16: tl.constexpr, IEEE_DOT: tl.constexpr,
-):
-    """A few rows of x on tensor cores: acc = w @ x.T [BLOCK_N, BLOCK_M] over K in steps,
-    each weight read once for all rows, and x read once a program (with BLOCK_N rows a
-    program, not _gemv_kernel's few, whose x re-reads from L2 grow with M: at 4 rows they
-    cost about what the weights do). No prologue: a norm before runs as its own kernel (each
-    program normalizing every row is what made the fused prologue slow at several rows);
-    the epilogues are _gemv_kernel's. IEEE_DOT (the interpreter): the same 16-bit values
-    multiplied in fp32."""
-    if LAUNCH_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    dtype = x_ptr.dtype.element_ty
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    if EPILOGUE == 0:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = tl.minimum(offs_n, N - 1)  # rows past N read row N - 1; not stored
-    else:  # row pairs (a, b) as in _gemv_kernel, interleaved: a0, b0, a1, b1, ...
-        pairs = pid * PAIRS + tl.arange(0, PAIRS)
-        valid = pairs < N // 2
-        if EPILOGUE == 1:
-            a = pairs
-            b = pairs + N // 2
-        else:
-            rot = pairs < ROT_ROWS // 2
-            a = tl.where(rot, (pairs // HALF) * HEAD_DIM + pairs % HALF,
-                         ROT_ROWS + 2 * (pairs - ROT_ROWS // 2))
-            b = tl.where(rot, a + HALF, a + 1)
-        w_rows = tl.reshape(tl.minimum(tl.join(a, b), N - 1), [BLOCK_N])
-    w_rows = w_rows.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    if LAUNCH_PDL:
-        # while the kernel before finishes: the first 4 steps' weights into L2 (a prefetch a
-        # 128-byte line), which _gemv_kernel gets by loading its tile before the wait
-        lines = tl.arange(0, BLOCK_K * 4 // 64) * 64
-        _prefetch_l2(w_ptr + w_rows[:, None] * stride_wn + lines[None, :],
-                     (lines < K)[None, :] & (w_rows >= 0)[:, None])
-        gdc_wait()
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        w = tl.load(w_ptr + w_rows[:, None] * stride_wn + kk[None, :], mask=k_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K]
-        xr = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE_DOT:
-            acc += tl.dot(to_f32(w, INTERP_BF16), tl.trans(to_f32(xr, INTERP_BF16)),
-                          input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(xr), acc)
-    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        acc += to_f32(tl.load(bias_ptr + w_rows), INTERP_BF16)[None, :]
-    out_rows = out_ptr + offs_m[:, None] * stride_om
-    if EPILOGUE == 0:  # (fp32 out: the value rounded to x's dtype, as a cast after would)
-        y = cast_out(acc, dtype, INTERP_BF16)
-        tl.store(out_rows + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (offs_n < N)[None, :])
-    else:
-        lo, hi = tl.split(tl.reshape(round_to_dtype(acc, dtype, INTERP_BF16),
-                                     [BLOCK_M, PAIRS, 2]))  # [BLOCK_M, PAIRS]
-        keep = m_ok[:, None] & valid[None, :]
-        if EPILOGUE == 1:  # layer_ops.silu_and_mul's roundings
-            silu = round_to_dtype(lo * tl.sigmoid(lo), dtype, INTERP_BF16)
-            tl.store(out_rows + pairs[None, :], cast_out(silu * hi, dtype, INTERP_BF16),
-                     mask=keep)
-        else:  # layer_ops.apply_rotary_'s steps on the rounded products; v as they are
-            pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
-            rot_m = rot[None, :] & m_ok[:, None]
-            at_c = pos[:, None] * stride_c + (pairs % HALF)[None, :]
-            cos = tl.load(cos_ptr + at_c, mask=rot_m, other=1.0)
-            sin = tl.load(sin_ptr + at_c, mask=rot_m, other=0.0)
-            lo, hi = (tl.where(rot_m, lo * cos - hi * sin, lo),
-                      tl.where(rot_m, hi * cos + lo * sin, hi))
-            lo, hi = cast_out(lo, dtype, INTERP_BF16), cast_out(hi, dtype, INTERP_BF16)
-            tl.store(out_rows + a[None, :], lo, mask=keep)
-            tl.store(out_rows + b[None, :], hi, mask=keep)
-            if KV:
-                slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
-                is_k = (rot & (a >= Q_ROWS))[None, :]
-                col = tl.where(rot & (a >= Q_ROWS), a - Q_ROWS, a - ROT_ROWS)
-                at = ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs)[:, None] \
-                    + ((col // HEAD_DIM) * stride_ch + col % HEAD_DIM)[None, :]
-                step = tl.where(is_k, HALF, 1)
-                keep = keep & (slot >= 0)[:, None]
-                tl.store(k_cache_ptr + at, lo, mask=keep & is_k)
-                tl.store(k_cache_ptr + at + step, hi, mask=keep & is_k)
-                is_v = (a >= ROT_ROWS)[None, :]
-                tl.store(v_cache_ptr + at, lo, mask=keep & is_v)
-                tl.store(v_cache_ptr + at + step, hi, mask=keep & is_v)
-
-
-@triton.jit
 def _x_pairs(x, E: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_K] in natural k order -> per pair u (8 results; E = 8 fills the last four with
     copies) [BLOCK_K // E, 2]: x at k = 16 E t + 32 u + 2 jj + h for word j = 16 t + jj, the
@@ -365,9 +250,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
          config: tuple[int, ...] | None = None, pdl: bool = True) -> torch.Tensor:
     """x [..., K] @ w.T + bias -> [..., N] in x's dtype, fp32 accumulation; any number of rows
     (speed is for a few: GemvOptions.max_rows). out_dtype float32: the same values, stored as
-    fp32 (the LM head's logits: no cast kernel after). config: a kernel's program shape, see
-    _rows_config (bench/). pdl: launch with PDL where the device has it (GemvOptions.pdl). backend
-    "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on bad input."""
+    fp32 (the LM head's logits: no cast kernel after). config (BLOCK_N, num_warps[, BLOCK_M])
+    overrides the default (bench/). pdl: launch with PDL where the device has it
+    (GemvOptions.pdl). backend "auto": Triton on CUDA, F.linear on CPU. Raises ValueError on
+    bad input."""
     _check(x, w, bias)
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
@@ -526,21 +412,6 @@ def _linear_torch(x, w, bias):
     return torch.nn.functional.linear(x, w, bias)
 
 
-def _rows_config(m, w, config, x) -> tuple[int, int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of _gemv_rows_kernel for this call, or None
-    for _gemv_kernel: dense weights at 2..ROWS_BLOCK_M rows take the former. config: a tuple
-    of ints picks _gemv_kernel's shape, ("rows", BLOCK_N, BLOCK_K, warps, stages) this one's
-    (bench/)."""
-    if config is not None and config[0] == "rows":
-        return tuple(config[1:])
-    if config is not None or isinstance(w, MXLinearWeight) or not 2 <= m <= ROWS_BLOCK_M:
-        return None
-    if not x.is_cuda:  # the interpreter: small tiles
-        return 16, 32, 4, 1
-    return 64, 128, 4, 4  # the best or within 4% of it on every 1B shape but down (H100:
-    # bench/results/gemv_gpu.rows.md)
-
-
 def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype=None):
     """(out, the new residual when norm adds one, else None)."""
     m, (n, k) = x2.shape[0], w.shape
@@ -552,13 +423,12 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype
     block_k = triton.next_power_of_2(k)
     per = 2 if epilogue else 1  # rows a unit: a row, or a pair
     tile = MX_TILE if isinstance(w, MXLinearWeight) else TILE
-    whole = config if config is not None and config[0] != "rows" else None
-    block_n, warps = (whole or (max(1, tile // (per * block_k)),
-                                4 if per * block_k <= tile else 8))[:2]
+    block_n, warps = (config or (max(1, tile // (per * block_k)),
+                                 4 if per * block_k <= tile else 8))[:2]
     # rows of x a pass: a few at once while they are at most a tile's elements (a thread then
     # holds as many of x as of w), MX weights one at a time (their decode's pairs hold a single
     # row of x); config's third entry overrides (bench/)
-    block_m = whole[2] if whole is not None and len(whole) > 2 else \
+    block_m = config[2] if config is not None and len(config) > 2 else \
         1 if isinstance(w, MXLinearWeight) else \
         max(1, min(triton.next_power_of_2(m), MAX_BLOCK_M, TILE // block_k))
     norm_w, eps = (norm.weight, norm.eps) if norm is not None else (x2, 0.0)
@@ -579,21 +449,6 @@ def _launch(x2, w, bias, n_out, norm, epilogue, rope, kv, config, pdl, out_dtype
                               NAN_SCALES=False)
         w_arg, scales, stride_wn, stride_plane = w, w, w.stride(0), 0
     cache_strides = kv.k_cache.stride()[:3] if kv is not None else (0, 0, 0)
-    rows_config = _rows_config(m, w, config, x2)
-    if rows_config is not None:
-        if norm is not None:  # its own kernel (layer_ops'), the sum to the new residual
-            x2 = layer_ops.rms_norm_into(x2, norm.residual, norm.weight, norm.eps, new_res)
-        block_n, block_k, warps, stages = rows_config
-        _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-            x2, w, bias if bias is not None else x2, out, pos, cos, sin, slots, kc, vc, m, n,
-            k, x2.stride(0), w.stride(0), out.stride(0),
-            cos.stride(0) if rope is not None else 0, *cache_strides, BLOCK_M=ROWS_BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, HAS_BIAS=bias is not None,
-            EPILOGUE=epilogue, KV=kv is not None, HEAD_DIM=d, ROT_ROWS=rot_rows, Q_ROWS=q_rows,
-            PAGE_SIZE=kv.k_cache.shape[1] if kv is not None else 1, LAUNCH_PDL=pdl,
-            INTERP_BF16=interpreted_bf16(x2.dtype, x2), IEEE_DOT=not x2.is_cuda,
-            **({"num_warps": warps, "launch_pdl": pdl} if x2.is_cuda else {}))
-        return out, new_res
     _gemv_kernel[(triton.cdiv(n // per, block_n),)](
         x2, w_arg, bias if bias is not None else x2, out, res, norm_w, res_out, pos, cos, sin,
         slots, kc, vc, scales, m, n, k, eps, x2.stride(0), stride_wn, out.stride(0),

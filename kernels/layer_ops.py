@@ -42,11 +42,10 @@ def round_to_dtype(v, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    # pointers: x, out [T, N]; residual [T, N] (read when HAS_RESIDUAL) and sum [T, N] (x +
-    # residual written there: the residual itself, or a new tensor); weight [N]
-    x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr,
+    # pointers: x, out [T, N]; residual [T, N] (read and written when HAS_RESIDUAL); weight [N]
+    x_ptr, res_ptr, w_ptr, out_ptr,
     # scalars and strides (last dims contiguous)
-    eps, N, stride_x, stride_r, stride_s, stride_o,
+    eps, N, stride_x, stride_r, stride_o,
     # meta
     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, TRIGGER: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -61,7 +60,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r = to_f32(tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0), INTERP_BF16)
         x = round_to_dtype(x + r, dtype, INTERP_BF16)
-        tl.store(sum_ptr + row * stride_s + offs, cast_out(x, dtype, INTERP_BF16), mask=mask)
+        tl.store(res_ptr + row * stride_r + offs, cast_out(x, dtype, INTERP_BF16), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = to_f32(tl.load(w_ptr + offs, mask=mask, other=0.0), INTERP_BF16)
     y = round_to_dtype(x * rstd, dtype, INTERP_BF16) * w
@@ -134,26 +133,6 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _rms_norm(x, residual, weight, eps, backend)
 
 
-def rms_norm_into(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float, sum_out: torch.Tensor | None) -> torch.Tensor:
-    """weight * rmsnorm(x + residual) (a new tensor), the sum written to sum_out and the
-    residual left as it is (Triton; gemv.decode_projection's norm at several rows). Checked
-    by the caller."""
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        _launch_rms_norm(x, residual, sum_out if residual is not None else x, weight, eps, out)
-    return out
-
-
-def _launch_rms_norm(x, residual, sum_out, weight, eps, out) -> None:
-    res = x if residual is None else residual
-    _rms_norm_kernel[(x.shape[0],)](
-        x, res, sum_out, weight, out, eps, x.shape[1], x.stride(0), res.stride(0),
-        sum_out.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
-        BLOCK_N=triton.next_power_of_2(x.shape[1]), TRIGGER=pdl_supported(x),
-        INTERP_BF16=interpreted_bf16(x.dtype, x))
-
-
 def _rms_norm(x, residual, weight, eps, backend):
     _check_rows("rms_norm", x, *([] if residual is None else [residual]))
     if weight.shape != x.shape[-1:] or weight.dtype != x.dtype or not weight.is_contiguous():
@@ -163,7 +142,11 @@ def _rms_norm(x, residual, weight, eps, backend):
             add_rms_norm_torch_(x, residual, weight, eps)
     out = torch.empty_like(x)
     if x.shape[0]:
-        _launch_rms_norm(x, residual, x if residual is None else residual, weight, eps, out)
+        res = x if residual is None else residual
+        _rms_norm_kernel[(x.shape[0],)](
+            x, res, weight, out, eps, x.shape[1], x.stride(0), res.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(x.shape[1]),
+            TRIGGER=pdl_supported(x), INTERP_BF16=interpreted_bf16(x.dtype, x))
     return out
 
 

@@ -33,16 +33,13 @@ def _reference(x, w, bias):
     return y + bias.float() if bias is not None else y
 
 
-def _check(got, x, w, bias, flips=0):
-    """flips: elements of x that may round the other way in the kernel (a normalized x whose
-    rstd was summed in another order), each moving an output by one of its roundings."""
+def _check(got, x, w, bias):
     ref = _reference(x, w, bias)
     assert got.dtype == x.dtype and got.shape == ref.shape
     # one rounding of the output dtype (bf16: 2^-8 relative), plus fp32 sums in another order
     ulp = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-11
     err = (got.float() - ref).abs()
-    slack = flips * ulp * x.float().abs().max() * w.float().abs().max()
-    assert (err <= ref.abs() * ulp + 1e-4 + slack).all(), err.max()
+    assert (err <= ref.abs() * ulp + 1e-4).all(), err.max()
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 37, 576), (3, 64, 1536), (5, 9, 2048), (2, 3, MAX_K),
@@ -82,49 +79,43 @@ def test_gemv_every_program_configuration_gives_the_same_rows():
         _check(out, x, w, None)
 
 
-@pytest.mark.parametrize("config", [None, ("rows", 16, 32, 4, 1)])
-def test_rows_taken_together_equal_each_row_alone(config):
-    """Rows of x computed in one call give each row's bits computed alone by the same kernel,
-    in every epilogue: the whole-row kernel (several rows a pass, a partial last pass; config
-    None sends single rows to it) and the few-row tensor-core kernel (forced for single rows;
-    several rows take it by default). A verify's rows do not depend on how many share it."""
+def test_rows_taken_a_few_at_once_equal_each_row_alone():
+    """Rows of x reduced together (several a pass, a partial last pass) give each row's bits
+    computed alone: a verify's rows are what decode steps compute, in every epilogue."""
     gen = torch.Generator().manual_seed(11)
     m, heads, kv_heads, d, k, page = 7, 4, 2, 16, 64, 4
     x, residual, norm_w, w, b, rope = _rope_case(m, heads, kv_heads, d, k, gen)
     norm = Norm(residual, norm_w, 1e-6)
     slots = torch.randperm(6 * page, generator=gen)[:m]
-    whole = config is None
-    many = (8, 4) if whole else config  # (8, 4): the whole-row kernel at 7 rows as well
 
     def caches():
         return (torch.zeros(6, page, kv_heads, d, dtype=torch.bfloat16),
                 torch.zeros(6, page, kv_heads, d, dtype=torch.bfloat16))
 
-    def row(i):
+    def rows(i):
         return slice(i, i + 1)
 
     kc, vc = caches()
     got, res = decode_projection(x, w, b, norm=norm, rope=rope, kv=KVWrite(kc, vc, slots),
-                                 backend="triton", config=many)
+                                 backend="triton")
     kc1, vc1 = caches()
-    gate_up = (torch.randn(2 * 40, k, generator=gen) * 0.05).to(torch.bfloat16)
-    both, _ = decode_projection(x, gate_up, norm=norm, silu_and_mul=True, backend="triton",
-                                config=many if whole else config)
-    plain = gemv(x, w, b, backend="triton", config=(2, 4) if whole else config)
     for i in range(m):
-        one = Rope(rope.positions[row(i)], rope.cos, rope.sin, heads, kv_heads, d)
-        alone, res1 = decode_projection(x[row(i)], w, b, norm=Norm(residual[row(i)], norm_w,
-                                                                     1e-6),
-                                        rope=one, kv=KVWrite(kc1, vc1, slots[row(i)]),
-                                        backend="triton", config=config)
-        assert torch.equal(alone, got[row(i)]) and torch.equal(res1, res[row(i)])
-        alone, _ = decode_projection(x[row(i)], gate_up, norm=Norm(residual[row(i)], norm_w,
-                                                                    1e-6),
-                                     silu_and_mul=True, backend="triton", config=config)
-        assert torch.equal(alone, both[row(i)])
-        assert torch.equal(gemv(x[row(i)], w, b, backend="triton", config=config),
-                           plain[row(i)])
+        one = Rope(rope.positions[rows(i)], rope.cos, rope.sin, heads, kv_heads, d)
+        alone, res1 = decode_projection(x[rows(i)], w, b, norm=Norm(residual[rows(i)], norm_w,
+                                                                      1e-6),
+                                        rope=one, kv=KVWrite(kc1, vc1, slots[rows(i)]),
+                                        backend="triton")
+        assert torch.equal(alone, got[rows(i)]) and torch.equal(res1, res[rows(i)])
     assert torch.equal(kc1, kc) and torch.equal(vc1, vc) and kc.abs().sum() > 0
+    gate_up = (torch.randn(2 * 40, k, generator=gen) * 0.05).to(torch.bfloat16)
+    both, _ = decode_projection(x, gate_up, norm=norm, silu_and_mul=True, backend="triton")
+    plain = gemv(x, w, b, backend="triton")
+    for i in range(m):
+        alone, _ = decode_projection(x[rows(i)], gate_up, norm=Norm(residual[rows(i)], norm_w,
+                                                                     1e-6),
+                                     silu_and_mul=True, backend="triton")
+        assert torch.equal(alone, both[rows(i)])
+        assert torch.equal(gemv(x[rows(i)], w, b, backend="triton"), plain[rows(i)])
 
 
 def test_gemv_on_cpu_by_default_is_f_linear():
@@ -181,7 +172,7 @@ def test_norm_prologue_is_add_rms_norm_then_the_linear(m, n, k, dtype):
     want_res = residual.clone()
     normed = add_rms_norm_torch_(x, want_res, norm_w, 1e-5)
     assert torch.equal(new_res, want_res)  # x + residual, rounded once
-    _check(y, normed, w, bias, flips=2 if m > 1 else 0)  # (several rows: chunked rstd)
+    _check(y, normed, w, bias)
     y_cpu, res_cpu = decode_projection(x, w, bias, norm=Norm(residual, norm_w, 1e-5))
     assert torch.equal(res_cpu, want_res) and torch.equal(residual, kept)
     _check(y_cpu, normed, w, bias)
@@ -395,27 +386,6 @@ for e, epilogue in ((8, 0), (16, 1)):
     assert kernel.asm.get("cubin")
 print("sass")
 """
-
-
-ROWS_COMPILE = r"""
-from mxserve.kernels import gemv
-
-types = {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-regs = {}
-for epilogue, kv in ((0, False), (1, False), (2, True)):
-    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, HAS_BIAS=epilogue == 0,
-                 EPILOGUE=epilogue, KV=kv, HEAD_DIM=64,
-                 ROT_ROWS=2560 if epilogue == 2 else 0, Q_ROWS=2048 if epilogue == 2 else 0,
-                 PAGE_SIZE=16, LAUNCH_PDL=True, INTERP_BF16=False, IEEE_DOT=False)
-    kernel, log = compile_for(gemv._gemv_rows_kernel, const, types)
-    assert kernel.asm.get("cubin") and "mma" in kernel.asm["ptx"], epilogue
-    assert "0 bytes spill stores" in log, log
-print("sass")
-"""
-
-
-def test_few_row_kernel_compiles_to_tensor_cores_without_spills(compile_outside_interpreter):
-    assert compile_outside_interpreter(ROWS_COMPILE) == "sass"
 
 
 def test_mx_pair_decode_compiles_for_the_gpu(compile_outside_interpreter):
