@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mxserve.kernels import cpu_int4
-
 GROUP_SIZE = 32
 # Rows (tokens) up to which layers take int4: it beats oneDNN's bf16 GEMM up to 4 rows, ties it
 # at 8 and loses at 16 (bench/results/int4_rows.md). 8 rather than 4 keeps a speculative verify
@@ -40,18 +38,13 @@ def int4_supported(weight: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """An [N, K] weight (build with `quantize_int4`) in one of two layouts: kernels/cpu_int4.py's
-    tiles where that kernel runs (its rows share one decode of the weights: a verify of 4 rows
-    costs little more than a decode row), else torch's kernel's."""
+    """An [N, K] weight in the kernel's layout (build with `quantize_int4`)."""
 
-    packed: torch.Tensor | None  # uint8 [N, K // 2], torch's kernel's packing of q
-    scales_zeros: torch.Tensor | None  # bf16 [K // 32, N, 2]: (scale, zero) per group
-    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_int4.pack_tiles'
+    packed: torch.Tensor  # uint8 [N, K // 2], the kernel's packing of q
+    scales_zeros: torch.Tensor  # bf16 [K // 32, N, 2]: (scale, zero) per group
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.tiles is not None:
-            return self.tiles[0].shape[0] * 16, self.tiles[0].shape[1] * 2
         return self.packed.shape[0], self.scales_zeros.shape[0] * GROUP_SIZE
 
 
@@ -71,18 +64,13 @@ def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     """Quantize a dense [N, K] weight (`int4_supported`) to int4 groups of 32."""
     q, scales_zeros = _quantize(weight)
-    if cpu_int4.available():
-        return Int4Weight(None, None, cpu_int4.pack_tiles(q, scales_zeros))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return Int4Weight(packed, scales_zeros)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] (bf16) @ dequantized(w).T + bias, in bf16."""
-    if w.tiles is not None:
-        y = cpu_int4.linear_int4(x if x.stride(-1) == 1 else x.contiguous(), *w.tiles)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, GROUP_SIZE, w.scales_zeros)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, GROUP_SIZE, w.scales_zeros)
     return y if bias is None else y.add_(bias)
 
 
