@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "bench", "lib"))
 
 from engine_gpu_common import step_bytes  # noqa: E402
 from gpu_timing import drain, graph_us, header, replay_ms  # noqa: E402
+from revision import head_commit  # noqa: E402
 
 from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.kernels import gemv as gemv_mod  # noqa: E402
@@ -281,6 +282,8 @@ def main() -> None:
     p.add_argument("--weights", default="bf16,mxfp4", help="engine section: bf16 and/or mxfp4")
     args = p.parse_args()
     res = header("gemv_gpu")
+    res["command"] = "python bench/gemv_gpu.py " + " ".join(sys.argv[1:])
+    res["commit"] = head_commit()
     res["max_rows"] = GemvOptions().max_rows
     res["ms"] = [int(m) for m in args.ms.split(",")]
     if "kernels" in args.sections:
