@@ -88,7 +88,9 @@ class ReplicaLoad:
 class Dispatched:
     """What this router sent to each worker, as a correction to the worker's last report: the
     requests dispatched after the report was taken (it cannot know them yet), minus those
-    dispatched before it that have finished since (it still counts them). Entries: request id
+    dispatched before it that have finished since (it still counts them, and their prompts as
+    pending prefill if it was taken before they were prefilled: a request that has finished has
+    none, so its prefill tokens come off too, the total never below zero). Entries: request id
     -> (worker, prefill tokens it brings, wall-clock dispatch time); finished ones are kept
     `keep_done_s` with their finish time."""
 
@@ -97,7 +99,8 @@ class Dispatched:
         # entries go past max_entries; a report newer than an entry already ignores it
         self.max_entries, self.keep_done_s = max_entries, keep_done_s
         self._entries: dict[str, tuple[str, int, float]] = {}  # in dispatch order
-        self._done: dict[str, tuple[str, float, float]] = {}  # (worker, dispatched, finished)
+        # (worker, dispatched, finished, prefill tokens)
+        self._done: dict[str, tuple[str, float, float, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,7 +121,7 @@ class Dispatched:
         entry = self._entries.pop(request_id, None)
         now = time.time() if at is None else at
         if entry is not None:
-            self._done[request_id] = (entry[0], entry[2], now)
+            self._done[request_id] = (entry[0], entry[2], now, entry[1])
         while self._done and next(iter(self._done.values()))[2] < now - self.keep_done_s:
             del self._done[next(iter(self._done))]
 
@@ -128,14 +131,15 @@ class Dispatched:
 
     def since(self, replica_id: str, reported_at: float | None) -> tuple[int, int]:
         """(requests, prefill tokens) to add to the worker's report taken at reported_at (None:
-        no report yet, so every request in flight); requests may be negative."""
+        no report yet, so every request in flight); either may be negative."""
         requests = tokens = 0
         for rid, n, at in self._entries.values():
             if rid == replica_id and (reported_at is None or at >= reported_at):
                 requests, tokens = requests + 1, tokens + n
         if reported_at is not None:
-            requests -= sum(1 for rid, at, finished in self._done.values()
-                            if rid == replica_id and at < reported_at <= finished)
+            for rid, at, finished, n in self._done.values():
+                if rid == replica_id and at < reported_at <= finished:
+                    requests, tokens = requests - 1, tokens - n
         return requests, tokens
 
 
@@ -188,7 +192,7 @@ class PrefixRouter:
         """The work queued on a worker, in tokens: its report plus this router's dispatches
         since."""
         requests, prefill = self.dispatched.since(load.replica_id, load.reported_at)
-        return (load.pending_prefill_tokens + prefill
+        return (max(0, load.pending_prefill_tokens + prefill)
                 + self.config.request_tokens * max(0, load.num_ongoing + requests))
 
     def _recently_sent(self, block_hashes: Sequence[int]) -> dict[str, int]:

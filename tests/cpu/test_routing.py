@@ -234,11 +234,11 @@ def test_dispatches_the_report_already_counts_are_not_counted_twice():
     ledger.add("p", "a", 10, at=1.0)
     ledger.add("q", "a", 10, at=3.0)
     ledger.done("p", at=4.0)  # finished after a's report at 2: the report still counts it
-    assert ledger.since("a", 2.0) == (1 - 1, 10)  # q not in the report, p no longer running
+    assert ledger.since("a", 2.0) == (1 - 1, 10 - 10)  # q not in the report, p gone
     assert ledger.since("a", 4.5) == (0, 0)  # a newer report knows both
     ledger.add("r", "a", 10, at=1.5)
     ledger.done("r", at=20.0)  # p's finish is past keep_done_s now: forgotten; r is not
-    assert ledger.since("a", 2.0) == (1 - 1, 10)
+    assert ledger.since("a", 2.0) == (1 - 1, 10 - 10)
     bounded = Dispatched(max_entries=2)
     for i in range(3):
         bounded.add(f"q{i}", "a", 1, at=float(i))
@@ -247,6 +247,27 @@ def test_dispatches_the_report_already_counts_are_not_counted_twice():
     router.dispatched.add("w", "a", 500, at=20.0)
     report = ReplicaLoad("a", 2, 0.0, pending_prefill_tokens=300, reported_at=19.0)
     assert router.work_tokens(report) == 300 + 500 + 64 * 3
+
+
+def test_a_request_finished_since_the_report_no_longer_counts_as_pending_prefill(redis_server):
+    """The holder of a prefix reported while its first request was still waiting to prefill;
+    that request has finished since: the next one sharing the prefix goes to the holder (a
+    chat's next turn right after its last), not to the idle worker holding nothing."""
+    async def main():
+        index = await index_with(redis_server, a=64)
+        router = PrefixRouter(index, RoutingConfig(request_tokens=64), rng=random.Random(0))
+        router.dispatched.add("first", "a", len(PROMPT), at=10.0)
+        router.dispatched.done("first", at=12.0)
+        stale = ReplicaLoad("a", 1, 0.0, pending_prefill_tokens=len(PROMPT), reported_at=11.0)
+        idle = ReplicaLoad("b", 0, 0.0, pending_prefill_tokens=0, reported_at=11.0)
+        assert router.work_tokens(stale) == 0
+        d = await router.route([stale, idle], HASHES, BS, len(PROMPT))
+        assert d.order[0] == "a" and d.cached_tokens == len(HASHES) * BS
+        # a report taken after the prefill (none pending) loses nothing more: never below 0
+        later = ReplicaLoad("a", 1, 0.0, pending_prefill_tokens=0, reported_at=11.5)
+        assert router.work_tokens(later) == 0
+        await index.close()
+    asyncio.run(main())
 
 
 def test_work_is_counted_in_tokens_pending_prefill_included():
