@@ -48,11 +48,10 @@ MS = [1, 2, 3, 4, 6, 8]
 COPY_TBS = 4.27
 
 
-def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, int] | None]:
+def _configs(k: int, tile: int = gemv_mod.TILE) -> dict[str, tuple[int, ...] | None]:
     bk = 1 << (k - 1).bit_length()
     bn = max(1, tile // bk)
-    alt = {"default": None, "whole": (bn, 4 if bn * bk <= tile else 8),
-           "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
+    alt = {"default": None, "rows_x2": (2 * bn, 4 if 2 * bn * bk <= 16384 else 8),
            "8_warps": (bn, 8), "one_row_a_pass": (bn, 4 if bn * bk <= tile else 8, 1)}
     if bn > 1:
         alt["rows_half"] = (bn // 2, 4)

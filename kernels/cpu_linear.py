@@ -81,21 +81,15 @@ int ready(void) { return 1; }
    (row stride ldo). Tasks of 32 channels: up to 4 rows all at once, more 8 rows at a time. */
 void linear_f32(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed, int64_t N,
                 int64_t K, float *out, int64_t ldo) {
-    if (M <= 4) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N / 32; t++) {
-            const uint16_t *w = packed + t * K * 32, *xm = x;
-            float *om = out + t * 32;
-            int64_t m0 = 0;
-            CASES(4, 2)
-        }
-    } else {
-        #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < N / 32; t++) {
-            const uint16_t *w = packed + t * K * 32;
-            for (int64_t m0 = 0; m0 < M; m0 += 8) {
-                const uint16_t *xm = x + m0 * ldx;
-                float *om = out + m0 * ldo + t * 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N / 32; t++) {
+        const uint16_t *w = packed + t * K * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const uint16_t *xm = x + m0 * ldx;
+            float *om = out + m0 * ldo + t * 32;
+            if (M <= 4) {
+                CASES(4, 2)
+            } else {
                 CASES(8, 2)
             }
         }

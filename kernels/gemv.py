@@ -187,10 +187,11 @@ def _gemv_kernel(
             tl.store(out_rows + b[None, :], hi, mask=keep)
             if KV:  # the new tokens' k and v into the caches (paged_attention.write_kv_cache)
                 slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
-                is_k = (rot & (a >= Q_ROWS))[None, :]
-                col = tl.where(rot & (a >= Q_ROWS), a - Q_ROWS, a - ROT_ROWS)  # k or v heads
+                k_col = rot & (a >= Q_ROWS)
+                col = tl.where(k_col, a - Q_ROWS, a - ROT_ROWS)  # in the k or v heads
                 at = ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs)[:, None] \
                     + ((col // HEAD_DIM) * stride_ch + col % HEAD_DIM)[None, :]
+                is_k = k_col[None, :]
                 step = tl.where(is_k, HALF, 1)  # b's column after a's
                 keep = keep & (slot >= 0)[:, None]
                 tl.store(k_cache_ptr + at, lo, mask=keep & is_k)
