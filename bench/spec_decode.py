@@ -139,10 +139,10 @@ def main() -> None:
         "chat_acceptance_length_2.2_at_k3": args.k == 3
         and (chat_b1("eagle-fixed-k").get("acceptance_length") or 0) >= 2.2,
         "eagle_1.5x_tok_s_at_batch1": chat_b1("eagle").get("speedup", 0) >= 1.5,
-        # batch 1: the engine's int4 GEMMs of up to 8 rows, the attention kernel's rows and
-        # the float32 LM head are row-exact; batch 8's verify steps (up to 32 rows) run oneDNN's
-        # bf16 GEMMs, whose results depend on the row count (as in any engine without
-        # batch-invariant kernels)
+        # batch 1: the engine's int4 GEMMs of up to 16 rows (AMX; else 8), the attention
+        # kernel's rows and the float32 LM head are row-exact; batch 8's verify steps (up to
+        # 32 rows) run oneDNN's bf16 GEMMs, whose results depend on the row count (as in any
+        # engine without batch-invariant kernels)
         "greedy_outputs_equal_at_batch1": all(r["same_output"] for r in results
                                               if r["batch"] == 1)}
     command = "python " + " ".join(sys.argv)

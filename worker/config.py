@@ -76,9 +76,10 @@ class EngineConfig:
     # faster; worker/model/parallel.py `pack_for_cpu`). False keeps plain torch.matmul.
     pack_cpu_weights: bool = True
     # CPU, bf16, packed: the decoder linears also get a 4-bit copy (worker/model/int4.py) that
-    # steps of up to 8 tokens multiply with (a quarter of the bytes to stream). None: only for a
-    # GGUF whose linears are 4-bit already (Q4_0 / Q4_1: their own grid, kept), as llama.cpp
-    # and vLLM serve such files; True: any checkpoint (lossy for 16-bit ones); False: never.
+    # steps of up to 16 tokens (AMX; else 8) multiply with (a quarter of the bytes to stream).
+    # None: only for a GGUF whose linears are 4-bit already (Q4_0 / Q4_1: their own grid,
+    # kept), as llama.cpp and vLLM serve such files; True: any checkpoint (lossy for 16-bit
+    # ones); False: never.
     cpu_int4: bool | None = None
     # CUDA: when decode steps take kernels/gemv.py's whole-row GEMV over cuBLAS / mx_linear
     # (kernels/options.py). A mapping (a deploy config's) is read as GemvOptions' fields.

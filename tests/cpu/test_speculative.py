@@ -134,8 +134,9 @@ def test_the_shipped_head_on_smollm2_equals_plain_decoding():
 
 def test_the_shipped_head_in_the_default_cpu_engine_equals_plain_decoding_at_batch_1():
     """bf16, the GGUF's 4-bit linears, the head packed to int4: a verify's k + 1 rows compute
-    what k + 1 decode steps would, bit for bit (int4 GEMMs of up to 8 rows, the attention
-    kernel's rows, float32 logits are row-exact), so greedy output does not drift."""
+    what k + 1 decode steps would, bit for bit (int4 GEMMs of up to 16 rows on AMX, 8 else,
+    the attention kernel's rows, float32 logits are row-exact), so greedy output does not
+    drift."""
     questions = [[{"role": "user", "content": q}] for q in
                  ("Name three uses of copper.", "Why is the sky blue?")]
     params = SamplingParams(temperature=0, max_tokens=48)

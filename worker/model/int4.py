@@ -9,9 +9,11 @@ the memory bandwidth; 4-bit weights read a quarter of bf16's. torch's CPU int4 k
 which is exactly GGUF's Q4_1 (w = d * q + m; scale = d, zero = m + 8 d) and Q4_0 (zero = 0), so a
 4-bit GGUF checkpoint keeps its own grid: its dequantized weights are re-quantized here from their
 group minimum and range, recovering every code (scale and zero are rounded to bf16, the kernel's
-only parameter dtype). From a few rows on the kernel is compute bound and slower than oneDNN's
+only parameter dtype). From a few rows on that kernel is compute bound and slower than oneDNN's
 bf16 GEMM, so layers keep both and pick per call (`INT4_MAX_ROWS`, measured on the project's
-2-core CPU: bench/results/engine_cpu.md).
+2-core CPU: bench/results/int4_rows.md). Where the CPU has AMX, kernels/cpu_int4.py multiplies
+the same weights (its own layout, the same grid) for up to 16 rows at about one row's cost, so a
+speculative verify costs little more than a decode step (bench/results/cpu_int4.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mxserve.kernels import cpu_int4
 
 GROUP_SIZE = 32
 # Rows (tokens) up to which layers take int4: it beats oneDNN's bf16 GEMM up to 4 rows, ties it
@@ -38,14 +42,23 @@ def int4_supported(weight: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """An [N, K] weight in the kernel's layout (build with `quantize_int4`)."""
+    """An [N, K] weight (build with `quantize_int4`) in one of two kernels' layouts:
+    kernels/cpu_int4.py's where the CPU has AMX, else torch's."""
 
-    packed: torch.Tensor  # uint8 [N, K // 2], the kernel's packing of q
-    scales_zeros: torch.Tensor  # bf16 [K // 32, N, 2]: (scale, zero) per group
+    packed: torch.Tensor | None  # uint8 [N, K // 2], torch's kernel's packing of q
+    scales_zeros: torch.Tensor | None  # bf16 [K // 32, N, 2]: (scale, zero) per group
+    tiles: cpu_int4.Int4Tiles | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.tiles is not None:
+            return self.tiles.n, self.tiles.k
         return self.packed.shape[0], self.scales_zeros.shape[0] * GROUP_SIZE
+
+    @property
+    def max_rows(self) -> int:
+        """Rows up to which a layer takes this weight rather than oneDNN's bf16 GEMM."""
+        return cpu_int4.MAX_ROWS if self.tiles is not None else INT4_MAX_ROWS
 
 
 def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +77,18 @@ def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     """Quantize a dense [N, K] weight (`int4_supported`) to int4 groups of 32."""
     q, scales_zeros = _quantize(weight)
+    if cpu_int4.available():
+        return Int4Weight(None, None, cpu_int4.pack_tiles(q, scales_zeros))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return Int4Weight(packed, scales_zeros)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] (bf16) @ dequantized(w).T + bias, in bf16."""
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, GROUP_SIZE, w.scales_zeros)
+    if w.tiles is not None:
+        y = cpu_int4.linear_int4(x if x.stride(-1) == 1 else x.contiguous(), w.tiles)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, GROUP_SIZE, w.scales_zeros)
     return y if bias is None else y.add_(bias)
 
 

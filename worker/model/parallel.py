@@ -17,7 +17,6 @@ from torch import nn
 from mxserve.kernels import cpu_linear
 from mxserve.kernels.options import DEFAULT_GEMV, GemvOptions
 from mxserve.worker.model.int4 import (
-    INT4_MAX_ROWS,
     Int4Weight,
     int4_linear,
     int4_supported,
@@ -42,7 +41,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, int4: Int4Weight | None,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ b) from the packed copies: int4 for a few rows (int4.py), else oneDNN bf16."""
-    if int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+    if int4 is not None and x.shape[0] <= int4.max_rows:
         return int4_linear(x, int4, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
