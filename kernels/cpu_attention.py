@@ -127,13 +127,14 @@ static inline float hsum(vf v) {
     return s;
 }
 
-/* q . k for tokens 0 .. n - 1 of a chunk (rows row_bytes apart): part[t] = 16 partial sums. */
-static inline void scores(const vf *qv, const char *kb, int64_t n, int64_t row_bytes,
+/* q . k for tokens 0 .. n - 1 of a chunk (token t's row at kb + at[t]): part[t] = 16 partial
+   sums. */
+static inline void scores(const vf *qv, const char *kb, int64_t n, const int64_t *at,
                           int is_bf16, vf *part) {
     vf row[NV];
     for (int t = 0; t < CHUNK; t++) part[t] = (vf){};
     for (int64_t t = 0; t < n; t++) {
-        load_vecs(kb + t * row_bytes, is_bf16, row);
+        load_vecs(kb + at[t], is_bf16, row);
         vf dot = qv[0] * row[0];
         for (int c = 1; c < NV; c++) dot += qv[c] * row[c];
         part[t] = dot;
@@ -141,11 +142,11 @@ static inline void scores(const vf *qv, const char *kb, int64_t n, int64_t row_b
 }
 
 /* acc[g] += sum over the chunk's tokens t of p[g][t] v[t]. */
-static inline void values(const vf *p, const char *vb, int64_t n, int64_t row_bytes,
+static inline void values(const vf *p, const char *vb, int64_t n, const int64_t *at,
                           int is_bf16, vf acc[GROUP][NV]) {
     vf row[NV];
     for (int64_t t = 0; t < n; t++) {
-        load_vecs(vb + t * row_bytes, is_bf16, row);
+        load_vecs(vb + at[t], is_bf16, row);
         for (int g = 0; g < GROUP; g++)
             for (int c = 0; c < NV; c++) acc[g][c] += p[g][t] * row[c];
     }
@@ -159,19 +160,19 @@ static inline void values(const vf *p, const char *vb, int64_t n, int64_t row_by
    scaled instead); p is rounded to bf16 first, as flash attention does on GPUs. For p v, rows t
    and t + 1 are interleaved by 16-bit unpacks, which leaves each accumulator's dimensions in
    unpack order: unpermute() restores them once at the end. */
-static inline void scores_bf16(const __m512i *qb, const char *kb, int64_t n, int64_t row_bytes,
+static inline void scores_bf16(const __m512i *qb, const char *kb, int64_t n, const int64_t *at,
                                vf *part) {
     for (int t = 0; t < CHUNK; t++) part[t] = (vf){};
     for (int64_t t = 0; t < n; t++) {
         __m512 dot = _mm512_setzero_ps();
         for (int c = 0; c < NV / 2; c++)
             dot = _mm512_dpbf16_ps(dot, (__m512bh)qb[c],
-                                   (__m512bh)_mm512_loadu_si512(kb + t * row_bytes + c * 64));
+                                   (__m512bh)_mm512_loadu_si512(kb + at[t] + c * 64));
         part[t] = (vf)dot;
     }
 }
 
-static inline void values_bf16(const vf *p, const char *vb, int64_t n, int64_t row_bytes,
+static inline void values_bf16(const vf *p, const char *vb, int64_t n, const int64_t *at,
                                vf acc[GROUP][NV]) {
     int32_t pairs[GROUP][CHUNK / 2];  /* (p[t], p[t + 1]) as two bf16 in one 32-bit word */
     for (int g = 0; g < GROUP; g++)
@@ -179,8 +180,8 @@ static inline void values_bf16(const vf *p, const char *vb, int64_t n, int64_t r
     for (int64_t t = 0; t < n; t += 2) {
         __m512i lo[NV / 2], hi[NV / 2];
         for (int c = 0; c < NV / 2; c++) {
-            __m512i a = _mm512_loadu_si512(vb + t * row_bytes + c * 64);
-            __m512i b = t + 1 < n ? _mm512_loadu_si512(vb + (t + 1) * row_bytes + c * 64)
+            __m512i a = _mm512_loadu_si512(vb + at[t] + c * 64);
+            __m512i b = t + 1 < n ? _mm512_loadu_si512(vb + at[t + 1] + c * 64)
                                   : _mm512_setzero_si512();  /* past the context: not read */
             lo[c] = _mm512_unpacklo_epi16(a, b);
             hi[c] = _mm512_unpackhi_epi16(a, b);
@@ -217,9 +218,13 @@ static inline void unpermute(vf *acc) {
    Hkv, D] (cb, cs, ch). The context is walked CHUNK tokens at a time (never across a block), all
    of the task's heads per chunk, so a whole-request task reads each block front to back; the
    next block, whose address the hardware cannot guess, is prefetched as a block starts (~10%
-   from DRAM). */
+   from DRAM). Positions from base_len on are not the table's but the flat slots extra[0 ..
+   seq_len - base_len - 1] (a draft tree's row: its ancestors' and its own KV); chunks still
+   follow the positions, so a row reads its keys in the order and grouping a decode of the same
+   positions would, and gets its bits. */
 static void attend(const char *q, const char *kc, const char *vc, const int32_t *table,
-                   int64_t seq_len, char *out, int64_t h0, int64_t h1, int64_t block_size,
+                   int64_t seq_len, int64_t base_len, const int32_t *extra, char *out,
+                   int64_t h0, int64_t h1, int64_t block_size,
                    int64_t sqh, int64_t soh, int64_t cb, int64_t cs, int64_t ch, int64_t esize,
                    int is_bf16, float scale, float *mass, int64_t mass_width) {
     int fast = FAST_BF16 && is_bf16;
@@ -240,12 +245,23 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
             den[h][g] = 0.0f;
         }
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    int64_t row_bytes = cs * esize;
+    int64_t at[CHUNK];
     for (int64_t pos = 0; pos < seq_len;) {
-        int64_t block = table[pos / block_size], off = pos % block_size;
+        int64_t off = pos % block_size;
         int64_t n = block_size - off < CHUNK ? block_size - off : CHUNK;
         n = seq_len - pos < n ? seq_len - pos : n;
-        if (off == 0 && pos + block_size < seq_len) {  /* prefetch the next block */
+        if (pos + n <= base_len) {  /* each token's row: byte offset in the caches */
+            int64_t first = ((int64_t)table[pos / block_size] * cb + off * cs) * esize;
+            for (int64_t t = 0; t < n; t++) at[t] = first + t * cs * esize;
+        } else {
+            for (int64_t t = 0; t < n; t++) {
+                int64_t p = pos + t, slot = p < base_len
+                    ? (int64_t)table[p / block_size] * block_size + p % block_size
+                    : (int64_t)extra[p - base_len];
+                at[t] = (slot / block_size * cb + slot % block_size * cs) * esize;
+            }
+        }
+        if (off == 0 && pos + block_size < base_len) {  /* prefetch the next block */
             int64_t next = table[pos / block_size + 1];
             for (int64_t t = 0; t < block_size; t++)
                 for (int64_t b = 0; b < (h1 - h0) * ch * esize; b += 64) {
@@ -254,18 +270,17 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
                 }
         }
         for (int64_t h = h0; h < h1; h++) {
-            const char *kb = kc + (block * cb + off * cs + h * ch) * esize;
-            const char *vb = vc + (block * cb + off * cs + h * ch) * esize;
+            const char *kb = kc + h * ch * esize, *vb = vc + h * ch * esize;
             vi keep = lane < (int32_t)n;
             for (int g = 0; g < GROUP; g++) {
 #if FAST_BF16
                 if (fast) {
-                    scores_bf16((const __m512i *)qv[h][g], kb, n, row_bytes, part);
+                    scores_bf16((const __m512i *)qv[h][g], kb, n, at, part);
                     s[g] = reduce16(part) * scale;
                 } else
 #endif
                 {
-                    scores(qv[h][g], kb, n, row_bytes, is_bf16, part);
+                    scores(qv[h][g], kb, n, at, is_bf16, part);
                     s[g] = reduce16(part);
                 }
                 s[g] = (vf)(((vi)s[g] & keep) | ((vi)((vf){} - INFINITY) & ~keep));
@@ -286,10 +301,10 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
             }
 #if FAST_BF16
             if (fast)
-                values_bf16(s, vb, n, row_bytes, acc[h]);
+                values_bf16(s, vb, n, at, acc[h]);
             else
 #endif
-                values(s, vb, n, row_bytes, is_bf16, acc[h]);
+                values(s, vb, n, at, is_bf16, acc[h]);
         }
         pos += n;
     }
@@ -317,17 +332,22 @@ static void attend(const char *q, const char *kc, const char *vc, const int32_t 
 
 /* Tasks: whole requests when there are enough to keep the threads busy (each reads its blocks
    front to back), else one (request, KV head) each. */
+/* base_lens / extra (NULL: none): row r's positions from base_lens[r] on are the slots
+   extra[r * extra_stride ..]. */
 void paged_decode(const void *q, const void *k_cache, const void *v_cache,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   void *out, int64_t num_seqs, int64_t block_size, int64_t sq, int64_t sqh,
                   int64_t so, int64_t soh, int64_t cb, int64_t cs, int64_t ch, int is_bf16,
-                  float scale, int64_t heads_per_task, float *mass, int64_t mass_width) {
+                  float scale, int64_t heads_per_task, float *mass, int64_t mass_width,
+                  const int32_t *base_lens, const int32_t *extra, int64_t extra_stride) {
     int64_t esize = is_bf16 ? 2 : 4, parts = KV_HEADS / heads_per_task;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * parts; task++) {
         int64_t r = task / parts, h0 = task % parts * heads_per_task;
         attend((const char *)q + r * sq * esize, (const char *)k_cache, (const char *)v_cache,
-               block_tables + r * table_stride, seq_lens[r], (char *)out + r * so * esize, h0,
+               block_tables + r * table_stride, seq_lens[r],
+               base_lens ? base_lens[r] : seq_lens[r], extra ? extra + r * extra_stride : 0,
+               (char *)out + r * so * esize, h0,
                h0 + heads_per_task, block_size, sqh, soh, cb, cs, ch, esize, is_bf16, scale,
                mass ? mass + r * KV_HEADS * GROUP * mass_width : 0, mass_width);
     }
@@ -343,7 +363,7 @@ def _library(num_kv_heads: int, group: int, head_dim: int) -> ctypes.CDLL | None
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.paged_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, *[i64] * 9, ctypes.c_int,
-                                     ctypes.c_float, i64, ptr, i64]
+                                     ctypes.c_float, i64, ptr, i64, ptr, ptr, i64]
         lib.paged_decode.restype = None
     return lib
 
@@ -363,14 +383,18 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float | None = None, *,
                                out: torch.Tensor | None = None,
-                               mass: torch.Tensor | None = None) -> torch.Tensor:
+                               mass: torch.Tensor | None = None,
+                               tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                               ) -> torch.Tensor:
     """out [B, Hq, D]: request b's query q[b] attends to its cached positions 0 .. seq_lens[b] - 1
     (as paged_decode_attention). mass: a zeroed fp32 [B, Hq, width >= max seq_len] tensor that
     gets each query head's softmax probabilities (the attention mass of H2O; positions past
-    seq_len are left alone). CPU tensors; q and the caches one
-    dtype of float32/bfloat16, last dims contiguous; block_tables [B, >= max blocks] and seq_lens
-    [B] int32, their values the caller's contract (unchecked). ValueError otherwise, or when the
-    kernel is unavailable (check `available()` first)."""
+    seq_len are left alone). tree: (base_lens [B] int32, extra [B, E] int32): row b's positions
+    from base_lens[b] on are not its table's but the flat slots extra[b, 0 .. seq_lens[b] -
+    base_lens[b] - 1] (a draft tree's row reads its ancestors' KV). CPU tensors; q and the caches
+    one dtype of float32/bfloat16, last dims contiguous; block_tables [B, >= max blocks] and
+    seq_lens [B] int32, their values the caller's contract (unchecked). ValueError otherwise, or
+    when the kernel is unavailable (check `available()` first)."""
     from .paged_attention import check_attention_args
 
     num_seqs = q.shape[0] if q.dim() == 3 else -1
@@ -389,15 +413,29 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                              or (num_seqs and mass.shape[2] < int(seq_lens.max()))):
         raise ValueError(f"paged_decode_attention_cpu: mass must be a contiguous float32 [B, Hq, "
                          f">= max seq_len] tensor; got {mass.dtype} {tuple(mass.shape)}")
+    if tree is not None:
+        base_lens, extra = tree
+        if base_lens.dtype != torch.int32 or extra.dtype != torch.int32 \
+                or base_lens.shape != (num_seqs,) or extra.dim() != 2 \
+                or extra.shape[0] != num_seqs or extra.stride(1) != 1 \
+                or not base_lens.is_contiguous() \
+                or (num_seqs and int((seq_lens - base_lens).max()) > extra.shape[1]) \
+                or (num_seqs and int((seq_lens - base_lens).min()) < 0):
+            raise ValueError(f"paged_decode_attention_cpu: tree must be int32 base_lens [B] <= "
+                             f"seq_lens and extra [B, >= seq_len - base_len] slots; got "
+                             f"{base_lens.dtype} {tuple(base_lens.shape)}, {extra.dtype} "
+                             f"{tuple(extra.shape)}")
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     scale = head_dim ** -0.5 if scale is None else scale
     paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out, scale,
-                                         mass)
+                                         mass, tree)
     return out
 
 
 def paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_lens, out,
-                                         scale: float, mass: torch.Tensor | None = None) -> None:
+                                         scale: float, mass: torch.Tensor | None = None,
+                                         tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                                         ) -> None:
     """paged_decode_attention_cpu into `out` without its checks: for a caller that validated the
     shapes once (CPUAttention, chosen by the runner after `available`) and calls every layer."""
     (num_seqs, num_heads, head_dim), (_, block_size, num_kv_heads, _) = q.shape, k_cache.shape
@@ -408,4 +446,6 @@ def paged_decode_attention_cpu_unchecked(q, k_cache, v_cache, block_tables, seq_
         block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
         int(q.dtype == torch.bfloat16), scale, heads_per_task,
-        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.shape[2])
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.shape[2],
+        None if tree is None else tree[0].data_ptr(), None if tree is None else tree[1].data_ptr(),
+        0 if tree is None else tree[1].stride(0))

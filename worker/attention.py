@@ -43,6 +43,11 @@ class AttentionBatch:
     # per request: its queries may run as decode rows (a speculative verify: CPUAttention gives
     # each its own context length in the decode kernel, the bits decode steps get); None: none
     query_rows: list[bool] | None = None
+    # per request, None or per query row its context other than causal (a draft tree's rows):
+    # (base, extra) = positions 0 .. base - 1, then the positions in `extra` in that order (each
+    # < start + query_len: this step's or cached KV). A row's KV is still written at its own
+    # position start + row. None: every request causal.
+    row_contexts: list[list[tuple[int, list[int]]] | None] | None = None
 
 
 class AttentionBackend(ABC):
@@ -114,6 +119,9 @@ class TorchAttentionMetadata:
     decode_mass: torch.Tensor | None = None  # CPUAttention's per-head buffer, made once a step
     # CPUAttention: the kernel rows' token indices when they are not tokens 0 .. rows - 1
     decode_rows: torch.Tensor | None = None
+    # CPUAttention: (base_lens [rows] int32, extra slots [rows, E] int32) where some kernel row
+    # reads a draft tree's context (AttentionBatch.row_contexts); None: all rows causal
+    decode_tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # CPUAttention runs a chunk of at most this many queries as decode rows when asked
@@ -193,33 +201,47 @@ class TorchAttention(AttentionBackend):
         # kernel, each its own context length: exactly a decode's arithmetic, and cheaper than
         # gathering the context for SDPA. Prompt chunks stay on SDPA, whose rows do not depend
         # on the chunking (a prefix hit computes the rest of a prompt as a miss would).
+        contexts = batch.row_contexts or [None] * len(ends)
         as_rows = [] if self.grouped_decodes or batch.mass_window or not batch.query_rows else \
             [i for i in range(nd, len(ends))
              if batch.query_rows[i] and batch.query_lens[i] <= MAX_ROWS_AS_DECODES]
         row_spans = set(as_rows)
-        if self.grouped_decodes:
-            groups = [self._decode_group(tables, ends, rows, bs, dev)
-                      for rows in group_by_length(ends[:nd], self.group_cost_tokens)]
-        elif as_rows:  # each marked chunk's tokens after the decodes, its table repeated
+        tree = None
+        if self.grouped_decodes:  # (decodes with a tree context: one-row chunks, below)
+            plain = [i for i in range(nd) if not contexts[i]]
+            groups = [self._decode_group(tables, ends, [plain[r] for r in rows], bs, dev)
+                      for rows in group_by_length([ends[i] for i in plain],
+                                                  self.group_cost_tokens)]
+        elif as_rows or nd:  # the decodes, then each marked chunk's tokens, its table repeated
             starts = [0] + list(itertools.accumulate(batch.query_lens))
             row_ids = list(range(nd)) + [starts[i] + j for i in as_rows
                                          for j in range(batch.query_lens[i])]
             which = list(range(nd)) + [i for i in as_rows for _ in range(batch.query_lens[i])]
-            lens = ends[:nd] + [ends[i] - batch.query_lens[i] + j + 1 for i in as_rows
-                                for j in range(batch.query_lens[i])]
+            row_of = [(i, j) for i in range(nd) for j in (0,)] + \
+                [(i, j) for i in as_rows for j in range(batch.query_lens[i])]
+            lens = [ends[i] - batch.query_lens[i] + j + 1 for i, j in row_of]
+            if any(contexts[i] for i in which):
+                tree = self._tree_rows(batch.block_tables, contexts, row_of, lens, bs)
+                lens = tree[2]
+                tree = tree[:2]
             index = (tables[which].to(torch.int32), torch.tensor(lens, dtype=torch.int32))
             if row_ids != list(range(len(row_ids))):
                 rows = torch.tensor(row_ids, dtype=torch.long, device=dev)
-        elif nd:
-            index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
         spans, first = [], nd
+        if self.grouped_decodes:
+            for i in range(nd):
+                if contexts[i]:
+                    spans.append((i, 1, tables[i, :-(-ends[i] // bs)], ends[i],
+                                  self._context_mask(contexts[i], 1, ends[i], dev)))
         for i in range(nd, len(ends)):
             qlen, end = batch.query_lens[i], ends[i]
             if i in row_spans:  # in the kernel's rows
                 first += qlen
                 continue
             mask = None
-            if qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
+            if contexts[i]:  # a draft tree: each row its own context
+                mask = self._context_mask(contexts[i], qlen, end, dev)
+            elif qlen != end:  # a later chunk or a prefix hit: causal, offset by the cached part
                 q_pos = torch.arange(end - qlen, end, device=dev)
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]  # [qlen, end]
             spans.append((first, qlen, tables[i, :-(-end // bs)], end, mask))
@@ -230,7 +252,42 @@ class TorchAttention(AttentionBackend):
         return TorchAttentionMetadata(slot_mapping=torch.cat(new_slots), num_decode_tokens=nd,
                                       decode_groups=groups, decode_index=index,
                                       prefill_spans=spans, mass=mass,
-                                      mass_window=batch.mass_window, decode_rows=rows)
+                                      mass_window=batch.mass_window, decode_rows=rows,
+                                      decode_tree=tree)
+
+    @staticmethod
+    def _context_mask(context: list[tuple[int, list[int]]], qlen: int, end: int,
+                      dev: torch.device) -> torch.Tensor:
+        """[qlen, end] True where each row attends: positions < base, and its extras."""
+        mask = torch.zeros(qlen, end, dtype=torch.bool)
+        for j, (base, extra) in enumerate(context):
+            mask[j, :base] = True
+            mask[j, extra] = True
+        return mask.to(dev)
+
+    @staticmethod
+    def _tree_rows(block_tables: list[list[int]], contexts: list, row_of: list[tuple[int, int]],
+                   lens: list[int], bs: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The kernel's (base_lens, extra slots) for rows (request, query row) and their
+        seq_lens: a row with a tree context reads positions 0 .. base - 1, then its extras."""
+        bases, extras, seq_lens = [], [], []
+        for (i, j), n in zip(row_of, lens):
+            if contexts[i] is None:
+                bases.append(n)
+                extras.append([])
+                seq_lens.append(n)
+                continue
+            base, extra = contexts[i][j]
+            table = block_tables[i]
+            bases.append(base)
+            extras.append([table[p // bs] * bs + p % bs for p in extra])
+            seq_lens.append(base + len(extra))
+        width = max(1, max(len(e) for e in extras))
+        slots = torch.full((len(extras), width), -1, dtype=torch.int32)
+        for r, e in enumerate(extras):
+            if e:
+                slots[r, :len(e)] = torch.tensor(e, dtype=torch.int32)
+        return torch.tensor(bases, dtype=torch.int32), slots, seq_lens
 
     @staticmethod
     def _decode_group(tables: torch.Tensor, ends: list[int], rows: list[int], block_size: int,
@@ -316,12 +373,12 @@ class CPUAttention(TorchAttention):
         if meta.decode_rows is None:
             cpu_attention.paged_decode_attention_cpu_unchecked(
                 q[:n], k_cache, v_cache, *meta.decode_index, out[:n], q.shape[-1] ** -0.5,
-                meta.decode_mass)
+                meta.decode_mass, meta.decode_tree)
         else:
             rows_out = torch.empty(n, *q.shape[1:], dtype=q.dtype)
             cpu_attention.paged_decode_attention_cpu_unchecked(
                 q.index_select(0, meta.decode_rows), k_cache, v_cache, *meta.decode_index,
-                rows_out, q.shape[-1] ** -0.5, None)
+                rows_out, q.shape[-1] ** -0.5, None, meta.decode_tree)
             out.index_copy_(0, meta.decode_rows, rows_out)
         if meta.decode_mass is not None:
             meta.mass[:n] += meta.decode_mass.sum(1)

@@ -252,10 +252,14 @@ class EagleDrafter:
                                           self.min_confidence,
                                           [s.table_version for s, _ in kept])
         else:
+            if any(s.kept_draft_rows for s, _ in kept):
+                rows = [r for (s, n), off in zip(kept, offsets) for r in kept_rows(s, n, off)]
+                features = hidden[torch.tensor(rows, device=hidden.device)]
+            else:
+                features = torch.cat([hidden[off:off + n] for (_, n), off in zip(kept, offsets)])
             drafts, _ = draft_round(
                 self.head, self.kv_cache, self.attn, self.runner.config.block_size, spans,
-                tokens, torch.cat([hidden[off:off + n] for (s, n), off in zip(kept, offsets)]),
-                asked, self.min_confidence)
+                tokens, features, asked, self.min_confidence)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
                 s.request.draft_token_ids = d
@@ -288,6 +292,16 @@ def kept_offsets(plan, kept: list[tuple]) -> list[int]:
         offsets[id(s)] = at
         at += s.num_new_tokens
     return [offsets[id(s)] for s, _ in kept]
+
+
+def kept_rows(s, kept: int, offset: int) -> list[int]:
+    """The step's hidden-state rows of a request's `kept` positions, its first row at `offset`:
+    consecutive, but for a draft tree's the kept nodes' rows after the root's."""
+    if not s.kept_draft_rows:
+        return list(range(offset, offset + kept))
+    root = offset + s.num_new_tokens - s.num_draft_tokens - 1
+    rows = list(range(offset, root + 1)) + [root + 1 + j for j in s.kept_draft_rows]
+    return rows[:kept]
 
 
 def _next_tokens(request: Request, start: int, length: int) -> list[int]:

@@ -41,6 +41,7 @@ from mxserve.api.errors import InvalidRequestError
 from mxserve.api.outputs import StepOutput
 from mxserve.api.sampling_params import SamplingParams
 from mxserve.api.tokenizer import Tokenizer
+from mxserve.worker import draft_tree
 from mxserve.worker.config import EngineConfig
 from mxserve.worker.drafters import Drafter, build_drafter
 from mxserve.worker.kv_cache import KVCacheManager
@@ -338,6 +339,13 @@ class Engine:
         request.num_draft_tokens += s.num_draft_tokens
         request.num_accepted_tokens += num_kept
         request.num_drafts += 1
+        if s.kept_draft_rows:  # a draft tree's kept nodes: their KV to a chain's positions
+            root = s.start_position + s.num_new_tokens - s.num_draft_tokens - 1
+            moves = draft_tree.moves(root, s.kept_draft_rows)
+            if moves:
+                bs, table = self.kv.block_size, s.block_table
+                src, dst = ([table[p // bs] * bs + p % bs for p in side] for side in zip(*moves))
+                self.runner.move_kv(src, dst, drafter_too=False)
         request.num_computed_tokens -= s.num_draft_tokens - num_kept
         self.kv.trim(request.request_id, self.scheduler.with_lookahead(
             request.num_computed_tokens - request.num_evicted))
@@ -374,11 +382,16 @@ class Engine:
             max_tokens = request.sampling_params.max_tokens or self.max_model_len
             n = min(k, max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens)
-            request.draft_token_ids = []
+            request.draft_token_ids, request.draft_parents = [], None
             if n > 0 and not off:
                 num_drafts[request] = n
         with torch.inference_mode():
             self.drafter.propose(plan, result.hidden_states, num_drafts)
+        for request in num_drafts:  # a tree's nodes take slots past its depth: cut to fit
+            room = self.max_model_len - request.num_tokens
+            if request.draft_parents is not None and len(request.draft_token_ids) > room:
+                request.draft_token_ids = request.draft_token_ids[:room]
+                request.draft_parents = request.draft_parents[:room]
 
     def _cache_blocks(self, request: Request, end: int) -> None:
         """Hash and register the full blocks of the first `end` tokens, after a step that filled

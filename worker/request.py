@@ -62,6 +62,8 @@ class Request:
     # Speculative decoding: the drafter's proposals for the tokens after all_token_ids, verified
     # by the next step (scheduled as "compute 1 + len(drafts)"); and running totals.
     draft_token_ids: list[int] = field(default_factory=list)
+    # None: the drafts are a chain; else a tree, each draft's parent (worker/draft_tree.py)
+    draft_parents: list[int] | None = None
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # of them, kept
     num_drafts: int = 0  # steps that verified drafts (vLLM's name)

@@ -11,6 +11,7 @@ import torch
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels import cpu_attention, cpu_linear
+from mxserve.worker import draft_tree
 from mxserve.worker.attention import AttentionBatch
 from mxserve.worker.attention_backends import get_attention_backend
 from mxserve.worker.config import EngineConfig
@@ -263,7 +264,9 @@ class ModelRunner:
             num_decodes=plan.num_decodes, block_size=self.config.block_size, device=self.device,
             mass_window=plan.mass_window,
             query_rows=[s.num_draft_tokens > 0 for s in plan.scheduled]
-            if any(s.num_draft_tokens for s in plan.scheduled) else None))
+            if any(s.num_draft_tokens for s in plan.scheduled) else None,
+            row_contexts=[_tree_contexts(s) for s in plan.scheduled]
+            if any(s.draft_parents for s in plan.scheduled) else None))
         hidden = self.model(input_ids, positions, self.kv_caches, self.attn, meta)  # [T, hidden]
         # logits only for the rows that pick a next token
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -276,14 +279,17 @@ class ModelRunner:
         return StepResult(logits=logits, hidden_states=hidden if plan.keep_hidden else None,
                           attn_mass=mass, prompt_logprobs=prompt_lps)
 
-    def move_kv(self, src: np.ndarray | list[int], dst: np.ndarray | list[int]) -> None:
+    def move_kv(self, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+                drafter_too: bool = True) -> None:
         """Copy the KV of flat slots `src` to slots `dst` in every layer (all sources are read
-        before any is written): KV eviction's compaction."""
+        before any is written): KV eviction's compaction; a draft tree's kept nodes with
+        drafter_too False (the drafter's own KV there is recomputed by its catch-up)."""
         if not len(src):
             return
         src_t = torch.from_numpy(np.asarray(src, dtype=np.int64)).to(self.device)
         dst_t = torch.from_numpy(np.asarray(dst, dtype=np.int64)).to(self.device)
-        for cache in (c for pair in self.kv_caches + self.extra_kv_caches for c in pair):
+        layers = self.kv_caches + (self.extra_kv_caches if drafter_too else [])
+        for cache in (c for pair in layers for c in pair):
             flat = cache.view(-1, *cache.shape[2:])
             flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
 
@@ -298,7 +304,12 @@ class ModelRunner:
                 inflight.append((len(ids), s.inflight_row))
                 ids.append(0)  # filled on the device below
             first = s.start_position + s.position_offset
-            positions.extend(range(first, first + s.num_new_tokens))
+            if s.draft_parents:  # a draft tree: each node at the root's position + its depth
+                root = first + s.num_new_tokens - s.num_draft_tokens - 1
+                positions.extend(range(first, root + 1))
+                positions.extend(root + d for d in draft_tree.depths(s.draft_parents))
+            else:
+                positions.extend(range(first, first + s.num_new_tokens))
             if s.samples:  # the last position, and each draft's
                 sample_rows.extend(range(len(ids) - 1 - s.num_draft_tokens, len(ids)))
         input_ids = to_device(ids, torch.long, self.device)
@@ -306,3 +317,12 @@ class ModelRunner:
             fill_inflight_tokens(input_ids, inflight, plan.inflight_tokens)
         return (input_ids, to_device(positions, torch.long, self.device),
                 to_device(sample_rows, torch.long, self.device))
+
+
+def _tree_contexts(s) -> list[tuple[int, list[int]]] | None:
+    """A scheduled request's rows' attention contexts when it verifies a draft tree (slots in
+    its table: start_position onwards), else None."""
+    if not s.draft_parents:
+        return None
+    num_before = s.num_new_tokens - s.num_draft_tokens - 1
+    return draft_tree.contexts(s.start_position + num_before, num_before, s.draft_parents)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from mxserve.worker import draft_tree
 from mxserve.worker.kv_cache import KVCacheManager
 from mxserve.worker.request import Request, RequestStatus
 from mxserve.worker.stop import reaches_length_limit
@@ -58,6 +59,10 @@ class ScheduledRequest:
     # Drafts verified this step: the last num_draft_tokens of token_ids; logits come back for
     # each of the 1 + num_draft_tokens last positions.
     num_draft_tokens: int = 0
+    # None: the drafts are a chain; else a draft tree (worker/draft_tree.py): each one's parent
+    draft_parents: list[int] | None = None
+    # Set by the engine after a tree's verify: the kept drafts (their rows follow the root's)
+    kept_draft_rows: list[int] | None = None
     position_offset: int = 0  # request.num_evicted when scheduled
     # Prompt logprobs (prompt_logprobs.py): the prompt tokens this chunk's leading positions
     # predict (the token after each, up to the last prompt token), and how many top ones to
@@ -201,7 +206,7 @@ class Scheduler:
         return max(num_tokens, min(num_tokens + self.num_lookahead_tokens, self.max_model_len))
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        request.draft_token_ids = []
+        request.draft_token_ids, request.draft_parents = [], None
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -225,6 +230,9 @@ class Scheduler:
             self.kv.get_block_ids(rid), self.kv.table_version(rid),
             end == len(request.all_token_ids) + request.num_inflight,
             num_draft_tokens=len(drafts), position_offset=request.num_evicted)
+        if drafts and request.draft_parents is not None:  # a tree's prefix is a tree
+            parents = request.draft_parents[:len(drafts)]
+            scheduled.draft_parents = None if draft_tree.is_chain(parents) else parents
         if start < request.num_prompt_tokens - 1 and request.needs_prompt_logprobs:
             # position p predicts prompt token p + 1; the last prompt position predicts the
             # first output token (sampled), so the slice stops at the prompt's end

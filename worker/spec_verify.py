@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from mxserve.api.sampling_params import SamplingParams
+from mxserve.worker import draft_tree
 from mxserve.worker.logits_ops import apply_min_tokens, apply_penalties, filter_threshold
 from mxserve.worker.request import Request
 from mxserve.worker.sampler import Sampler
@@ -39,6 +40,7 @@ class Verified:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     num_drafts: int
+    kept: list[int] | None = None  # a draft tree's kept nodes (None: a chain's first ones)
 
     @property
     def num_accepted(self) -> int:
@@ -79,9 +81,11 @@ def verify_plan(logits: torch.Tensor, sampling: list[ScheduledRequest],
         rows = [first[i] + j for i in spec for j in range(1 + sampling[i].num_draft_tokens)]
         verified = verify(logits[rows], [sampling[i].request for i in spec],
                           [sampling[i].token_ids[-sampling[i].num_draft_tokens:] for i in spec],
-                          sampler.generator_for, top_p_on_device=sampler.top_p_on_device)
+                          sampler.generator_for, top_p_on_device=sampler.top_p_on_device,
+                          parents=[sampling[i].draft_parents for i in spec])
         for i, v in zip(spec, verified):
             tokens[i], lps[i] = v.token_ids, v.logprobs
+            sampling[i].kept_draft_rows = v.kept
     return VerifiedTokens(tokens, lps)
 
 
@@ -101,16 +105,24 @@ class _AsIfOutput:
 
 def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
            generator_for, draft_probs: list[torch.Tensor | None] | None = None,
-           top_p_on_device: bool | None = None) -> list[Verified]:
+           top_p_on_device: bool | None = None,
+           parents: list[list[int] | None] | None = None) -> list[Verified]:
     """logits: [sum(len(d) + 1), vocab] float32, request after request, modified in place.
     generator_for(request, device): the torch.Generator its draws come from. draft_probs: per
-    request [d, vocab] q rows, or None (q one-hot at each draft)."""
+    request [d, vocab] q rows, or None (q one-hot at each draft). parents: per request None
+    (a chain) or its draft tree (worker/draft_tree.py; greedy requests only): row 1 + j is
+    node j's, processed as if its path were output."""
+    parents = parents or [None] * len(requests)
     starts, views = [], []
-    for r, d in zip(requests, drafts):
+    for r, d, tree in zip(requests, drafts, parents):
+        if tree is not None and not r.sampling_params.greedy:
+            raise ValueError("verify: draft trees are for greedy requests (sampled ones get "
+                             "chains)")
         starts.append(len(views))
-        views += [_AsIfOutput(r.sampling_params, r.prompt_token_ids,
-                              r.output_token_ids + d[:i], r.eos_token_ids)
-                  for i in range(len(d) + 1)]
+        before = [d[:i] for i in range(len(d) + 1)] if tree is None else \
+            [[]] + [[d[n] for n in draft_tree.path(tree, j)] for j in range(len(d))]
+        views += [_AsIfOutput(r.sampling_params, r.prompt_token_ids, r.output_token_ids + b,
+                              r.eos_token_ids) for b in before]
     lp_rows = [i for i, v in enumerate(views) if v.sampling_params.logprobs is not None]
     raw = {}
     if lp_rows:
@@ -120,10 +132,13 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     top = _argmax_rows(logits, [(starts[j], len(d) + 1) for j, (r, d)
                                 in enumerate(zip(requests, drafts)) if r.sampling_params.greedy])
     out = []
-    for j, (r, d) in enumerate(zip(requests, drafts)):
+    for j, (r, d, tree) in enumerate(zip(requests, drafts, parents)):
         rows = logits[starts[j]:starts[j] + len(d) + 1]
         q = draft_probs[j] if draft_probs else None
-        if r.sampling_params.greedy:
+        kept = None
+        if tree is not None:
+            tokens, kept = draft_tree.accept(top[starts[j]:starts[j] + len(d) + 1], d, tree)
+        elif r.sampling_params.greedy:
             tokens = _greedy(top[starts[j]:starts[j] + len(d) + 1], d)
         else:
             tokens = _sampled(rows, d, r.sampling_params, q,
@@ -131,8 +146,10 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
         lps = None
         if r.sampling_params.logprobs is not None:
             n = r.sampling_params.logprobs
-            lps = [_logprobs(raw[starts[j] + i], t, n) for i, t in enumerate(tokens)]
-        out.append(Verified(tokens, lps, len(d)))
+            # token i comes from the row of the node before it (the root's for the first)
+            src = range(len(tokens)) if kept is None else [0] + [1 + k for k in kept]
+            lps = [_logprobs(raw[starts[j] + i], t, n) for i, t in zip(src, tokens)]
+        out.append(Verified(tokens, lps, len(d), kept))
     return out
 
 

@@ -60,6 +60,56 @@ def test_decode_reads_strided_views(dtype):
     assert wide[0].isnan().all() and wide[5].isnan().all()  # nothing written outside out
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_rows_read_moved_positions_with_a_decodes_bits(dtype, num_heads, num_kv_heads,
+                                                            head_dim, block_size):
+    """A draft tree's row reads its last positions from slots outside its table (its ancestors'
+    KV, wherever the tree put them): the very bits a decode gets with those KV in its table."""
+    gen = seeded("cpu tree", dtype, num_heads, num_kv_heads, head_dim, block_size)
+    seq_lens = [45, 19, 96]  # the third request's blocks hold the moved positions
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype,
+                                             gen)
+    spare = [b for b in range(k_cache.shape[0]) if b not in set(tables[:2].flatten().tolist())]
+    free = [b * block_size + o for b in spare for o in range(block_size)]
+    free = [free[i] for i in torch.randperm(len(free), generator=gen)]
+    # rows: (request, seq_len, base_len): extras within a block, across blocks, none, all
+    rows = [(0, 45, 41), (0, 45, 38), (0, 33, 30), (1, 19, 19), (1, 19, 15), (0, 3, 0)]
+    width = max(n - b for _, n, b in rows) or 1
+    extra = torch.full((len(rows), width), -1, dtype=torch.int32)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    used = 0
+    for i, (r, n, b) in enumerate(rows):
+        for j, pos in enumerate(range(b, n)):
+            src = int(tables[r, pos // block_size]) * block_size + pos % block_size
+            dst = free[used]
+            used += 1
+            flat_k[dst], flat_v[dst] = flat_k[src], flat_v[src]
+            extra[i, j] = dst
+    q = (2 * torch.randn(len(rows), num_heads, head_dim, generator=gen)).to(dtype)
+    row_tables = tables[[r for r, _, _ in rows]].contiguous()
+    lens = torch.tensor([n for _, n, _ in rows], dtype=torch.int32)
+    bases = torch.tensor([b for _, _, b in rows], dtype=torch.int32)
+    want = paged_decode_attention_cpu(q, k_cache, v_cache, row_tables, lens)
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, row_tables, lens, tree=(bases, extra))
+    assert torch.equal(got, want)
+    for i, (r, n, b) in enumerate(rows):  # the extras are read, not the table's positions
+        poisoned = k_cache.clone()
+        for pos in range(b, n):
+            slot = int(tables[r, pos // block_size]) * block_size + pos % block_size
+            poisoned.view(-1, num_kv_heads, head_dim)[slot] = math.nan
+        one = paged_decode_attention_cpu(q[i:i + 1], poisoned, v_cache, row_tables[i:i + 1],
+                                         lens[i:i + 1], tree=(bases[i:i + 1], extra[i:i + 1]))
+        assert torch.equal(one, want[i:i + 1])
+    with pytest.raises(ValueError, match="tree"):
+        paged_decode_attention_cpu(q, k_cache, v_cache, row_tables, lens,
+                                   tree=(bases.long(), extra))
+    with pytest.raises(ValueError, match="tree"):  # fewer extras than the rows need
+        paged_decode_attention_cpu(q, k_cache, v_cache, row_tables, lens,
+                                   tree=(bases, extra[:, :1].contiguous()))
+
+
 def test_rejects_what_it_cannot_serve():
     k_cache, v_cache, tables, _ = make_paged([5, 9], 2, 16, 4, torch.float32, seeded("bad cpu"))
     q, lens = torch.randn(2, 4, 16), torch.tensor([5, 9], dtype=torch.int32)

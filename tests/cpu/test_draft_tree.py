@@ -1,0 +1,160 @@
+"""Draft trees (worker/draft_tree.py) in the engine: a verify step computes a tree of drafts
+(each node attends to the context, the root, its ancestors and itself), greedy acceptance walks
+the tree, and the kept nodes' KV moves to a chain's positions. Whatever the tree, greedy output
+equals plain decoding's token for token, on the C kernel's rows and on torch's masked chunks,
+with the KV pool consistent after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mxserve import LLM, SamplingParams
+from mxserve.worker import draft_tree
+
+ENGINE = dict(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8,
+              load_progress=False, num_threads=1)
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}  # the drafter is replaced below
+
+
+def _prompts() -> list[list[int]]:
+    out = [[5, 6, 7, 8, 9] * n for n in (2, 5, 9)] + [[11, 12, 13, 14] * 6 + [11, 12]]
+    out.append(out[1] + [30, 31])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    with LLM(ckpt, **ENGINE) as llm:
+        return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
+
+
+class TreeOracle:
+    """Drafts a random tree of up to `size` nodes and depth <= n whose nodes are wrong tokens,
+    except one random root-to-leaf path that spells the true continuation (with probability
+    1 - wrong per node): kept nodes are often off the tree's first branch."""
+
+    needs_hidden, num_lookahead_tokens = False, 0
+
+    def __init__(self, reference: dict[tuple, list[int]], size: int, wrong: float = 0.0,
+                 seed: int = 0):
+        self.reference, self.size, self.wrong = reference, size, wrong
+        self.rng = random.Random(seed)
+        self.trees = 0
+
+    def release(self, request):
+        pass
+
+    def propose(self, plan, hidden, num_drafts) -> None:
+        for r, n in num_drafts.items():
+            truth = self.reference[tuple(r.prompt_token_ids)][r.num_output_tokens:][:n]
+            if not truth:
+                continue
+            parents = [-1]
+            while len(parents) < self.size:  # random shape, depth <= len(truth)
+                p = self.rng.randrange(-1, len(parents))
+                if draft_tree.depths(parents + [p])[-1] <= len(truth):
+                    parents.append(p)
+            tokens = [self.rng.randrange(3, 256) for _ in parents]
+            leaf = self.rng.randrange(len(parents))
+            for depth, j in enumerate(draft_tree.path(parents, leaf)):
+                if self.rng.random() >= self.wrong:
+                    tokens[j] = truth[depth]
+            r.draft_token_ids, r.draft_parents = tokens, parents
+            self.trees += not draft_tree.is_chain(parents)
+
+
+def _check_pool(llm: LLM) -> None:
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert not llm.engine.requests
+
+
+def test_tree_helpers():
+    nodes, parents = draft_tree.from_paths([(0,), (0, 0), (0, 0, 0), (0, 1), (1,), (1, 0),
+                                            (2,)])
+    assert nodes == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert parents == [-1, -1, -1, 0, 0, 1, 3]
+    assert draft_tree.depths(parents) == [1, 1, 1, 2, 2, 2, 3]
+    assert draft_tree.path(parents, 6) == [0, 3, 6]
+    # top: the root's argmax is drafts[1]; node 1's argmax drafts[5]; node 5's is new (99)
+    drafts = [10, 11, 12, 13, 14, 15, 16]
+    top = [11, 0, 15, 0, 0, 0, 99, 0]
+    assert draft_tree.accept(top, drafts, parents) == ([11, 15, 99], [1, 5])
+    assert draft_tree.moves(40, [1, 5]) == [(42, 41), (46, 42)]
+    assert draft_tree.accept([7] + [0] * 7, drafts, parents) == ([7], [])
+    assert draft_tree.contexts(40, 1, [-1, -1, 1]) == [
+        (40, []), (41, []), (41, [41]), (41, [42]), (41, [42, 43])]
+    with pytest.raises(ValueError, match="parent"):
+        draft_tree.from_paths([(0, 1)])
+    with pytest.raises(ValueError, match="parent"):
+        draft_tree.check([-1, 1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("size", [3, 7])
+def test_tree_drafts_keep_greedy_output_and_the_pool(ckpt, reference, backend, size):
+    prompts = _prompts()
+    with LLM(ckpt, attention_backend=backend, speculative_config=SPEC, **ENGINE) as llm:
+        oracle = TreeOracle({tuple(p): r for p, r in zip(prompts, reference)}, size)
+        llm.engine.drafter = oracle
+        moved, move_kv = [], llm.engine.runner.move_kv
+        llm.engine.runner.move_kv = lambda src, dst, **kw: (moved.append(len(src)),
+                                                            move_kv(src, dst, **kw))
+        got = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == reference
+        assert oracle.trees > 10
+        done = list(llm.engine.finished_requests)
+        # the true path is in every tree: kept, and often off the first branch (KV moved)
+        assert sum(r.num_accepted_tokens for r in done) > 1.5 * sum(r.num_drafts for r in done)
+        assert len(moved) > 5
+        _check_pool(llm)
+
+
+def test_logprobs_and_penalties_follow_the_kept_path(ckpt, reference):
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.3)
+    with LLM(ckpt, **ENGINE) as plain:
+        want = plain.generate(prompts, params)
+    with LLM(ckpt, speculative_config=SPEC, **ENGINE) as llm:
+        truth = {tuple(p): w.token_ids for p, w in zip(prompts, want)}
+        llm.engine.drafter = TreeOracle(truth, 6, seed=3)
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, e in zip(got, want):
+        assert [list(d) for d in g.logprobs] == [list(d) for d in e.logprobs]
+        assert [v for d in g.logprobs for v in d.values()] == pytest.approx(
+            [v for d in e.logprobs for v in d.values()], abs=1e-5)
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(wrong=st.floats(0.0, 1.0), size=st.integers(1, 12), budget=st.integers(14, 40),
+       blocks=st.integers(12, 30), seed=st.integers(0, 1000))
+def test_tree_verify_loop_keeps_output_and_pool(ckpt, reference, wrong, size, budget, blocks,
+                                                seed):
+    """Random trees, token budgets (a tree cut by the budget is still a tree) and pool sizes
+    (preemption): step by step, the pool consistent after each, plain decoding's tokens."""
+    prompts = _prompts()
+    with LLM(ckpt, **{**ENGINE, "num_kv_blocks": blocks, "max_num_batched_tokens": budget},
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        llm.engine.drafter = TreeOracle({tuple(p): r for p, r in zip(prompts, reference)},
+                                        size, wrong, seed)
+        engine = llm.engine
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.kv.check_integrity()
+        done = {r.request_id: r.output_token_ids for r in engine.finished_requests}
+        assert [done[i] for i in ids] == reference
+        _check_pool(llm)
