@@ -46,6 +46,10 @@ from mxserve import LLM, SamplingParams  # noqa: E402
 from mxserve.worker.eagle import DEFAULT_HEAD  # noqa: E402
 from mxserve.worker.eagle_train import chat_prompts, passage_prompts  # noqa: E402
 
+# A static draft tree of depth 3 (rank paths, worker/draft_tree.py): the 7 nodes most often on
+# the target's path in spec_tree_probe.md's chat half
+TREE = [[0], [0, 0], [0, 0, 0], [0, 1], [1], [1, 0], [2]]
+
 
 def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> dict:
     """Generate for the prompts `batch` at a time; outputs, seconds, speculation totals."""
@@ -92,7 +96,9 @@ def main() -> None:
                "eagle-full-vocab": {**eagle, "model": _full_vocab_copy(head)},
                "eagle-lookup": {**eagle, "lookup_first": True},
                "eagle-lookup-fixed-k": {**eagle, "lookup_first": True,
-                                        "min_draft_confidence": 0.0}}
+                                        "min_draft_confidence": 0.0},
+               "eagle-tree": {**eagle, "tree": TREE},  # the floor prunes unlikely branches
+               "eagle-tree-full": {**eagle, "tree": TREE, "min_draft_confidence": 0.0}}
     if args.methods:
         methods = {m: methods[m] for m in ["none", *args.methods.split(",")] if m in methods}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -43,6 +43,7 @@ from torch import nn
 
 from mxserve.api.errors import ModelLoadError
 from mxserve.kernels import cpu_linear
+from mxserve.worker import draft_tree
 from mxserve.worker.attention import AttentionBatch
 from mxserve.worker.draft_spans import ChainEnd, Span
 from mxserve.worker.model.checkpoint import set_default_permissions
@@ -126,15 +127,25 @@ class EagleHead(nn.Module):
         """g [R, hidden] -> ([R] each row's draft: the target's id of the highest logit, over
         the draft vocabulary when the head has one; [R] the head's probability of it, its
         confidence)."""
+        best = self._probs(g).max(-1)
+        ids = best.indices if self._draft_ids is None else self._draft_ids[best.indices]
+        return ids, best.values
+
+    def draft_top(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [R, hidden] -> each row's k most likely drafts [R, k] (target ids) and their
+        probabilities [R, k], most likely first (a draft tree's alternatives)."""
+        best = self._probs(g).topk(k, -1)
+        ids = best.indices if self._draft_ids is None else self._draft_ids[best.indices]
+        return ids, best.values
+
+    def _probs(self, g: torch.Tensor) -> torch.Tensor:
         if self._draft_weight is None:
             logits = self._lm_head(g, torch.float32)
         elif self._draft_pairs is not None:
             logits = cpu_linear.linear_f32(g, self._draft_pairs, self._draft_weight.shape[0])
         else:
             logits = F.linear(g.to(self._draft_weight.dtype), self._draft_weight)
-        best = logits.float().softmax(-1).max(-1)
-        ids = best.indices if self._draft_ids is None else self._draft_ids[best.indices]
-        return ids, best.values
+        return logits.float().softmax(-1)
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn, meta) -> torch.Tensor:
@@ -211,6 +222,16 @@ class EagleDrafter:
         self.runner, self.k = runner, config.num_speculative_tokens
         self.min_confidence = config.min_draft_confidence
         self.num_lookahead_tokens = self.k
+        self.tree = None  # (nodes' rank paths, parents): greedy requests draft this tree
+        if config.tree is not None:
+            if runner.device.type != "cpu" or runner.tp.size > 1:
+                raise ValueError("speculative_config.tree runs on the CPU attention backends, "
+                                 "one rank, for now")
+            self.tree = draft_tree.from_paths(config.tree)
+            self.num_lookahead_tokens = len(self.tree[0])
+            from mxserve.worker.runner import context_limit
+
+            self.max_model_len = context_limit(runner.config, target, runner.num_kv_blocks)
         self.head = load_head(path, target, runner.dtype, runner.device)
         model = runner.model
         # TP: the target's are split over the ranks: full copies on this rank. A draft
@@ -257,12 +278,22 @@ class EagleDrafter:
                 features = hidden[torch.tensor(rows, device=hidden.device)]
             else:
                 features = torch.cat([hidden[off:off + n] for (_, n), off in zip(kept, offsets)])
+            trees = None
+            if self.tree is not None:  # greedy requests with room for the whole tree
+                nodes = len(self.tree[0])
+                trees = [a == self.k and s.request.sampling_params.greedy
+                         and s.request.num_tokens + nodes <= self.max_model_len
+                         for (s, _), a in zip(kept, asked)]
             drafts, _ = draft_round(
                 self.head, self.kv_cache, self.attn, self.runner.config.block_size, spans,
-                tokens, features, asked, self.min_confidence)
+                tokens, features, asked, self.min_confidence,
+                tree=self.tree if trees and any(trees) else None, trees=trees)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
-                s.request.draft_token_ids = d
+                if isinstance(d, tuple):  # a tree: (tokens, parents)
+                    s.request.draft_token_ids, s.request.draft_parents = d
+                else:
+                    s.request.draft_token_ids = d
 
 
 def pack_head_for_cpu(head: EagleHead, config) -> None:
@@ -311,15 +342,18 @@ def _next_tokens(request: Request, start: int, length: int) -> list[int]:
 
 def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], attn,
                 block_size: int, spans: list[Span], tokens: list[int], features: torch.Tensor,
-                num_drafts: list[int], min_confidence: float = 0.0
-                ) -> tuple[list[list[int]], list[ChainEnd | None]]:
+                num_drafts: list[int], min_confidence: float = 0.0,
+                tree: tuple[list, list[int]] | None = None, trees: list[bool] | None = None
+                ) -> tuple[list, list[ChainEnd | None]]:
     """One drafting round for a batch of requests (the local drafter's and the draft replica's,
     worker/draft_server.py): the catch-up pass over each span's positions (`tokens` and
     `features` flat in span order), then a chain of single positions from each span's last
     output, up to num_drafts[i] drafts for span i (0: catch up only). A span's chain ends
     before its first draft the head gives less than `min_confidence` (its softmax probability):
     such a draft is seldom accepted, and on a CPU each verified row costs (SpeculativeConfig).
-    Returns the drafts per span and where each chain ended (None: no drafts asked)."""
+    With `tree` (draft_tree.from_paths' nodes and parents), span i with trees[i] drafts that
+    tree instead (`_grow`): its entry is (tokens, parents). Returns the drafts per span and
+    where each chain ended (None: no drafts asked, or a tree)."""
     order = sorted(range(len(spans)), key=lambda i: spans[i].length != 1)  # decodes first
     rows, at = [], 0
     for sp in spans:
@@ -334,9 +368,16 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
     for i in order:
         at += spans[i].length
         last[i] = at
-    chain = [i for i in order if num_drafts[i] > 0]
-    drafts: list[list[int]] = [[] for _ in spans]
+    grown = [i for i in order if tree is not None and trees[i] and num_drafts[i] > 0]
+    chain = [i for i in order if num_drafts[i] > 0 and i not in grown]
+    drafts: list = [[] for _ in spans]
     ends: list[ChainEnd | None] = [None] * len(spans)
+    if grown:
+        roots = [Span(spans[i].start + spans[i].length, 1, spans[i].block_table,
+                      spans[i].offset) for i in grown]
+        for i, d in zip(grown, _grow(head, kv_cache, attn, block_size, g[[last[i] for i in grown]],
+                                     roots, *tree, min_confidence)):
+            drafts[i] = d
     if chain:
         g = g[[last[i] for i in chain]]  # each drafting request's last output
         out, chain_ends = _chain(head, kv_cache, attn, block_size, g,
@@ -413,6 +454,69 @@ def _chain(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
         g = _run(head, kv_cache, attn, block_size, steps, [ids[n] for n in keep], g[keep])
         chain = [chain[n] for n in keep]
     return drafts, ends
+
+
+def _grow(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
+          roots: list[Span], nodes: list[tuple[int, ...]], parents: list[int],
+          min_confidence: float) -> list[tuple[list[int], list[int]]]:
+    """Draft trees, a depth at a time: g [R, hidden] the head's outputs that predict each
+    request's first drafts, roots[i].start the position the head runs on those. Node j (rank
+    path nodes[j]) is its parent's nodes[j][-1]-th most likely next token, left out (with its
+    subtree) below min_confidence; the head then runs on each kept node that has children, at
+    its depth's position, its KV at root + j, attending to its path (row_contexts): what a chain
+    computes, on each branch. Returns each request's (tokens, parents) in tree order."""
+    depth_of = draft_tree.depths(parents)
+    tokens: list[list[int | None]] = [[None] * len(nodes) for _ in roots]
+    outputs = {-1: (list(range(len(roots))), g)}  # node -> (requests that have it, head out)
+    for depth in range(1, max(depth_of) + 1):
+        for p, (reqs, out) in outputs.items():
+            children = [j for j in range(len(nodes)) if parents[j] == p]
+            if not children:
+                continue
+            ids, probs = head.draft_top(out, max(nodes[j][-1] for j in children) + 1)
+            ids, sure = ids.tolist(), (probs >= min_confidence).tolist()
+            for n, i in enumerate(reqs):
+                for j in children:
+                    if sure[n][nodes[j][-1]]:
+                        tokens[i][j] = ids[n][nodes[j][-1]]
+        grow = [(i, j) for j in range(len(nodes)) if depth_of[j] == depth
+                and any(parents[c] == j for c in range(len(nodes)))
+                for i in range(len(roots)) if tokens[i][j] is not None]
+        if not grow:
+            break
+        inputs = {}  # each grown node's feature: its parent's head output row
+        for p, (reqs, out) in outputs.items():
+            for n, i in enumerate(reqs):
+                inputs[(i, p)] = out[n]
+        meta = attn.build_metadata(AttentionBatch(
+            query_lens=[1] * len(grow),
+            start_positions=[roots[i].start + j for i, j in grow],
+            block_tables=[roots[i].block_table for i, _ in grow], num_decodes=len(grow),
+            block_size=block_size, device=g.device, query_rows=[True] * len(grow),
+            row_contexts=[[(roots[i].start, [roots[i].start + a
+                                             for a in draft_tree.path(parents, j)])]
+                          for i, j in grow]))
+        positions = torch.tensor([roots[i].start + roots[i].offset + depth - 1 for i, _ in grow],
+                                 dtype=torch.long, device=g.device)
+        ids = torch.tensor([tokens[i][j] for i, j in grow], dtype=torch.long, device=g.device)
+        features = torch.stack([inputs[(i, parents[j])] for i, j in grow])
+        out = head(ids, features, positions, kv_cache, attn, meta)
+        outputs = {}
+        for n, (i, j) in enumerate(grow):
+            reqs, rows = outputs.setdefault(j, ([], []))
+            reqs.append(i)
+            rows.append(n)
+        outputs = {j: (reqs, out[rows]) for j, (reqs, rows) in outputs.items()}
+    result = []
+    for i in range(len(roots)):  # the kept nodes (their parents kept too), renumbered
+        index, toks, pars = {}, [], []
+        for j in range(len(nodes)):
+            if tokens[i][j] is not None and (parents[j] < 0 or parents[j] in index):
+                index[j] = len(toks)
+                toks.append(tokens[i][j])
+                pars.append(index[parents[j]] if parents[j] >= 0 else -1)
+        result.append((toks, pars))
+    return result
 
 
 def _run(head: EagleHead, kv_cache, attn, block_size: int, spans: list[Span],

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from mxserve.worker import draft_tree
+
 METHODS = ("eagle", "ngram")
 PLACEMENTS = ("local", "replica")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TREE_NODES = 15  # with the root, a verify of at most 16 rows a request
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,15 @@ class SpeculativeConfig:
     (running and waiting), steps carry no drafts: a large batch already fills the device (on a
     CPU a verify of several rows a request costs nearly that many decodes), and speculation
     then only adds work. EAGLE's head still catches up on every step, so drafting resumes as
-    soon as the batch shrinks. None: never."""
+    soon as the batch shrinks. None: never.
+
+    tree (eagle, local): a static draft tree as rank paths ([[0], [0, 0], [1]]: the head's
+    first choice, its first choice after that, and its second choice at the first position;
+    worker/draft_tree.py), for greedy requests (sampled ones draft the first-choice chain). Its
+    depth (the longest path) is num_speculative_tokens; at most MAX_TREE_NODES nodes. A node
+    the head gives less than min_draft_confidence is left out with its subtree. A tree verifies
+    more rows than a chain for more kept drafts a step: worth it where extra rows cost little
+    (bench/results/spec_decode.md). CPU attention backends, one rank, no KV eviction, for now."""
 
     method: str
     num_speculative_tokens: int = 3
@@ -59,6 +70,7 @@ class SpeculativeConfig:
     run_ahead: bool = True
     lookup_first: bool = False
     disable_by_batch_size: int | None = None
+    tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -102,9 +114,31 @@ class SpeculativeConfig:
         if self.lookup_first and self.method != "eagle":
             raise ValueError("speculative_config.lookup_first needs method 'eagle' (ngram "
                              "drafts by lookup alone)")
+        if self.tree is not None:
+            self._check_tree()
         if not isinstance(self.run_ahead, bool):
             raise ValueError(f"speculative_config.run_ahead must be true or false, got "
                              f"{self.run_ahead!r}")
+
+    def _check_tree(self) -> None:
+        if self.method != "eagle" or self.draft_placement != "local":
+            raise ValueError("speculative_config.tree needs method 'eagle' with draft_placement "
+                             "'local'")
+        try:
+            paths = tuple(tuple(int(r) for r in p) for p in self.tree)
+            draft_tree.from_paths(paths)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"speculative_config.tree must be a list of rank paths (lists of "
+                             f"ints >= 0, each with its parent path): {e}") from None
+        if len(paths) > MAX_TREE_NODES:
+            raise ValueError(f"speculative_config.tree: at most {MAX_TREE_NODES} nodes, got "
+                             f"{len(paths)}")
+        depth = max(len(p) for p in paths)
+        if depth != self.num_speculative_tokens:
+            raise ValueError(f"speculative_config.tree: its depth ({depth}, the longest path) "
+                             f"must equal num_speculative_tokens "
+                             f"({self.num_speculative_tokens})")
+        object.__setattr__(self, "tree", paths)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

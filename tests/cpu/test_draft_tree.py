@@ -158,3 +158,73 @@ def test_tree_verify_loop_keeps_output_and_pool(ckpt, reference, wrong, size, bu
         done = {r.request_id: r.output_token_ids for r in engine.finished_requests}
         assert [done[i] for i in ids] == reference
         _check_pool(llm)
+
+
+T7 = [[0], [0, 0], [0, 0, 0], [0, 1], [1], [1, 0], [2]]
+
+
+@pytest.fixture(scope="module")
+def random_head(ckpt, random_eagle_head):
+    return random_eagle_head(ckpt, seed=1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_eagle_trees_equal_plain_decoding(ckpt, reference, random_head, backend):
+    """The head drafts the static tree (every node: no confidence floor), a depth at a time,
+    each branch attending to its own path; mixed with a sampled request (which drafts chains:
+    verify refuses a sampled tree)."""
+    spec = {"method": "eagle", "model": random_head, "num_speculative_tokens": 3, "tree": T7,
+            "min_draft_confidence": 0.0}
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    with LLM(ckpt, attention_backend=backend, speculative_config=spec, **ENGINE) as llm:
+        outs = llm.generate(_prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        done = list(llm.engine.finished_requests)
+        drafts = sum(r.num_draft_tokens for r in done)
+        assert drafts > 4 * sum(r.num_drafts for r in done)  # trees, not chains of 3
+        _check_pool(llm)
+        # a sampled request among greedy ones drafts chains (a sampled tree would be refused)
+        outs = llm.generate(_prompts()[:3] + [_prompts()[0]], [GREEDY] * 3 + [sampled])
+        assert [o.token_ids for o in outs[:3]] == reference[:3]
+        assert len(outs[3].token_ids) == 20 and outs[3].num_drafts > 0
+        _check_pool(llm)
+
+
+def test_the_shipped_head_drafts_trees_on_smollm2_with_plain_decodings_output():
+    """bf16, the default CPU engine: tree rows are row-exact (the AMX int4 GEMMs, the decode
+    kernel's rows, the float32 LM head), so greedy output does not drift; the tree keeps more
+    drafts a verify than the chain."""
+    questions = [[{"role": "user", "content": q}] for q in
+                 ("Name three uses of copper.", "Why is the sky blue?")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    spec = {"method": "eagle", "num_speculative_tokens": 3}
+    with LLM(load_progress=False, num_threads=2) as plain:
+        want = [plain.chat([q], params)[0].token_ids for q in questions]
+    with LLM(load_progress=False, num_threads=2, speculative_config=spec) as chain, \
+            LLM(load_progress=False, num_threads=2,
+                speculative_config={**spec, "tree": T7}) as tree:
+        kept = {}
+        for name, llm in (("chain", chain), ("tree", tree)):
+            outs = [llm.chat([q], params)[0] for q in questions]
+            assert [o.token_ids for o in outs] == want
+            kept[name] = sum(o.num_accepted_tokens for o in outs) / sum(o.num_drafts
+                                                                      for o in outs)
+            _check_pool(llm)
+        assert kept["tree"] > kept["chain"]
+
+
+def test_bad_trees_fail_at_start_up_naming_the_field(ckpt, random_head):
+    eagle = {"method": "eagle", "model": random_head, "num_speculative_tokens": 3}
+    for spec, message in (({**eagle, "tree": [[0], [1, 0]]}, "parent"),
+                          ({**eagle, "tree": [[0], [0, 0]]}, "depth"),
+                          ({**eagle, "tree": [[0], [-1]]}, "rank paths"),
+                          ({**eagle, "tree": [[r] for r in range(16)],
+                            "num_speculative_tokens": 1}, "at most 15"),
+                          ({"method": "ngram", "tree": [[0]], "num_speculative_tokens": 1},
+                           "needs method 'eagle'"),
+                          ({**eagle, "tree": 3}, "rank paths")):
+        with pytest.raises(ValueError, match=f"speculative_config.tree.*{message}"):
+            LLM(ckpt, speculative_config=spec, **ENGINE)
+    with pytest.raises(ValueError, match="speculative_config.tree.*kv_eviction"):
+        LLM(ckpt, speculative_config={**eagle, "tree": T7}, kv_eviction="streaming",
+            kv_budget=64, **ENGINE)
