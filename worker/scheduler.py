@@ -59,16 +59,16 @@ class ScheduledRequest:
     # Drafts verified this step: the last num_draft_tokens of token_ids; logits come back for
     # each of the 1 + num_draft_tokens last positions.
     num_draft_tokens: int = 0
-    # None: the drafts are a chain; else a draft tree (worker/draft_tree.py): each one's parent
-    draft_parents: list[int] | None = None
-    # Set by the engine after a tree's verify: the kept drafts (their rows follow the root's)
-    kept_draft_rows: list[int] | None = None
     position_offset: int = 0  # request.num_evicted when scheduled
     # Prompt logprobs (prompt_logprobs.py): the prompt tokens this chunk's leading positions
     # predict (the token after each, up to the last prompt token), and how many top ones to
     # return with each; empty for a request that asks for none (or has them all).
     prompt_logprob_ids: Sequence[int] = ()
     num_prompt_logprobs: int = 0
+    # None: the drafts are a chain; else a draft tree (worker/draft_tree.py): each one's parent
+    draft_parents: list[int] | None = None
+    # Set by the verify of a tree: its kept drafts (rows 1 + j after the root's)
+    kept_draft_rows: list[int] | None = None
 
 
 @dataclass
