@@ -19,8 +19,8 @@ output tokens / (output tokens - accepted drafts)), and whether every output equ
 speculation's (greedy: at batch 1 it must; batch 8 runs batch-dependent bf16 GEMMs).
 
 Targets (issue 23): acceptance length >= 2.2 at k = 3 on the chat prompts (eagle-fixed-k; and
-depth-3 trees with every node drafted, eagle-tree-full and eagle-tree15-full); EAGLE >= 1.5x the tok/s of no
-speculation at batch 1 (the default chain, and the best of the EAGLE configurations).
+depth-3 trees with every node drafted, eagle-tree-full and eagle-tree15-full); EAGLE >= 1.5x
+the tok/s of no speculation at batch 1 (the default chain, and the best EAGLE configuration).
 
 Run: python bench/spec_decode.py [--prompts 16] [--max-tokens 128] [--k 3] [--rounds 3]
      [--out bench/results/spec_decode.json]   (~11 min on 2 cores)
