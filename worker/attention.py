@@ -212,21 +212,24 @@ class TorchAttention(AttentionBackend):
             groups = [self._decode_group(tables, ends, [plain[r] for r in rows], bs, dev)
                       for rows in group_by_length([ends[i] for i in plain],
                                                   self.group_cost_tokens)]
-        elif as_rows or nd:  # the decodes, then each marked chunk's tokens, its table repeated
+        elif as_rows or (nd and batch.row_contexts):  # the decodes, then each marked chunk's
+            # tokens, its table repeated
             starts = [0] + list(itertools.accumulate(batch.query_lens))
             row_ids = list(range(nd)) + [starts[i] + j for i in as_rows
                                          for j in range(batch.query_lens[i])]
-            which = list(range(nd)) + [i for i in as_rows for _ in range(batch.query_lens[i])]
-            row_of = [(i, j) for i in range(nd) for j in (0,)] + \
+            row_of = [(i, 0) for i in range(nd)] + \
                 [(i, j) for i in as_rows for j in range(batch.query_lens[i])]
+            which = [i for i, _ in row_of]
             lens = [ends[i] - batch.query_lens[i] + j + 1 for i, j in row_of]
             if any(contexts[i] for i in which):
-                tree = self._tree_rows(batch.block_tables, contexts, row_of, lens, bs)
-                lens = tree[2]
-                tree = tree[:2]
+                bases, slots, lens = self._tree_rows(batch.block_tables, contexts, row_of, lens,
+                                                     bs)
+                tree = (bases, slots)
             index = (tables[which].to(torch.int32), torch.tensor(lens, dtype=torch.int32))
             if row_ids != list(range(len(row_ids))):
                 rows = torch.tensor(row_ids, dtype=torch.long, device=dev)
+        elif nd:
+            index = (tables[:nd].to(torch.int32), torch.tensor(ends[:nd], dtype=torch.int32))
         spans, first = [], nd
         if self.grouped_decodes:
             for i in range(nd):

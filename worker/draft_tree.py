@@ -23,13 +23,6 @@ def is_chain(parents: Sequence[int]) -> bool:
     return all(p == j - 1 for j, p in enumerate(parents))
 
 
-def check(parents: Sequence[int]) -> None:
-    """ValueError unless every parent is -1 or an earlier node."""
-    for j, p in enumerate(parents):
-        if not -1 <= p < j:
-            raise ValueError(f"draft tree: node {j}'s parent {p} is not -1 or an earlier node")
-
-
 def depths(parents: Sequence[int]) -> list[int]:
     """Each node's depth: 1 for a child of the root."""
     out: list[int] = []

@@ -286,8 +286,7 @@ class EagleDrafter:
                          for (s, _), a in zip(kept, asked)]
             drafts, _ = draft_round(
                 self.head, self.kv_cache, self.attn, self.runner.config.block_size, spans,
-                tokens, features, asked, self.min_confidence,
-                tree=self.tree if trees and any(trees) else None, trees=trees)
+                tokens, features, asked, self.min_confidence, self.tree, trees)
         for (s, _), d in zip(kept, drafts):
             if s.request in num_drafts:
                 if isinstance(d, tuple):  # a tree: (tokens, parents)
@@ -368,8 +367,8 @@ def draft_round(head: EagleHead, kv_cache: tuple[torch.Tensor, torch.Tensor], at
     for i in order:
         at += spans[i].length
         last[i] = at
-    grown = [i for i in order if tree is not None and trees[i] and num_drafts[i] > 0]
-    chain = [i for i in order if num_drafts[i] > 0 and i not in grown]
+    grown = [i for i in order if trees and trees[i] and num_drafts[i] > 0]
+    chain = [i for i in order if num_drafts[i] > 0 and not (trees and trees[i])]
     drafts: list = [[] for _ in spans]
     ends: list[ChainEnd | None] = [None] * len(spans)
     if grown:
@@ -466,21 +465,22 @@ def _grow(head: EagleHead, kv_cache, attn, block_size: int, g: torch.Tensor,
     its depth's position, its KV at root + j, attending to its path (row_contexts): what a chain
     computes, on each branch. Returns each request's (tokens, parents) in tree order."""
     depth_of = draft_tree.depths(parents)
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(parents):
+        children.setdefault(p, []).append(j)
     tokens: list[list[int | None]] = [[None] * len(nodes) for _ in roots]
     outputs = {-1: (list(range(len(roots))), g)}  # node -> (requests that have it, head out)
     for depth in range(1, max(depth_of) + 1):
         for p, (reqs, out) in outputs.items():
-            children = [j for j in range(len(nodes)) if parents[j] == p]
-            if not children:
+            if p not in children:
                 continue
-            ids, probs = head.draft_top(out, max(nodes[j][-1] for j in children) + 1)
+            ids, probs = head.draft_top(out, max(nodes[j][-1] for j in children[p]) + 1)
             ids, sure = ids.tolist(), (probs >= min_confidence).tolist()
             for n, i in enumerate(reqs):
-                for j in children:
+                for j in children[p]:
                     if sure[n][nodes[j][-1]]:
                         tokens[i][j] = ids[n][nodes[j][-1]]
-        grow = [(i, j) for j in range(len(nodes)) if depth_of[j] == depth
-                and any(parents[c] == j for c in range(len(nodes)))
+        grow = [(i, j) for j in range(len(nodes)) if depth_of[j] == depth and j in children
                 for i in range(len(roots)) if tokens[i][j] is not None]
         if not grow:
             break

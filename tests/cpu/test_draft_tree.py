@@ -11,6 +11,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_speculative import _check_pool, _prompts
 
 from mxserve import LLM, SamplingParams
 from mxserve.worker import draft_tree
@@ -19,12 +20,6 @@ ENGINE = dict(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_
               load_progress=False, num_threads=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}  # the drafter is replaced below
-
-
-def _prompts() -> list[list[int]]:
-    out = [[5, 6, 7, 8, 9] * n for n in (2, 5, 9)] + [[11, 12, 13, 14] * 6 + [11, 12]]
-    out.append(out[1] + [30, 31])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +68,6 @@ class TreeOracle:
             self.trees += not draft_tree.is_chain(parents)
 
 
-def _check_pool(llm: LLM) -> None:
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
-    assert not llm.engine.requests
-
-
 def test_tree_helpers():
     nodes, parents = draft_tree.from_paths([(0,), (0, 0), (0, 0, 0), (0, 1), (1,), (1, 0),
                                             (2,)])
@@ -96,8 +85,6 @@ def test_tree_helpers():
         (40, []), (41, []), (41, [41]), (41, [42]), (41, [42, 43])]
     with pytest.raises(ValueError, match="parent"):
         draft_tree.from_paths([(0, 1)])
-    with pytest.raises(ValueError, match="parent"):
-        draft_tree.check([-1, 1])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
