@@ -62,6 +62,10 @@ from mxserve.worker.request import Request, RequestStatus
 from mxserve.worker.spec_config import SpeculativeConfig
 
 RANKING = "draft_vocab_ranking"  # its tensor's name in model.safetensors
+# Draft trees while a verify stays within this many rows: the range where the CPU's int4 GEMMs
+# (kernels/cpu_int4.py's AMX tiles) and attention take rows at little cost each; past it a
+# tree's extra rows cost as much as the drafts they add (bench/results/spec_decode.trees.md).
+TREE_VERIFY_ROWS = 16
 HEAD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
                "max_position_embeddings")
@@ -219,6 +223,9 @@ class EagleDrafter:
 
     def __init__(self, config: SpeculativeConfig, runner, target: ModelConfig) -> None:
         path = config.model or DEFAULT_HEAD
+        config = config.resolve_tree(
+            runner.device.type == "cpu" and runner.tp.size == 1 and not runner.config.kv_eviction
+            and runner.config.attention_backend in ("auto", "cpu", "torch"))
         self.runner, self.k = runner, config.num_speculative_tokens
         self.min_confidence = config.min_draft_confidence
         self.num_lookahead_tokens = self.k
@@ -279,11 +286,8 @@ class EagleDrafter:
             else:
                 features = torch.cat([hidden[off:off + n] for (_, n), off in zip(kept, offsets)])
             trees = None
-            if self.tree is not None:  # greedy requests with room for the whole tree
-                nodes = len(self.tree[0])
-                trees = [a == self.k and s.request.sampling_params.greedy
-                         and s.request.num_tokens + nodes <= self.max_model_len
-                         for (s, _), a in zip(kept, asked)]
+            if self.tree is not None:
+                trees = self._tree_spans(kept, asked, len(num_drafts))
             drafts, _ = draft_round(
                 self.head, self.kv_cache, self.attn, self.runner.config.block_size, spans,
                 tokens, features, asked, self.min_confidence, self.tree, trees)
@@ -293,6 +297,23 @@ class EagleDrafter:
                     s.request.draft_token_ids, s.request.draft_parents = d
                 else:
                     s.request.draft_token_ids = d
+
+
+    def _tree_spans(self, kept: list, asked: list[int], num_drafting: int) -> list[bool]:
+        """Which kept spans draft the tree: greedy requests asked for k drafts with room for
+        every node, while the next verify stays within TREE_VERIFY_ROWS rows (each drafting
+        request counted at a chain's k + 1 rows, a tree adding its extra nodes), so trees go
+        to small batches, where extra rows cost least."""
+        extra = len(self.tree[0]) - self.k
+        rows = num_drafting * (self.k + 1)
+        trees = []
+        for (s, _), a in zip(kept, asked):
+            grow = (a == self.k and s.request.sampling_params.greedy
+                    and s.request.num_tokens + len(self.tree[0]) <= self.max_model_len
+                    and rows + extra <= TREE_VERIFY_ROWS)
+            rows += extra if grow else 0
+            trees.append(grow)
+        return trees
 
 
 def pack_head_for_cpu(head: EagleHead, config) -> None:

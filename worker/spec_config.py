@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from mxserve.worker import draft_tree
@@ -12,6 +13,11 @@ METHODS = ("eagle", "ngram")
 PLACEMENTS = ("local", "replica")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 15  # with the root, a verify of at most 16 rows a request
+# The tree `tree="auto"` drafts (depth 3): the 12 rank paths most often on the target's greedy
+# path, teacher-forced on chat prompts of the shipped head's training split
+# (bench/results/spec_decode.md: with lookup_first, the best of 7, 12 and 15 nodes).
+DEFAULT_TREE = ((0,), (0, 0), (0, 0, 0), (0, 1), (0, 0, 1), (0, 1, 0), (1, 0, 0), (2, 0), (3,),
+                (1,), (1, 0), (2,))
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,12 @@ class SpeculativeConfig:
     The default was chosen on SmolLM2's held-out chat prompts (bench/results/spec_decode.md:
     0.15 was best of 0 .. 0.5).
 
-    lookup_first (eagle): a request whose latest prompt_lookup_min..max tokens occurred earlier
-    in its prompt or output drafts what followed them (ngram's proposal) instead of the head's
-    chain; the head still catches up on the step, so it drafts again as soon as no n-gram
-    matches. Text that repeats its context (a rewrite, a quotation, a list) is drafted by
-    lookup, which accepts more there than a small head (bench/results/spec_decode.md).
+    lookup_first (eagle; None: on for eagle): a request whose latest prompt_lookup_min..max
+    tokens occurred earlier in its prompt or output drafts what followed them (ngram's
+    proposal) instead of the head's chain; the head still catches up on the step, so it drafts
+    again as soon as no n-gram matches. Text that repeats its context (a rewrite, a quotation,
+    a list) is drafted by lookup, which accepts more there than a small head
+    (bench/results/spec_decode.md).
 
     disable_by_batch_size (as vLLM's): while more requests than this are in the engine
     (running and waiting), steps carry no drafts: a large batch already fills the device (on a
@@ -55,8 +62,11 @@ class SpeculativeConfig:
     worker/draft_tree.py), for greedy requests (sampled ones draft the first-choice chain). Its
     depth (the longest path) is num_speculative_tokens; at most MAX_TREE_NODES nodes. A node
     the head gives less than min_draft_confidence is left out with its subtree. A tree verifies
-    more rows than a chain for more kept drafts a step: worth it where extra rows cost little
-    (bench/results/spec_decode.md). CPU attention backends, one rank, no KV eviction, for now."""
+    more rows than a chain for more kept drafts a step: worth it where extra rows cost little,
+    so a step drafts trees only while its verify stays within 16 rows (small batches; larger
+    ones draft chains: bench/results/spec_decode.md). CPU attention backends, one rank, no KV
+    eviction, for now. "auto" (the default): DEFAULT_TREE where trees run and
+    num_speculative_tokens is its depth (3), else chains; None: chains always."""
 
     method: str
     num_speculative_tokens: int = 3
@@ -68,9 +78,9 @@ class SpeculativeConfig:
     draft_timeout_s: float = 0.5
     min_draft_confidence: float = 0.15
     run_ahead: bool = True
-    lookup_first: bool = False
+    lookup_first: bool | None = None
     disable_by_batch_size: int | None = None
-    tree: tuple[tuple[int, ...], ...] | None = None
+    tree: tuple[tuple[int, ...], ...] | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -108,13 +118,18 @@ class SpeculativeConfig:
                 and 0 <= self.min_draft_confidence < 1):
             raise ValueError(f"speculative_config.min_draft_confidence must be in [0, 1), got "
                              f"{self.min_draft_confidence!r}")
+        if self.lookup_first is None:
+            object.__setattr__(self, "lookup_first", self.method == "eagle")
         if not isinstance(self.lookup_first, bool):
             raise ValueError(f"speculative_config.lookup_first must be true or false, got "
                              f"{self.lookup_first!r}")
         if self.lookup_first and self.method != "eagle":
             raise ValueError("speculative_config.lookup_first needs method 'eagle' (ngram "
                              "drafts by lookup alone)")
-        if self.tree is not None:
+        if self.tree == "auto":
+            if self.method != "eagle" or self.draft_placement != "local":
+                object.__setattr__(self, "tree", None)
+        elif self.tree is not None:
             self._check_tree()
         if not isinstance(self.run_ahead, bool):
             raise ValueError(f"speculative_config.run_ahead must be true or false, got "
@@ -139,6 +154,15 @@ class SpeculativeConfig:
                              f"must equal num_speculative_tokens "
                              f"({self.num_speculative_tokens})")
         object.__setattr__(self, "tree", paths)
+
+    def resolve_tree(self, trees_run: bool) -> SpeculativeConfig:
+        """This config with tree "auto" made concrete: DEFAULT_TREE where `trees_run` (the
+        engine's backends draft trees) and num_speculative_tokens is its depth, else None."""
+        if self.tree != "auto":
+            return self
+        depth = max(len(p) for p in DEFAULT_TREE)
+        tree = DEFAULT_TREE if trees_run and self.num_speculative_tokens == depth else None
+        return dataclasses.replace(self, tree=tree)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -245,7 +245,7 @@ def test_eagle_graph_inputs_give_the_eager_drafting_round(tiny_checkpoint, rando
               attention_backend="triton", max_model_len=128, max_num_batched_tokens=32,
               speculative_config={"method": "eagle", "num_speculative_tokens": 3,
                                   "model": random_eagle_head(ckpt, seed=3, std=0.5),
-                                  "min_draft_confidence": floor})
+                                  "min_draft_confidence": floor, "lookup_first": False})
     engine, drafter = llm.engine, llm.engine.drafter
     assert drafter.graphs is None  # nothing captured on a CPU
     graphs = EagleGraphs(drafter.head, drafter.kv_cache, engine.runner, engine.max_model_len, 3)

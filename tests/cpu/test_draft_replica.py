@@ -252,7 +252,8 @@ def test_a_killed_or_stalled_replica_degrades_to_plain_decoding_and_recovers(ckp
     where = _Address(address)
     try:
         llm = LLM(ckpt, speculative_config=_spec(head, draft_placement="replica",
-                                                 draft_timeout_s=0.3), **ENGINE)
+                                                 draft_timeout_s=0.3, lookup_first=False),
+                  **ENGINE)
         engine = llm.engine
         drafter = engine.drafter = type(engine.drafter)(where, "target-a",
                                                         engine.model_config.model_id,

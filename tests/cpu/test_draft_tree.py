@@ -15,6 +15,7 @@ from test_speculative import _check_pool, _prompts
 
 from mxserve import LLM, SamplingParams
 from mxserve.worker import draft_tree
+from mxserve.worker.spec_config import DEFAULT_TREE, SpeculativeConfig
 
 ENGINE = dict(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8,
               load_progress=False, num_threads=1)
@@ -164,7 +165,9 @@ def test_eagle_trees_equal_plain_decoding(ckpt, reference, random_head, backend)
             "min_draft_confidence": 0.0}
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
     with LLM(ckpt, attention_backend=backend, speculative_config=spec, **ENGINE) as llm:
-        outs = llm.generate(_prompts(), GREEDY)
+        prompts = _prompts()  # two at a time: two trees of 7 fit a verify's 16 rows
+        outs = [o for i in range(0, len(prompts), 2)
+                for o in llm.generate(prompts[i:i + 2], GREEDY)]
         assert [o.token_ids for o in outs] == reference
         done = list(llm.engine.finished_requests)
         drafts = sum(r.num_draft_tokens for r in done)
@@ -177,19 +180,47 @@ def test_eagle_trees_equal_plain_decoding(ckpt, reference, random_head, backend)
         _check_pool(llm)
 
 
+def test_trees_only_while_a_verify_stays_within_16_rows(ckpt, reference, random_head):
+    """Five greedy requests at once: a tree of 7 costs 8 rows, chains of 3 cost 4, so a step
+    drafts trees for at most 2 requests of 2, 1 of 3, none of 4 or more; output unchanged."""
+    spec = {"method": "eagle", "model": random_head, "num_speculative_tokens": 3, "tree": T7,
+            "min_draft_confidence": 0.0}
+    with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
+        drafter, steps = llm.engine.drafter, []
+        propose = drafter.propose
+
+        def counting(plan, hidden, num_drafts):
+            propose(plan, hidden, num_drafts)
+            trees = sum(r.draft_parents is not None for r in num_drafts)
+            steps.append((len(num_drafts), trees,
+                          sum(len(r.draft_token_ids) + 1 for r in num_drafts)))
+
+        drafter.propose = counting
+        outs = llm.generate(_prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        _check_pool(llm)
+    most = {1: 1, 2: 2, 3: 1}
+    assert all(trees <= most.get(n, 0) and rows <= 16 for n, trees, rows in steps if trees)
+    assert any(n >= 4 for n, _, _ in steps)  # the batch was large for a while ...
+    assert any(trees for _, trees, _ in steps)  # ... and trees came as it shrank
+    assert all(trees == 0 for n, trees, _ in steps if n >= 4)
+
+
 def test_the_shipped_head_drafts_trees_on_smollm2_with_plain_decodings_output():
     """bf16, the default CPU engine: tree rows are row-exact (the AMX int4 GEMMs, the decode
-    kernel's rows, the float32 LM head), so greedy output does not drift; the tree keeps more
-    drafts a verify than the chain."""
+    kernel's rows, the float32 LM head), so greedy output does not drift; the tree ("auto": the
+    default on a CPU) keeps more drafts a verify than the chain."""
     questions = [[{"role": "user", "content": q}] for q in
                  ("Name three uses of copper.", "Why is the sky blue?")]
     params = SamplingParams(temperature=0, max_tokens=48)
-    spec = {"method": "eagle", "num_speculative_tokens": 3}
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "lookup_first": False}
     with LLM(load_progress=False, num_threads=2) as plain:
         want = [plain.chat([q], params)[0].token_ids for q in questions]
-    with LLM(load_progress=False, num_threads=2, speculative_config=spec) as chain, \
-            LLM(load_progress=False, num_threads=2,
-                speculative_config={**spec, "tree": T7}) as tree:
+    with LLM(load_progress=False, num_threads=2,
+             speculative_config={**spec, "tree": None}) as chain, \
+            LLM(load_progress=False, num_threads=2, speculative_config=spec) as tree:
+        assert set(tree.engine.drafter.tree[0]) == set(DEFAULT_TREE)
+        assert chain.engine.drafter.tree is None
         kept = {}
         for name, llm in (("chain", chain), ("tree", tree)):
             outs = [llm.chat([q], params)[0] for q in questions]
@@ -198,6 +229,29 @@ def test_the_shipped_head_drafts_trees_on_smollm2_with_plain_decodings_output():
                                                                       for o in outs)
             _check_pool(llm)
         assert kept["tree"] > kept["chain"]
+
+
+def test_the_auto_tree_where_trees_run_else_chains(ckpt, random_head):
+    """tree "auto" (the default) is DEFAULT_TREE on the CPU backends at one rank for k = 3, and
+    chains for another k, a draft replica, ngram, or with KV eviction (where trees do not run
+    yet): no error, as the user asked for no tree. lookup_first defaults on for eagle only."""
+    eagle = SpeculativeConfig("eagle")
+    assert eagle.tree == "auto" and eagle.lookup_first
+    assert eagle.resolve_tree(True).tree == DEFAULT_TREE
+    assert eagle.resolve_tree(False).tree is None
+    assert SpeculativeConfig("eagle", num_speculative_tokens=4).resolve_tree(True).tree is None
+    assert SpeculativeConfig("eagle", draft_placement="replica").tree is None
+    ngram = SpeculativeConfig("ngram")
+    assert ngram.tree is None and not ngram.lookup_first
+    spec = {"method": "eagle", "model": random_head, "num_speculative_tokens": 3}
+    with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
+        assert set(llm.engine.drafter.tree[0]) == set(DEFAULT_TREE)
+    with LLM(ckpt, speculative_config=spec, kv_eviction="streaming", kv_budget=64,
+             **ENGINE) as llm:
+        assert llm.engine.drafter.tree is None
+        outs = llm.generate(_prompts()[:2], GREEDY)
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+        _check_pool(llm)
 
 
 def test_bad_trees_fail_at_start_up_naming_the_field(ckpt, random_head):

@@ -291,7 +291,7 @@ def test_eagle_graphs_draft_as_the_eager_round(path, tmp_path, num_prompts):
                   max_num_seqs=13)
     expected = [o.token_ids for o in LLM(**common).generate(prompts, params)]
     llm = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 3,
-                                  "model": str(tmp_path)}, **common)
+                                  "model": str(tmp_path), "lookup_first": False}, **common)
     drafter = llm.engine.drafter
     graphs = drafter.graphs
     assert graphs is not None and graphs.graphs
@@ -313,6 +313,35 @@ def test_eagle_graphs_draft_as_the_eager_round(path, tmp_path, num_prompts):
     assert [o.token_ids for o in outs] == expected
     assert len(rounds) > 5 and all(same for same, _ in rounds), rounds
     assert any(drafted for _, drafted in rounds)
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_eagle_defaults_on_cuda_lookup_first_and_chains(path, tmp_path):
+    """EAGLE as configured by default on CUDA: lookup_first on (repeating prompts draft by
+    lookup, the rest from EagleGraphs' replays), tree "auto" resolved to chains (trees run on
+    the CPU backends only, for now); greedy tokens equal plain decoding's, every block freed."""
+    from mxserve.worker.eagle import save_head
+    from mxserve.worker.eagle_train import init_head
+    from mxserve.worker.model.loader import open_checkpoint
+
+    config = open_checkpoint(path).config
+    save_head(init_head(config, seed=2, std=0.5), str(tmp_path), config.model_id)
+    prompts = _prompts(5)
+    prompts[1] = prompts[1][:6] * 8  # repeats: lookup drafts
+    prompts[3] = prompts[3][:4] * 12
+    params = _params(5)
+    common = dict(model=path, device="cuda", dtype="float32", load_progress=False,
+                  max_num_seqs=13)
+    expected = [o.token_ids for o in LLM(**common).generate(prompts, params)]
+    llm = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 3,
+                                  "model": str(tmp_path)}, **common)
+    drafter = llm.engine.drafter
+    assert drafter.tree is None and drafter.graphs is not None
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert drafter.num_lookup_drafts > 0 and drafter.graphs.num_replays > 0
     kv = llm.engine.kv
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
