@@ -106,8 +106,7 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("async_scheduling does not combine with speculative_config yet: "
                              "a step's tokens decide where the next one starts")
-        if self.speculative_config is not None \
-                and isinstance(self.speculative_config.tree, tuple) \
+        if self.speculative_config is not None and self.speculative_config.tree is not None \
                 and (self.kv_eviction or self.tensor_parallel_size > 1
                      or self.device.startswith("cuda")
                      or self.attention_backend not in ("auto", "cpu", "torch")):

@@ -65,9 +65,14 @@ def ngram_lookup(tokens: list[int], n: int, min_n: int, max_n: int) -> list[int]
     """Up to n tokens that followed the latest earlier occurrence of the sequence's last
     max_n..min_n tokens (the longest that occurred), or [] if none did."""
     a = np.asarray(tokens, dtype=np.int64)
-    for size in range(min(max_n, len(a) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(a[:-1], size)  # ends before the last
-        hits = np.flatnonzero((windows == a[-size:]).all(axis=1))
+    length = len(a)
+    for size in range(min(max_n, length - 1), min_n - 1, -1):
+        # match[i]: a[i:i + size] equals the last `size` tokens, for windows ending before the
+        # last token; one shifted comparison per offset (a window view's all() is ~10x slower)
+        match = a[:length - size] == a[length - size]
+        for j in range(1, size):
+            match &= a[j:length - size + j] == a[length - size + j]
+        hits = np.flatnonzero(match)
         if hits.size:
             start = int(hits[-1]) + size
             return a[start:start + n].tolist()

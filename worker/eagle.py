@@ -223,9 +223,6 @@ class EagleDrafter:
 
     def __init__(self, config: SpeculativeConfig, runner, target: ModelConfig) -> None:
         path = config.model or DEFAULT_HEAD
-        config = config.resolve_tree(
-            runner.device.type == "cpu" and runner.tp.size == 1 and not runner.config.kv_eviction
-            and runner.config.attention_backend in ("auto", "cpu", "torch"))
         self.runner, self.k = runner, config.num_speculative_tokens
         self.min_confidence = config.min_draft_confidence
         self.num_lookahead_tokens = self.k
@@ -297,7 +294,6 @@ class EagleDrafter:
                     s.request.draft_token_ids, s.request.draft_parents = d
                 else:
                     s.request.draft_token_ids = d
-
 
     def _tree_spans(self, kept: list, asked: list[int], num_drafting: int) -> list[bool]:
         """Which kept spans draft the tree: greedy requests asked for k drafts with room for

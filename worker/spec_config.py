@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 from mxserve.worker import draft_tree
@@ -13,11 +12,6 @@ METHODS = ("eagle", "ngram")
 PLACEMENTS = ("local", "replica")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 15  # with the root, a verify of at most 16 rows a request
-# The tree `tree="auto"` drafts (depth 3): the 12 rank paths most often on the target's greedy
-# path, teacher-forced on chat prompts of the shipped head's training split
-# (bench/results/spec_decode.md: with lookup_first, the best of 7, 12 and 15 nodes).
-DEFAULT_TREE = ((0,), (0, 0), (0, 0, 0), (0, 1), (0, 0, 1), (0, 1, 0), (1, 0, 0), (2, 0), (3,),
-                (1,), (1, 0), (2,))
 
 
 @dataclass(frozen=True)
@@ -64,9 +58,9 @@ class SpeculativeConfig:
     the head gives less than min_draft_confidence is left out with its subtree. A tree verifies
     more rows than a chain for more kept drafts a step: worth it where extra rows cost little,
     so a step drafts trees only while its verify stays within 16 rows (small batches; larger
-    ones draft chains: bench/results/spec_decode.md). CPU attention backends, one rank, no KV
-    eviction, for now. "auto" (the default): DEFAULT_TREE where trees run and
-    num_speculative_tokens is its depth (3), else chains; None: chains always."""
+    ones draft chains). CPU attention backends, one rank, no KV eviction, for now. None (the
+    default): chains; with lookup_first a 12-node tree gained nothing on SmolLM2's chat
+    prompts and lost on KJV passages (bench/results/spec_decode.auto_tree.md)."""
 
     method: str
     num_speculative_tokens: int = 3
@@ -80,7 +74,7 @@ class SpeculativeConfig:
     run_ahead: bool = True
     lookup_first: bool | None = None
     disable_by_batch_size: int | None = None
-    tree: tuple[tuple[int, ...], ...] | str | None = "auto"
+    tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -126,10 +120,7 @@ class SpeculativeConfig:
         if self.lookup_first and self.method != "eagle":
             raise ValueError("speculative_config.lookup_first needs method 'eagle' (ngram "
                              "drafts by lookup alone)")
-        if self.tree == "auto":
-            if self.method != "eagle" or self.draft_placement != "local":
-                object.__setattr__(self, "tree", None)
-        elif self.tree is not None:
+        if self.tree is not None:
             self._check_tree()
         if not isinstance(self.run_ahead, bool):
             raise ValueError(f"speculative_config.run_ahead must be true or false, got "
@@ -154,15 +145,6 @@ class SpeculativeConfig:
                              f"must equal num_speculative_tokens "
                              f"({self.num_speculative_tokens})")
         object.__setattr__(self, "tree", paths)
-
-    def resolve_tree(self, trees_run: bool) -> SpeculativeConfig:
-        """This config with tree "auto" made concrete: DEFAULT_TREE where `trees_run` (the
-        engine's backends draft trees) and num_speculative_tokens is its depth, else None."""
-        if self.tree != "auto":
-            return self
-        depth = max(len(p) for p in DEFAULT_TREE)
-        tree = DEFAULT_TREE if trees_run and self.num_speculative_tokens == depth else None
-        return dataclasses.replace(self, tree=tree)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -412,6 +412,19 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert ngram_lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 3, 1, 3) == [5, 7, 1]
     assert ngram_lookup([1, 2, 3, 4], 2, 2, 3) == []
     assert ngram_lookup([4, 8, 4], 3, 1, 2) == [8, 4]
+    rng = random.Random(0)  # against a plain search of every earlier window, latest first
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n, n = rng.randrange(1, 4), rng.randrange(1, 5)
+        max_n = min_n + rng.randrange(3)
+        want = []
+        for size in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            ends = [i + size for i in range(len(tokens) - size)
+                    if tokens[i:i + size] == tokens[-size:]]
+            if ends:
+                want = tokens[ends[-1]:ends[-1] + n]
+                break
+        assert ngram_lookup(tokens, n, min_n, max_n) == want, (tokens, n, min_n, max_n)
 
 
 def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_checkpoint,

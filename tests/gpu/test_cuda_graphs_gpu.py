@@ -320,8 +320,8 @@ def test_eagle_graphs_draft_as_the_eager_round(path, tmp_path, num_prompts):
 
 def test_eagle_defaults_on_cuda_lookup_first_and_chains(path, tmp_path):
     """EAGLE as configured by default on CUDA: lookup_first on (repeating prompts draft by
-    lookup, the rest from EagleGraphs' replays), tree "auto" resolved to chains (trees run on
-    the CPU backends only, for now); greedy tokens equal plain decoding's, every block freed."""
+    lookup, the rest from EagleGraphs' replays), chains; greedy tokens equal plain decoding's,
+    every block freed."""
     from mxserve.worker.eagle import save_head
     from mxserve.worker.eagle_train import init_head
     from mxserve.worker.model.loader import open_checkpoint
