@@ -43,25 +43,48 @@ class Drafter(Protocol):
         """The request has ended (finished or aborted): drop what is kept for it."""
 
 
-class _Stateless:
+class TokenArrays:
+    """Each request's tokens as an int64 array grown in place (a request's tokens only ever
+    append), so a lookup each step does not convert the whole token list again."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[Request, tuple[np.ndarray, int]] = {}
+
+    def of(self, request: Request) -> np.ndarray:
+        tokens = request.all_token_ids
+        buf, count = self._arrays.get(request, (None, 0))
+        if buf is None or len(tokens) > len(buf):
+            grown = np.empty(2 * len(tokens) + 64, dtype=np.int64)
+            if count:
+                grown[:count] = buf[:count]
+            buf = grown
+        if len(tokens) > count:
+            buf[count:len(tokens)] = tokens[count:]
+        self._arrays[request] = (buf, len(tokens))
+        return buf[:len(tokens)]
+
     def release(self, request: Request) -> None:
-        pass
+        self._arrays.pop(request, None)
 
 
-class NgramDrafter(_Stateless):
+class NgramDrafter:
     needs_hidden = False
     num_lookahead_tokens = 0
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.tokens = TokenArrays()
 
     def propose(self, plan: StepPlan, hidden, num_drafts: dict[Request, int]) -> None:
         for request, n in num_drafts.items():
-            request.draft_token_ids = ngram_lookup(request.all_token_ids, n, self.min_n,
+            request.draft_token_ids = ngram_lookup(self.tokens.of(request), n, self.min_n,
                                                    self.max_n)
 
+    def release(self, request: Request) -> None:
+        self.tokens.release(request)
 
-def ngram_lookup(tokens: list[int], n: int, min_n: int, max_n: int) -> list[int]:
+
+def ngram_lookup(tokens: list[int] | np.ndarray, n: int, min_n: int, max_n: int) -> list[int]:
     """Up to n tokens that followed the latest earlier occurrence of the sequence's last
     max_n..min_n tokens (the longest that occurred), or [] if none did."""
     a = np.asarray(tokens, dtype=np.int64)
@@ -84,21 +107,26 @@ class LookupFirst:
     ngram's proposal; the rest draft with the head (local or a replica). The head is asked for
     no drafts of the first kind (a catch-up pass only, which keeps its KV current), so their
     chains cost nothing. Both kinds are argmax proposals (q one-hot), so the verify rule, greedy
-    or sampled, stays exact. Everything else (needs_hidden, release, the replica channel's
-    counters) is the inner drafter's."""
+    or sampled, stays exact. Everything else (needs_hidden, the replica channel's counters) is
+    the inner drafter's; release goes to both."""
 
     def __init__(self, inner: Drafter, config: SpeculativeConfig) -> None:
         self.inner = inner
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.num_lookup_drafts = 0  # requests' rounds drafted by lookup
+        self.tokens = TokenArrays()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
+    def release(self, request: Request) -> None:
+        self.tokens.release(request)
+        self.inner.release(request)
+
     def propose(self, plan: StepPlan, hidden, num_drafts: dict[Request, int]) -> None:
         found = {}
         for request, n in num_drafts.items():
-            drafts = ngram_lookup(request.all_token_ids, n, self.min_n, self.max_n)
+            drafts = ngram_lookup(self.tokens.of(request), n, self.min_n, self.max_n)
             if drafts:
                 found[request] = drafts
         self.inner.propose(plan, hidden, {r: 0 if r in found else n

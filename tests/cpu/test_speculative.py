@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from mxserve import LLM, SamplingParams
 from mxserve.api.errors import ModelLoadError
 from mxserve.worker import spec_verify
-from mxserve.worker.drafters import ngram_lookup
+from mxserve.worker.drafters import TokenArrays, ngram_lookup
 from mxserve.worker.eagle import save_head
 from mxserve.worker.eagle_train import init_head
 from mxserve.worker.model.loader import open_checkpoint
 from mxserve.worker.model.parallel import can_pack_for_cpu
+from mxserve.worker.request import Request
 
 ENGINE = dict(dtype="float32", num_kv_blocks=20, max_num_batched_tokens=24, max_num_seqs=8,
               load_progress=False, num_threads=1)
@@ -425,6 +426,15 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
                 want = tokens[ends[-1]:ends[-1] + n]
                 break
         assert ngram_lookup(tokens, n, min_n, max_n) == want, (tokens, n, min_n, max_n)
+    # a request's tokens kept as a growing array: the same proposals as its list, step by step
+    arrays, request = TokenArrays(), Request("r", [rng.randrange(3) for _ in range(5)],
+                                             SamplingParams())
+    for _ in range(200):
+        request.all_token_ids.extend(rng.randrange(3) for _ in range(rng.randrange(1, 4)))
+        assert ngram_lookup(arrays.of(request), 3, 1, 3) == \
+            ngram_lookup(request.all_token_ids, 3, 1, 3)
+    arrays.release(request)
+    assert not arrays._arrays
 
 
 def test_bad_speculative_configs_fail_at_start_up_naming_the_field(ckpt, tiny_checkpoint,
