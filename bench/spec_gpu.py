@@ -300,8 +300,9 @@ def spec_section(args, state: dict, method: str, eager: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as head_dir:
         if method == "eagle":
             # a random head is unsure of everything: no confidence floor, so its step runs
-            # the whole chain of k passes a trained head would
-            spec.update(model=head_dir, min_draft_confidence=0.0)
+            # the whole chain of k passes a trained head would; no prompt lookup (the head's
+            # round is what is timed)
+            spec.update(model=head_dir, min_draft_confidence=0.0, lookup_first=False)
             write_random_head(args, head_dir)
         engine, load_s = make_engine(args, speculative_config=spec, enforce_eager=eager)
     oracle = OracleDrafter(state["reference"])

@@ -153,7 +153,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prompts = chat_prompts(args.prompts, "heldout")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    spec = {"method": "eagle", "num_speculative_tokens": args.k, "model": DEFAULT_HEAD}
+    spec = {"method": "eagle", "num_speculative_tokens": args.k, "model": DEFAULT_HEAD,
+            "lookup_first": False}  # the head's rounds, local or in a replica
     proc, address = start_draft_server({**spec, "run_ahead": False}, args.draft_threads)
     proc_ahead, address_ahead = start_draft_server(spec, args.draft_threads)
     results, channel = [], {}

@@ -117,7 +117,8 @@ def serve(args) -> None:
     with open(args.serve) as f:
         references = json.load(f)
     spec = {"method": "eagle", "model": args.head, "num_speculative_tokens": args.k,
-            "min_draft_confidence": 0.0, "run_ahead": bool(args.run_ahead)}
+            "min_draft_confidence": 0.0, "run_ahead": bool(args.run_ahead),
+            "lookup_first": False}  # the head's rounds, wherever it runs
     config = EngineConfig(**_model(args), dtype=args.dtype, device=args.device,
                           max_model_len=args.max_model_len, speculative_config=spec)
     service = DraftService(OracleDraftServer(config, references), "127.0.0.1", 0)
@@ -192,7 +193,7 @@ def main() -> None:
                 proc, addresses[run_ahead] = start_server(args, refs, head, run_ahead)
                 procs.append(proc)
             spec = {"method": "eagle", "model": head, "num_speculative_tokens": args.k,
-                    "min_draft_confidence": 0.0}
+                    "min_draft_confidence": 0.0, "lookup_first": False}
             replica = {**spec, "draft_placement": "replica", "draft_timeout_s": 5.0}
             llms = {"none": none, "local": make_llm(args, spec),
                     "replica": make_llm(args, {**replica, "draft_address": addresses[False],

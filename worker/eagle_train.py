@@ -497,12 +497,14 @@ def teacher_forced_top1(head: EagleHead, embed: torch.Tensor, samples: list[Samp
 
 def acceptance_length(model: str | None, head_dir: str, conversations: list[list[dict]],
                       k: int, max_tokens: int, **engine_options) -> dict:
-    """Greedy speculation with the head on these conversations: tokens per verify step."""
+    """Greedy speculation with the head on these conversations: tokens per verify step (the
+    head's chains alone: no prompt lookup)."""
     from mxserve.api.sampling_params import SamplingParams
     from mxserve.worker.llm import LLM
 
     llm = LLM(model, load_progress=False, speculative_config={
-        "method": "eagle", "model": head_dir, "num_speculative_tokens": k}, **engine_options)
+        "method": "eagle", "model": head_dir, "num_speculative_tokens": k,
+        "lookup_first": False}, **engine_options)
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=max_tokens))
     done = list(llm.engine.finished_requests)[-len(outs):]
     drafted = sum(r.num_draft_tokens for r in done)
