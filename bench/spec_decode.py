@@ -1,12 +1,12 @@
 """Speculative decoding on CPU: SmolLM2-135M-Instruct in the default CPU engine (bf16, the
 GGUF's 4-bit linears), greedy, no speculation vs ngram vs EAGLE side by side in one run. EAGLE
 runs the shipped head (or --head): as configured by default (`eagle`: `lookup_first`, below,
-and chains); its own chain (`eagle-chain`: no lookup, no
-tree, a chain ending before a draft the head is less than min_draft_confidence sure of), with a
-fixed k (`eagle-fixed-k`: no confidence floor, the chain's acceptance at k), over the whole
-vocabulary; with `lookup_first` (requests whose latest n-gram occurred before draft by prompt
-lookup, the rest with the head); and static trees of depth 3 (`tree`: 7, 12 and 15 nodes,
-with the floor and without it ("-full": every node drafted), with lookup or without).
+and chains); its own chain (`eagle-chain`: no lookup, no tree, a chain ending before a draft
+the head is less than min_draft_confidence sure of), with a fixed k (`eagle-fixed-k`: no
+confidence floor, the chain's acceptance at k), over the whole vocabulary; with `lookup_first`
+(requests whose latest n-gram occurred before draft by prompt lookup, the rest with the head);
+and static trees of depth 3 (`tree`: 7, 12 and 15 nodes, with the floor and without it
+("-full": every node drafted), with lookup or without).
 
 Workloads (held out from the head's training: worker/eagle_train.py's "heldout" split, New
 Testament verses and other questions): chat prompts, and KJV passages to continue. Each runs at
@@ -102,25 +102,24 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     head = args.head or DEFAULT_HEAD
     default = {"method": "eagle", "num_speculative_tokens": args.k, "model": head}
-    # the head's own chain: no prompt lookup, no tree
-    eagle = {**default, "lookup_first": False, "tree": None}
+    chain = {**default, "lookup_first": False}  # the head's own chain: no prompt lookup
     methods = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
                "eagle": default,  # as configured by default: lookup_first, chains
-               "eagle-chain": eagle,  # the confidence floor: chains may end before k
-               "eagle-fixed-k": {**eagle, "min_draft_confidence": 0.0},  # always k drafts
-               "eagle-full-vocab": {**eagle, "model": _full_vocab_copy(head)},
-               "eagle-lookup-fixed-k": {**eagle, "lookup_first": True,
+               "eagle-chain": chain,  # the confidence floor: chains may end before k
+               "eagle-fixed-k": {**chain, "min_draft_confidence": 0.0},  # always k drafts
+               "eagle-full-vocab": {**chain, "model": _full_vocab_copy(head)},
+               "eagle-lookup-fixed-k": {**chain, "lookup_first": True,
                                         "min_draft_confidence": 0.0},
-               "eagle-tree": {**eagle, "tree": TREE},  # the floor prunes unlikely branches
-               "eagle-tree-full": {**eagle, "tree": TREE, "min_draft_confidence": 0.0},
-               "eagle-tree12": {**eagle, "tree": TREE12},
-               "eagle-tree12-full": {**eagle, "tree": TREE12, "min_draft_confidence": 0.0},
-               "eagle-tree15": {**eagle, "tree": TREE15},
-               "eagle-tree15-full": {**eagle, "tree": TREE15, "min_draft_confidence": 0.0},
-               "eagle-lookup-tree": {**eagle, "lookup_first": True, "tree": TREE},
-               "eagle-lookup-tree12": {**eagle, "lookup_first": True, "tree": TREE12},
-               "eagle-lookup-tree15": {**eagle, "lookup_first": True, "tree": TREE15}}
+               "eagle-tree": {**chain, "tree": TREE},  # the floor prunes unlikely branches
+               "eagle-tree-full": {**chain, "tree": TREE, "min_draft_confidence": 0.0},
+               "eagle-tree12": {**chain, "tree": TREE12},
+               "eagle-tree12-full": {**chain, "tree": TREE12, "min_draft_confidence": 0.0},
+               "eagle-tree15": {**chain, "tree": TREE15},
+               "eagle-tree15-full": {**chain, "tree": TREE15, "min_draft_confidence": 0.0},
+               "eagle-lookup-tree": {**chain, "lookup_first": True, "tree": TREE},
+               "eagle-lookup-tree12": {**chain, "lookup_first": True, "tree": TREE12},
+               "eagle-lookup-tree15": {**chain, "lookup_first": True, "tree": TREE15}}
     if args.k != 3:  # the trees are of depth 3
         methods = {m: spec for m, spec in methods.items() if "tree" not in (spec or {})}
     if args.methods != "all":

@@ -300,12 +300,13 @@ class EagleDrafter:
         every node, while the next verify stays within TREE_VERIFY_ROWS rows (each drafting
         request counted at a chain's k + 1 rows, a tree adding its extra nodes), so trees go
         to small batches, where extra rows cost least."""
-        extra = len(self.tree[0]) - self.k
+        nodes = len(self.tree[0])
+        extra = nodes - self.k
         rows = num_drafting * (self.k + 1)
         trees = []
         for (s, _), a in zip(kept, asked):
             grow = (a == self.k and s.request.sampling_params.greedy
-                    and s.request.num_tokens + len(self.tree[0]) <= self.max_model_len
+                    and s.request.num_tokens + nodes <= self.max_model_len
                     and rows + extra <= TREE_VERIFY_ROWS)
             rows += extra if grow else 0
             trees.append(grow)

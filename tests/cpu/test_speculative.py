@@ -178,7 +178,7 @@ def test_a_chain_of_drafts_ends_before_the_first_the_head_is_unsure_of(ckpt, ref
     seen = {}
     for floor in (0.0, 0.5):
         spec = {"method": "eagle", "num_speculative_tokens": 3, "model": random_head,
-                "min_draft_confidence": floor, "lookup_first": False, "tree": None}
+                "min_draft_confidence": floor, "lookup_first": False}
         with LLM(ckpt, speculative_config=spec, **ENGINE) as llm:
             seen[floor] = _sure_of_even_ids_only(llm)
             assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == reference["greedy"]
